@@ -1,0 +1,74 @@
+"""Shared fixtures: synthetic models made once per test session, and the real-text prompt."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+from gguf import GGMLQuantizationType as QT
+
+from engine.synth.routing import routing
+from engine.synth.spec import ModelSpec, preset
+from engine.synth.writer import write_model
+
+
+def pytest_collection_modifyitems(config, items):
+    try:
+        import torch
+
+        has_cuda = torch.cuda.is_available()
+    except ImportError:
+        has_cuda = False
+    if has_cuda:
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device (runs on the GPU machine)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def model_dir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("models")
+
+
+@pytest.fixture(scope="session")
+def make_model(model_dir):
+    """make_model(spec_or_arch, expert_qtype=None, routing_name='qwen3-30b', seed=0) -> Path, cached."""
+    made: dict[tuple, Path] = {}
+
+    def make(spec: ModelSpec | str, expert_qtype: QT | None = None, routing_name: str = "qwen3-30b",
+             seed: int = 0) -> Path:
+        if isinstance(spec, str):
+            spec = preset("tiny", spec)
+        if expert_qtype is not None:
+            spec = spec.with_(expert_qtype=expert_qtype)
+        key = (spec, routing_name, seed)
+        if key not in made:
+            name = f"{spec.name or spec.arch}-{spec.expert_qtype.name}-{spec.dense_qtype.name}-{routing_name}-{seed}-{len(made)}.gguf"
+            made[key] = write_model(model_dir / name, spec, routing(routing_name), seed=seed)
+        return made[key]
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def prompt_text() -> str:
+    from engine.synth.corpus import stdlib_text
+
+    return stdlib_text(max_chars=400)
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _isolated_user_dirs(tmp_path_factory):
+    """Keep tests away from the real user's cache, config and data directories."""
+    home = tmp_path_factory.mktemp("home")
+    old = {k: os.environ.get(k) for k in ("XDG_CACHE_HOME", "XDG_CONFIG_HOME", "XDG_DATA_HOME", "XDG_STATE_HOME")}
+    for k in old:
+        os.environ[k] = str(home / k.lower())
+    yield
+    for k, v in old.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
