@@ -1,0 +1,58 @@
+"""Causal multi-head attention over a float32 KV cache, as llama.cpp's non-flash path does it.
+
+scores = softmax(scale * q·k + mask [, sink]) per head; sinks (gpt-oss) are one extra logit
+per head that joins the softmax's normalisation but has no value; a sliding window hides
+keys more than `window - 1` positions back (llama.cpp's LLAMA_SWA_TYPE_STANDARD).
+"""
+from __future__ import annotations
+
+import torch
+
+
+class KVCache:
+    """Per-layer K and V of one sequence, float32, [n_ctx, n_kv_heads, head_dim]."""
+
+    def __init__(self, n_layer: int, n_ctx: int, n_head_kv: int, head_dim_k: int, head_dim_v: int,
+                 device: torch.device | str = "cpu"):
+        self.n_ctx = n_ctx
+        self.k = [torch.zeros(n_ctx, n_head_kv, head_dim_k, device=device) for _ in range(n_layer)]
+        self.v = [torch.zeros(n_ctx, n_head_kv, head_dim_v, device=device) for _ in range(n_layer)]
+        self.length = 0  # positions filled; set by the model after each forward
+
+    def store(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Writes k, v [T, ...] at start..start+T and returns the filled prefix of the layer."""
+        end = start + k.shape[0]
+        if end > self.n_ctx:
+            raise ValueError(f"context full: {end} tokens exceed the context length {self.n_ctx}")
+        self.k[layer][start:end] = k
+        self.v[layer][start:end] = v
+        return self.k[layer][:end], self.v[layer][:end]
+
+    def truncate(self, length: int) -> None:
+        """Forgets positions from `length` on (the cache rows are simply overwritten later)."""
+        self.length = min(self.length, length)
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, scale: float,
+           window: int = 0, sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """q [T, H, dk] at positions start..; k [S, Hkv, dk], v [S, Hkv, dv] for positions 0..S-1.
+
+    Returns [T, H * dv].
+    """
+    n_tok, n_head, _ = q.shape
+    group = n_head // k.shape[1]
+    k = k.repeat_interleave(group, dim=1) if group > 1 else k
+    v = v.repeat_interleave(group, dim=1) if group > 1 else v
+    scores = torch.einsum("thd,shd->hts", q, k) * scale
+    q_pos = torch.arange(start, start + n_tok, device=q.device)[:, None]
+    k_pos = torch.arange(k.shape[0], device=q.device)[None, :]
+    hidden = k_pos > q_pos
+    if window:
+        hidden |= q_pos - k_pos >= window
+    scores = scores.masked_fill(hidden, float("-inf"))
+    if sinks is not None:
+        sink_col = sinks.to(scores.dtype)[:, None, None].expand(n_head, n_tok, 1)
+        probs = torch.softmax(torch.cat([scores, sink_col], dim=-1), dim=-1)[..., :-1]
+    else:
+        probs = torch.softmax(scores, dim=-1)
+    return torch.einsum("hts,shd->thd", probs, v).reshape(n_tok, -1)

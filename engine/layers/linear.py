@@ -1,0 +1,52 @@
+"""Weights kept in their GGUF form, multiplied the way ggml's CPU backend multiplies them.
+
+The engine's numerical contract: before a weight of type W is applied, the activation is
+rounded to W's vec_dot_type (engine/quant/activation.py), exactly as ggml's CPU matmul and
+the CPU expert pool do. The product itself is float32. So dense layers, GPU experts and CPU
+experts all agree with llama.cpp up to float32 summation order.
+"""
+from __future__ import annotations
+
+import torch
+from gguf import GGMLQuantizationType as QT
+
+from engine.gguf.reader import ModelFile
+from engine.quant.activation import round_activation
+from engine.quant.dequant import check_supported, dequantize
+
+
+class Linear:
+    """y = round(x) @ W.T + b for a 2-D GGUF weight [out, in] (numpy order)."""
+
+    def __init__(self, raw: torch.Tensor, qtype: QT, shape: tuple[int, int], bias: torch.Tensor | None,
+                 device: torch.device | str):
+        self.qtype = qtype
+        self.shape = shape
+        # Dense weights are small next to the experts: they are decoded once, on the device.
+        self.weight = dequantize(raw.to(device), qtype, shape)
+        self.bias = bias
+
+    @classmethod
+    def load(cls, mf: ModelFile, name: str, device: torch.device | str, bias: str | None = None) -> "Linear":
+        info = mf.tensors[f"{name}.weight"]
+        check_supported(info.qtype, info.name)
+        b = None
+        bias_name = f"{name}.bias" if bias is None else bias
+        if bias_name in mf.tensors:
+            b = load_vector(mf, bias_name, device)
+        return cls(mf.torch_raw(info.name), info.qtype, info.shape, b, device)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        y = round_activation(x, self.qtype) @ self.weight.T
+        return y + self.bias if self.bias is not None else y
+
+
+def load_vector(mf: ModelFile, name: str, device: torch.device | str) -> torch.Tensor:
+    """A 1-D (or small) tensor such as a norm weight or bias, as float32 on `device`."""
+    info = mf.tensors[name]
+    check_supported(info.qtype, info.name)
+    return dequantize(mf.torch_raw(name).to(device), info.qtype, info.shape)
+
+
+def optional_vector(mf: ModelFile, name: str, device: torch.device | str) -> torch.Tensor | None:
+    return load_vector(mf, name, device) if name in mf.tensors else None

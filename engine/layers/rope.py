@@ -1,0 +1,65 @@
+"""Rotary position embedding exactly as ggml_rope_ext computes it (ggml-cpu/ops.cpp).
+
+Two pairings: NORMAL rotates adjacent values (2i, 2i+1), NEOX rotates (i, i + n_rot/2).
+YaRN blends interpolated and extrapolated angles per dimension and scales cos/sin by
+`attn_factor` (and 1 + 0.1 ln(1/freq_scale) when ext_factor is not 0). Angles are built
+by repeated float32 multiplication, like ggml's cache, so they agree to the last bits.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+
+@dataclass(frozen=True)
+class RopeConfig:
+    n_rot: int  # rotated dimensions at the start of each head
+    neox: bool
+    freq_base: float = 10000.0
+    freq_scale: float = 1.0
+    ext_factor: float = 0.0
+    attn_factor: float = 1.0
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    n_ctx_orig: int = 0
+
+
+def _corr_dim(n_dims: int, n_ctx_orig: int, n_rot: float, base: float) -> float:
+    return n_dims * math.log(n_ctx_orig / (n_rot * 2 * math.pi)) / (2 * math.log(base))
+
+
+def _cos_sin(cfg: RopeConfig, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin, [T, n_rot/2] float32 on CPU."""
+    half = cfg.n_rot // 2
+    theta_scale = np.float32(cfg.freq_base) ** np.float32(-2.0 / cfg.n_rot)
+    steps = np.empty((positions.numel(), half), np.float32)
+    steps[:, 0] = positions.cpu().numpy().astype(np.float32)
+    steps[:, 1:] = theta_scale
+    theta_extrap = np.cumprod(steps, axis=1, dtype=np.float32)
+    theta = np.float32(cfg.freq_scale) * theta_extrap
+    mscale = np.float32(cfg.attn_factor)
+    if cfg.ext_factor != 0.0:
+        low = max(0.0, math.floor(_corr_dim(cfg.n_rot, cfg.n_ctx_orig, cfg.beta_fast, cfg.freq_base)))
+        high = min(cfg.n_rot - 1.0, math.ceil(_corr_dim(cfg.n_rot, cfg.n_ctx_orig, cfg.beta_slow, cfg.freq_base)))
+        i0 = np.arange(half, dtype=np.float32) * 2
+        y = (np.floor(i0 / 2) - np.float32(low)) / np.float32(max(0.001, high - low))
+        ramp_mix = (1 - np.clip(y, 0, 1)).astype(np.float32) * np.float32(cfg.ext_factor)
+        theta = theta * (1 - ramp_mix) + theta_extrap * ramp_mix
+        mscale = np.float32(mscale * (1.0 + 0.1 * math.log(1.0 / cfg.freq_scale)))
+    return torch.from_numpy(np.cos(theta) * mscale), torch.from_numpy(np.sin(theta) * mscale)
+
+
+def apply_rope(x: torch.Tensor, positions: torch.Tensor, cfg: RopeConfig) -> torch.Tensor:
+    """Rotates x [T, n_heads, head_dim] at `positions` [T]; dims past n_rot pass through."""
+    cos, sin = (t.to(x.device)[:, None, :] for t in _cos_sin(cfg, positions))
+    rot, rest = x[..., :cfg.n_rot], x[..., cfg.n_rot:]
+    if cfg.neox:
+        a, b = rot[..., :cfg.n_rot // 2], rot[..., cfg.n_rot // 2:]
+        out = torch.cat([a * cos - b * sin, a * sin + b * cos], dim=-1)
+    else:
+        a, b = rot[..., 0::2], rot[..., 1::2]
+        out = torch.stack([a * cos - b * sin, a * sin + b * cos], dim=-1).flatten(-2)
+    return torch.cat([out, rest], dim=-1) if rest.numel() else out

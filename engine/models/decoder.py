@@ -1,0 +1,118 @@
+"""The decoder every supported family shares: embed, N blocks of attention + FFN, norm, head.
+
+A family module (engine/models/<arch>.py) reads its hyperparameters and builds the blocks;
+what differs between families is in those modules. The expert computation is not owned by
+the blocks: `DecoderModel.experts` is passed in at each forward, so the hybrid engine can
+replace the reference executor without touching the model.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Protocol
+
+import torch
+
+from engine.gguf.reader import ModelFile
+from engine.layers.attention import KVCache
+from engine.layers.linear import Linear
+from engine.layers.moe import Experts, ExpertWeights, Router, activate, SILU
+from engine.layers.norm import rms_norm
+from engine.quant.dequant import check_supported, dequantize
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    arch: str
+    n_layer: int
+    n_embd: int
+    n_head: int
+    n_head_kv: int
+    head_dim_k: int  # per-head width of what the KV cache holds
+    head_dim_v: int
+    n_vocab: int
+    n_ctx_train: int
+    rms_eps: float
+    n_expert: int
+    n_expert_used: int
+    moe_layers: tuple[int, ...]
+
+
+class Attention(Protocol):
+    def __call__(self, x: torch.Tensor, positions: torch.Tensor, cache: KVCache, layer: int,
+                 start: int) -> torch.Tensor: ...
+
+
+class DenseFFN:
+    """gate/up/down with SiLU: deepseek2's leading dense layers and the shared experts."""
+
+    def __init__(self, mf: ModelFile, prefix: str, device: torch.device | str, suffix: str = ""):
+        self.gate = Linear.load(mf, f"{prefix}.ffn_gate{suffix}", device)
+        self.up = Linear.load(mf, f"{prefix}.ffn_up{suffix}", device)
+        self.down = Linear.load(mf, f"{prefix}.ffn_down{suffix}", device)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(activate(SILU, self.gate(x), self.up(x)))
+
+
+@dataclass
+class MoEFFN:
+    layer: int
+    router: Router
+    shared: Callable[[torch.Tensor], torch.Tensor] | None = None
+
+    def __call__(self, x: torch.Tensor, experts: Experts) -> torch.Tensor:
+        ids, weights = self.router(x)
+        out = experts(self.layer, x, ids, weights)
+        return out + self.shared(x) if self.shared is not None else out
+
+
+@dataclass
+class Block:
+    attn_norm: torch.Tensor
+    attention: Attention
+    ffn_norm: torch.Tensor
+    ffn: MoEFFN | DenseFFN
+
+
+class Embedding:
+    """Token rows decoded on demand from the (memory-mapped) GGUF table."""
+
+    def __init__(self, mf: ModelFile, name: str, device: torch.device | str):
+        info = mf.tensors[name]
+        check_supported(info.qtype, info.name)
+        self.raw, self.qtype, self.row_shape, self.device = mf.torch_raw(name), info.qtype, info.shape[1:], device
+
+    def __call__(self, tokens: torch.Tensor) -> torch.Tensor:
+        rows = self.raw[tokens.cpu()]
+        return dequantize(rows.to(self.device), self.qtype, (tokens.numel(), *self.row_shape))
+
+
+@dataclass
+class DecoderModel:
+    config: ModelConfig
+    embed: Embedding
+    blocks: list[Block]
+    output_norm: torch.Tensor
+    output: Linear
+    expert_weights: dict[int, ExpertWeights]
+    experts: Experts
+    device: torch.device | str = "cpu"
+    extra: dict = field(default_factory=dict)
+
+    def new_cache(self, n_ctx: int) -> KVCache:
+        c = self.config
+        return KVCache(c.n_layer, n_ctx, c.n_head_kv, c.head_dim_k, c.head_dim_v, self.device)
+
+    @torch.inference_mode()
+    def forward(self, tokens: torch.Tensor, cache: KVCache, start: int | None = None) -> torch.Tensor:
+        """Logits [T, n_vocab] for `tokens` [T] placed at positions start.. (default: cache end)."""
+        start = cache.length if start is None else start
+        positions = torch.arange(start, start + tokens.numel())
+        eps = self.config.rms_eps
+        h = self.embed(tokens)
+        for i, block in enumerate(self.blocks):
+            h = h + block.attention(rms_norm(h, block.attn_norm, eps), positions, cache, i, start)
+            x = rms_norm(h, block.ffn_norm, eps)
+            h = h + (block.ffn(x, self.experts) if isinstance(block.ffn, MoEFFN) else block.ffn(x))
+        cache.length = start + tokens.numel()
+        return self.output(rms_norm(h, self.output_norm, eps))

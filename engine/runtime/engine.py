@@ -1,0 +1,171 @@
+"""The engine's Python API: load a GGUF once, then stream generations from it.
+
+    engine = Engine.load("model.gguf", EngineConfig(device="cuda"))
+    for event in engine.generate(Request(messages=[{"role": "user", "content": "Hi"}])):
+        ...
+
+One sequence runs at a time (the server queues requests). The KV cache of the previous
+generation is kept, and a new prompt that starts with the same tokens reuses it.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Iterator, Union
+
+import torch
+
+from engine.errors import UserError
+from engine.layers.sampler import Sampler, SamplingParams
+from engine.runtime.stops import StopMatcher, Utf8Decoder
+from engine.runtime.tokenizer import Tokenizer
+
+Progress = Callable[[str, float], None]  # (stage, fraction 0..1)
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    device: str = "cpu"
+    n_ctx: int = 4096
+    threads: int | None = None
+    prefill_chunk: int = 512
+
+
+@dataclass
+class Request:
+    prompt: Union[str, list[int], None] = None  # raw text, or token ids, or...
+    messages: list[dict] | None = None  # ...chat messages rendered with the model's template
+    max_tokens: int = 256
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+
+
+@dataclass
+class TokenEvent:
+    token: int | None  # None: text held back until the end (a possible stop string, split UTF-8)
+    text: str  # the text this token releases (may be empty while a stop string or UTF-8 is pending)
+
+
+@dataclass
+class DoneEvent:
+    finish_reason: str  # "stop" (end-of-generation token or stop string), "length", "cancelled"
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int  # prompt tokens whose KV came from the previous generation
+    ttft_s: float
+    prefill_tokens_per_s: float
+    decode_tokens_per_s: float
+    text: str  # the whole completion as emitted
+
+
+Event = Union[TokenEvent, DoneEvent]
+
+
+class ContextOverflow(UserError):
+    pass
+
+
+class Engine:
+    def __init__(self, model, tokenizer: Tokenizer, config: EngineConfig):
+        self.model, self.tokenizer, self.config = model, tokenizer, config
+        self.n_ctx = min(config.n_ctx, model.config.n_ctx_train) if config.n_ctx > 0 else model.config.n_ctx_train
+        self.cache = model.new_cache(self.n_ctx)
+        self._cached: list[int] = []  # tokens whose K/V the cache holds, in order
+        self._lock = threading.Lock()
+
+    @classmethod
+    def load(cls, path: str | Path, config: EngineConfig = EngineConfig(), progress: Progress | None = None) -> "Engine":
+        from engine.models import build_model
+
+        report = progress or (lambda stage, fraction: None)
+        if config.threads:
+            torch.set_num_threads(config.threads)
+        report("reading model", 0.0)
+        model = build_model(path, config.device)
+        report("loading tokenizer", 0.9)
+        tok = Tokenizer(path)
+        report("ready", 1.0)
+        return cls(model, tok, config)
+
+    def prompt_tokens(self, request: Request) -> list[int]:
+        if request.messages is not None:
+            return self.tokenizer.encode(self.tokenizer.render_chat(request.messages), parse_special=True)
+        if isinstance(request.prompt, str):
+            return self.tokenizer.encode(request.prompt, add_special=self.tokenizer.add_bos, parse_special=True)
+        if request.prompt:
+            return list(request.prompt)
+        raise UserError("a request needs a prompt or messages")
+
+    def _prefill(self, tokens: list[int]) -> tuple[torch.Tensor, int]:
+        """Evaluates what the cache lacks of `tokens`; returns the last logits and tokens reused."""
+        reuse = 0
+        for a, b in zip(self._cached, tokens):
+            if a != b:
+                break
+            reuse += 1
+        reuse = min(reuse, len(tokens) - 1)  # the last prompt token must run to give logits
+        self.cache.truncate(reuse)
+        self._cached = self._cached[:reuse]
+        logits = None
+        for start in range(reuse, len(tokens), self.config.prefill_chunk):
+            chunk = tokens[start:start + self.config.prefill_chunk]
+            logits = self.model.forward(torch.tensor(chunk), self.cache, start)
+            self._cached.extend(chunk)
+        return logits[-1], reuse
+
+    def generate(self, request: Request, cancel: threading.Event | None = None) -> Iterator[Event]:
+        """Streams TokenEvents, then one DoneEvent. Holds the engine until the iterator ends."""
+        with self._lock:
+            yield from self._generate(request, cancel)
+
+    def _generate(self, request: Request, cancel: threading.Event | None) -> Iterator[Event]:
+        prompt = self.prompt_tokens(request)
+        if len(prompt) >= self.n_ctx:
+            raise ContextOverflow(f"the prompt has {len(prompt)} tokens; the context holds {self.n_ctx} "
+                                  "(shorten the prompt or start the engine with a larger -c)")
+        if request.max_tokens < 1:
+            raise UserError("max_tokens must be at least 1")
+        sampler = Sampler(request.sampling, self.model.config.n_vocab)
+        stops, utf8 = StopMatcher(request.stop), Utf8Decoder()
+        t0 = time.perf_counter()
+        logits, reused = self._prefill(prompt)
+        t_first = time.perf_counter()
+        history = list(prompt)
+        emitted: list[str] = []
+        reason, n_gen, stop_hit = "length", 0, False
+        while n_gen < request.max_tokens:
+            if cancel is not None and cancel.is_set():
+                reason = "cancelled"
+                break
+            token = sampler.sample(logits.float(), history)
+            n_gen += 1
+            history.append(token)
+            if self.tokenizer.is_eog(token) and not request.ignore_eos:
+                reason = "stop"
+                break
+            text, hit = stops.feed(utf8.feed(self.tokenizer.piece(token)))
+            emitted.append(text)
+            yield TokenEvent(token, text)
+            if hit:
+                reason, stop_hit = "stop", True
+                break
+            if len(history) >= self.n_ctx:
+                break
+            logits = self.model.forward(torch.tensor([token]), self.cache, len(history) - 1)[-1]
+            self._cached.append(token)
+        if not stop_hit:
+            tail, hit = stops.feed(utf8.flush())
+            tail += "" if hit else stops.flush()
+            if tail:
+                emitted.append(tail)
+                yield TokenEvent(None, tail)
+        t_end = time.perf_counter()
+        prefill_s, decode_s = t_first - t0, t_end - t_first
+        yield DoneEvent(
+            finish_reason=reason, prompt_tokens=len(prompt), completion_tokens=n_gen, cached_tokens=reused,
+            ttft_s=prefill_s, prefill_tokens_per_s=(len(prompt) - reused) / prefill_s if prefill_s > 0 else 0.0,
+            decode_tokens_per_s=(n_gen - 1) / decode_s if n_gen > 1 and decode_s > 0 else 0.0,
+            text="".join(emitted))

@@ -1,0 +1,108 @@
+"""A GGUF's tokenizer and chat template, exactly as llama.cpp applies them.
+
+The vocabulary is loaded by llama.cpp itself in vocab-only mode (no weights), so token ids,
+byte pieces and end-of-generation tokens are llama.cpp's. Chat templates are the GGUF's own
+Jinja template, rendered as llama-cpp-python renders it.
+"""
+from __future__ import annotations
+
+import ctypes
+from functools import lru_cache
+from pathlib import Path
+
+from engine.baseline.llama_load import llama_cpp, load_model
+from engine.errors import UserError
+
+CHATML = (
+    "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+
+class Tokenizer:
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        L = llama_cpp()
+        self._model = load_model(self.path, vocab_only=True)
+        self._vocab = L.llama_model_get_vocab(self._model)
+        self.n_vocab = L.llama_vocab_n_tokens(self._vocab)
+        self.eos = L.llama_vocab_eos(self._vocab)
+        self.bos = L.llama_vocab_bos(self._vocab)
+        self.add_bos = bool(L.llama_vocab_get_add_bos(self._vocab))
+        self._eog = {t for t in range(self.n_vocab) if L.llama_vocab_is_eog(self._vocab, t)}
+        self.chat_template = self._meta("tokenizer.chat_template")
+
+    def _meta(self, key: str) -> str | None:
+        L = llama_cpp()
+        buf = ctypes.create_string_buffer(1 << 16)
+        n = L.llama_model_meta_val_str(self._model, key.encode(), buf, len(buf))
+        if n < 0:
+            return None
+        if n >= len(buf):
+            buf = ctypes.create_string_buffer(n + 1)
+            L.llama_model_meta_val_str(self._model, key.encode(), buf, len(buf))
+        return buf.value.decode("utf-8", errors="replace")
+
+    def __del__(self) -> None:
+        if getattr(self, "_model", None):
+            llama_cpp().llama_model_free(self._model)
+            self._model = None
+
+    def encode(self, text: str, *, add_special: bool = False, parse_special: bool = False) -> list[int]:
+        """Token ids of `text`; `parse_special` turns "<|im_start|>" and the like into their ids."""
+        L = llama_cpp()
+        data = text.encode("utf-8")
+        cap = len(data) + 16
+        out = (L.llama_token * cap)()
+        n = L.llama_tokenize(self._vocab, data, len(data), out, cap, add_special, parse_special)
+        if n < 0:
+            cap = -n
+            out = (L.llama_token * cap)()
+            n = L.llama_tokenize(self._vocab, data, len(data), out, cap, add_special, parse_special)
+        return list(out[:n])
+
+    def piece(self, token: int) -> bytes:
+        """The bytes token `token` contributes to the text; control tokens contribute none."""
+        L = llama_cpp()
+        buf = ctypes.create_string_buffer(64)
+        n = L.llama_token_to_piece(self._vocab, token, buf, len(buf), 0, False)
+        if n < 0:
+            buf = ctypes.create_string_buffer(-n)
+            n = L.llama_token_to_piece(self._vocab, token, buf, len(buf), 0, False)
+        return buf.raw[:n]
+
+    def decode(self, tokens: list[int]) -> str:
+        return b"".join(self.piece(t) for t in tokens).decode("utf-8", errors="replace")
+
+    def is_eog(self, token: int) -> bool:
+        return token in self._eog
+
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        """The prompt text for `messages` ({"role", "content"} dicts) under the model's template."""
+        from llama_cpp.llama_chat_format import Jinja2ChatFormatter
+
+        def token_text(t: int) -> str:
+            return self.piece_special(t).decode("utf-8", errors="replace") if t >= 0 else ""
+
+        fmt = Jinja2ChatFormatter(self.chat_template or CHATML, eos_token=token_text(self.eos),
+                                  bos_token=token_text(self.bos), add_generation_prompt=add_generation_prompt)
+        try:
+            return fmt(messages=messages).prompt
+        except Exception as e:  # a template error is the model file's problem: say which
+            raise UserError(f"the chat template of {self.path.name} failed to render: {e}") from None
+
+    def piece_special(self, token: int) -> bytes:
+        L = llama_cpp()
+        buf = ctypes.create_string_buffer(256)
+        n = L.llama_token_to_piece(self._vocab, token, buf, len(buf), 0, True)
+        return buf.raw[:max(n, 0)]
+
+
+@lru_cache(maxsize=8)
+def tokenizer(path: str | Path) -> Tokenizer:
+    return Tokenizer(path)
+
+
+def tokenize_text(path: str | Path, text: str) -> list[int]:
+    """Plain text (no special tokens) as the model's token ids."""
+    return tokenizer(str(path)).encode(text)
