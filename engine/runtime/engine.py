@@ -20,6 +20,7 @@ import torch
 from engine.errors import UserError
 from engine.layers.sampler import Sampler, SamplingParams
 from engine.runtime.stops import StopMatcher, Utf8Decoder
+from engine.runtime.telemetry import Telemetry
 from engine.runtime.tokenizer import Tokenizer
 
 Progress = Callable[[str, float], None]  # (stage, fraction 0..1)
@@ -75,6 +76,7 @@ class Engine:
         self.cache = model.new_cache(self.n_ctx)
         self._cached: list[int] = []  # tokens whose K/V the cache holds, in order
         self._lock = threading.Lock()
+        self.telemetry = Telemetry("moestudio", tokenizer.path.name)
 
     @classmethod
     def load(cls, path: str | Path, config: EngineConfig = EngineConfig(), progress: Progress | None = None) -> "Engine":
@@ -142,6 +144,7 @@ class Engine:
                 break
             token = sampler.sample(logits.float(), history)
             n_gen += 1
+            self.telemetry.token_generated()
             history.append(token)
             if self.tokenizer.is_eog(token) and not request.ignore_eos:
                 reason = "stop"
@@ -164,8 +167,11 @@ class Engine:
                 yield TokenEvent(None, tail)
         t_end = time.perf_counter()
         prefill_s, decode_s = t_first - t0, t_end - t_first
-        yield DoneEvent(
+        done = DoneEvent(
             finish_reason=reason, prompt_tokens=len(prompt), completion_tokens=n_gen, cached_tokens=reused,
             ttft_s=prefill_s, prefill_tokens_per_s=(len(prompt) - reused) / prefill_s if prefill_s > 0 else 0.0,
             decode_tokens_per_s=(n_gen - 1) / decode_s if n_gen > 1 and decode_s > 0 else 0.0,
             text="".join(emitted))
+        self.telemetry.request_done(done.prompt_tokens, done.completion_tokens, done.ttft_s,
+                                    done.prefill_tokens_per_s, done.decode_tokens_per_s)
+        yield done

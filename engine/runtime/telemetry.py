@@ -1,0 +1,114 @@
+"""One telemetry snapshot schema for the API (/v1/stats), the dashboard stream and /metrics.
+
+Counters are cumulative since the engine started; rates are of the last finished request
+and of a sliding window of recent decode steps. Engines fill what applies to them: the
+llama.cpp engine has no expert cache, so its snapshot carries `"cache": null` rather than
+zeros that would pretend to be measurements.
+"""
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+import numpy as np
+import psutil
+
+SCHEMA_VERSION = 1
+
+
+@dataclass
+class CacheCounters:
+    """Expert-cache counters, one row per MoE layer (index into `layers`)."""
+
+    layers: list[int]
+    n_expert: int
+    slots_per_layer: int
+    gpu_hit: np.ndarray = field(init=False)
+    uploaded: np.ndarray = field(init=False)
+    cpu_computed: np.ndarray = field(init=False)
+    swaps: np.ndarray = field(init=False)
+    heat: np.ndarray = field(init=False)  # decayed access counts [layers, experts]
+    residency: np.ndarray = field(init=False)  # slot index or -1 [layers, experts]
+    bytes_uploaded: int = 0
+    cpu_busy_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        n = len(self.layers)
+        self.gpu_hit = np.zeros(n, np.int64)
+        self.uploaded = np.zeros(n, np.int64)
+        self.cpu_computed = np.zeros(n, np.int64)
+        self.swaps = np.zeros(n, np.int64)
+        self.heat = np.zeros((n, self.n_expert), np.float32)
+        self.residency = np.full((n, self.n_expert), -1, np.int32)
+
+
+class Telemetry:
+    HEAT_DECAY = 0.98  # per MoE step: heat follows the last ~50 tokens
+
+    def __init__(self, engine: str, model: str):
+        self.engine, self.model = engine, model
+        self.lock = threading.Lock()
+        self.cache: CacheCounters | None = None
+        self.requests = 0
+        self.prompt_tokens = 0
+        self.completion_tokens = 0
+        self.last: dict[str, float] = {}
+        self._decode_times: deque[float] = deque(maxlen=64)
+        self.started = time.time()
+        self.gpu_memory_used: int | None = None  # set by engines that own a GPU
+
+    def token_generated(self) -> None:
+        with self.lock:
+            self._decode_times.append(time.perf_counter())
+
+    def request_done(self, prompt_tokens: int, completion_tokens: int, ttft_s: float,
+                     prefill_tokens_per_s: float, decode_tokens_per_s: float) -> None:
+        with self.lock:
+            self.requests += 1
+            self.prompt_tokens += prompt_tokens
+            self.completion_tokens += completion_tokens
+            self.last = {"ttft_s": ttft_s, "prefill_tokens_per_s": prefill_tokens_per_s,
+                         "decode_tokens_per_s": decode_tokens_per_s}
+
+    def _recent_decode_rate(self) -> float:
+        t = self._decode_times
+        if len(t) < 2 or time.perf_counter() - t[-1] > 2.0:
+            return 0.0
+        return (len(t) - 1) / (t[-1] - t[0]) if t[-1] > t[0] else 0.0
+
+    def snapshot(self) -> dict:
+        proc = psutil.Process(os.getpid())
+        with self.lock:
+            snap = {
+                "schema": SCHEMA_VERSION,
+                "time": time.time(),
+                "engine": self.engine,
+                "model": self.model,
+                "requests": self.requests,
+                "prompt_tokens": self.prompt_tokens,
+                "completion_tokens": self.completion_tokens,
+                "decode_tokens_per_s_now": self._recent_decode_rate(),
+                "last_request": dict(self.last),
+                "ram_used_bytes": proc.memory_info().rss,
+                "gpu_memory_used_bytes": self.gpu_memory_used,
+                "cache": None,
+            }
+            c = self.cache
+            if c is not None:
+                snap["cache"] = {
+                    "layers": list(c.layers),
+                    "n_expert": c.n_expert,
+                    "slots_per_layer": c.slots_per_layer,
+                    "gpu_hit": c.gpu_hit.tolist(),
+                    "uploaded": c.uploaded.tolist(),
+                    "cpu_computed": c.cpu_computed.tolist(),
+                    "swaps": c.swaps.tolist(),
+                    "bytes_uploaded": c.bytes_uploaded,
+                    "cpu_busy_s": c.cpu_busy_s,
+                    "residency": c.residency.tolist(),
+                    "heat": np.round(c.heat, 3).tolist(),
+                }
+        return snap
