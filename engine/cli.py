@@ -10,6 +10,8 @@ from engine.errors import UserError
 def build_parser() -> argparse.ArgumentParser:
     from engine import validate
     from engine.baseline import chat as chat_cli
+    from engine.bench import cli as bench_cli
+    from engine.moe import profile_cli
     from engine.synth import cli as synth_cli
 
     parser = argparse.ArgumentParser(
@@ -21,6 +23,8 @@ def build_parser() -> argparse.ArgumentParser:
     synth_cli.register(sub)
     chat_cli.register(sub)
     validate.register(sub)
+    profile_cli.register(sub)
+    bench_cli.register(sub)
     return parser
 
 

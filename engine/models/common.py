@@ -64,6 +64,7 @@ def assemble(mf: ModelFile, cfg: ModelConfig, blocks: list[Block], experts: dict
         output=Linear.load(mf, head, device, bias="output.bias"),
         expert_weights=experts,
         experts=ReferenceExperts(experts, device, keep_dequantized=keep),
+        source=mf,
         device=device,
     )
 

@@ -7,7 +7,7 @@ replace the reference executor without touching the model.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Protocol
 
 import torch
@@ -96,8 +96,8 @@ class DecoderModel:
     output: Linear
     expert_weights: dict[int, ExpertWeights]
     experts: Experts
+    source: ModelFile
     device: torch.device | str = "cpu"
-    extra: dict = field(default_factory=dict)
 
     def new_cache(self, n_ctx: int) -> KVCache:
         c = self.config

@@ -98,3 +98,84 @@ def tensor_to_numpy(ptr: int, dtype: np.dtype) -> np.ndarray:
     if strides[-1] != dtype.itemsize:
         raise ValueError(f"tensor {t.name.decode()} does not hold {dtype.name} elements")
     return np.ndarray(shape, dtype=dtype, buffer=raw, strides=strides).copy()
+
+
+# --- graph building and CPU compute (the CPU expert pool) ---------------------------------
+
+class GGMLInitParams(C.Structure):
+    _fields_ = [("mem_size", C.c_size_t), ("mem_buffer", C.c_void_p), ("no_alloc", C.c_bool)]
+
+
+class GGMLCPlan(C.Structure):
+    """Mirror of `struct ggml_cplan` (ggml-cpu.h)."""
+
+    _fields_ = [("work_size", C.c_size_t), ("work_data", C.c_void_p), ("n_threads", C.c_int),
+                ("threadpool", C.c_void_p), ("abort_callback", C.c_void_p), ("abort_callback_data", C.c_void_p),
+                ("use_ref", C.c_bool)]
+
+
+class GGMLThreadpoolParams(C.Structure):
+    """Mirror of `struct ggml_threadpool_params` (ggml.h; GGML_MAX_N_THREADS = 512)."""
+
+    _fields_ = [("cpumask", C.c_bool * 512), ("n_threads", C.c_int), ("prio", C.c_int), ("poll", C.c_uint32),
+                ("strict_cpu", C.c_bool), ("paused", C.c_bool)]
+
+
+GGML_TYPE_F32, GGML_TYPE_I32 = 0, 26
+GGML_STATUS_SUCCESS = 0
+
+_VP, _I64 = C.c_void_p, C.c_int64
+# name: (restype, argtypes); tensors, contexts, graphs and threadpools travel as void pointers.
+_BASE_GRAPH_API = {
+    "ggml_init": (_VP, [GGMLInitParams]),
+    "ggml_free": (None, [_VP]),
+    "ggml_reset": (None, [_VP]),
+    "ggml_tensor_overhead": (C.c_size_t, []),
+    "ggml_graph_overhead_custom": (C.c_size_t, [C.c_size_t, C.c_bool]),
+    "ggml_nbytes": (C.c_size_t, [_VP]),
+    "ggml_new_tensor_2d": (_VP, [_VP, C.c_int, _I64, _I64]),
+    "ggml_new_tensor_3d": (_VP, [_VP, C.c_int, _I64, _I64, _I64]),
+    "ggml_mul_mat_id": (_VP, [_VP, _VP, _VP, _VP]),
+    "ggml_add_id": (_VP, [_VP, _VP, _VP, _VP]),
+    "ggml_swiglu_split": (_VP, [_VP, _VP, _VP]),
+    "ggml_swiglu_oai": (_VP, [_VP, _VP, _VP, C.c_float, C.c_float]),
+    "ggml_new_graph_custom": (_VP, [_VP, C.c_size_t, C.c_bool]),
+    "ggml_build_forward_expand": (None, [_VP, _VP]),
+    "ggml_threadpool_params_default": (GGMLThreadpoolParams, [C.c_int]),
+}
+_CPU_API = {
+    "ggml_cpu_init": (None, []),
+    "ggml_threadpool_new": (_VP, [C.POINTER(GGMLThreadpoolParams)]),
+    "ggml_threadpool_free": (None, [_VP]),
+    "ggml_graph_plan": (GGMLCPlan, [_VP, C.c_int, _VP]),
+    "ggml_graph_compute": (C.c_int, [_VP, C.POINTER(GGMLCPlan)]),
+}
+
+
+class GGMLApi:
+    """The graph-building half of libggml-base and the compute half of libggml-cpu, typed.
+
+    Attribute access finds a function in whichever library defines it; ctypes releases the GIL
+    for every call, so `ggml_graph_compute` runs while other Python threads proceed.
+    """
+
+    def __init__(self, base_lib: C.CDLL, cpu_lib: C.CDLL):
+        for lib, table in ((base_lib, _BASE_GRAPH_API), (cpu_lib, _CPU_API)):
+            for name, (restype, argtypes) in table.items():
+                fn = getattr(lib, name)
+                fn.restype, fn.argtypes = restype, argtypes
+                setattr(self, name, fn)
+
+
+@lru_cache(maxsize=1)
+def cpu() -> GGMLApi:
+    """libggml-cpu, loaded against the global libggml-base and initialised (ggml_cpu_init)."""
+    b = base()
+    api = GGMLApi(b, C.CDLL(str(_lib_dir() / "libggml-cpu.so"), mode=C.RTLD_GLOBAL))
+    api.ggml_cpu_init()
+    return api
+
+
+def tensor(ptr: int) -> GGMLTensor:
+    """The struct behind a tensor pointer (fields are live: writes go to ggml's memory)."""
+    return C.cast(C.c_void_p(ptr), C.POINTER(GGMLTensor)).contents

@@ -32,6 +32,17 @@ class EngineConfig:
     n_ctx: int = 4096
     threads: int | None = None
     prefill_chunk: int = 512
+    # Expert execution. "reference": every expert dequantized on `device` (the exactness
+    # baseline). "hybrid": resident experts in slots on `device`, misses on the ggml CPU pool
+    # (with cache size 0 on a CPU-only machine this is the fast CPU path).
+    experts: str = "hybrid"
+    expert_cache_size: str | int | None = "auto"  # N, "all", "auto"
+    expert_cache_mib: float | None = None
+    miss_fraction: float = 0.17
+    policy: str = "occurrence"
+    expert_profile: str | None = None
+    load_mode: str = "mmap"
+    vram_budget_mib: float | None = None
 
 
 @dataclass
@@ -87,10 +98,21 @@ class Engine:
             torch.set_num_threads(config.threads)
         report("reading model", 0.0)
         model = build_model(path, config.device)
+        hybrid = None
+        if config.experts == "hybrid":
+            from engine.moe.hybrid import attach_hybrid
+
+            report("filling the expert cache", 0.5)
+            hybrid = attach_hybrid(model, config)
+        elif config.experts != "reference":
+            raise UserError(f"unknown expert execution {config.experts!r} (hybrid or reference)")
         report("loading tokenizer", 0.9)
-        tok = Tokenizer(path)
+        engine = cls(model, Tokenizer(path), config)
+        if hybrid is not None:
+            engine.telemetry.engine = "hybrid"
+            engine.telemetry.cache = hybrid.counters
         report("ready", 1.0)
-        return cls(model, tok, config)
+        return engine
 
     def prompt_tokens(self, request: Request) -> list[int]:
         if request.messages is not None:

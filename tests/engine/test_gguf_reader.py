@@ -58,7 +58,8 @@ def test_tensor_infos_shapes_types_and_offsets(model: Path) -> None:
     mf = ModelFile.open(model)
     blob = model.read_bytes()
     want = arrays()
-    assert mf.tensors["blk.0.f32"] == TensorInfo("blk.0.f32", QT.F32, (4, 8), 128, mf.tensors["blk.0.f32"].offset)
+    f32 = mf.tensors["blk.0.f32"]
+    assert f32 == TensorInfo("blk.0.f32", QT.F32, (4, 8), 128, f32.offset)
     assert mf.tensors["blk.0.f16"].qtype == QT.F16 and mf.tensors["blk.0.f16"].shape == (2, 3, 16)
     assert mf.tensors["blk.0.q8"].qtype == QT.Q8_0 and mf.tensors["blk.0.q8"].shape == (8, 3, 64)
     assert mf.tensors["blk.0.q8"].n_bytes == 8 * 3 * 2 * 34

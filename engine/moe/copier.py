@@ -1,0 +1,68 @@
+"""Asynchronous host-to-accelerator copies of expert bytes, with completion you can poll.
+
+On CUDA a copy runs on a side stream after the compute stream's work that was enqueued
+before it (an evicted slot may still be read by kernels already in flight), and completion is
+a CUDA event. When the accelerator role is played by CPU tensors (CI, CPU-only machines),
+a worker thread does the copy and completion is its future; `delay_s` slows every copy down
+so tests can prove that nothing reads a slot before its copy has landed.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import torch
+
+Pairs = list[tuple[torch.Tensor, torch.Tensor]]  # (host source, device destination)
+
+
+class Copy:
+    """A copy in flight: `landed()` polls it without blocking."""
+
+    def __init__(self, event: "torch.cuda.Event | None" = None, future: Future | None = None):
+        self.event, self.future = event, future
+
+    def landed(self) -> bool:
+        return self.event.query() if self.event is not None else self.future.done()
+
+
+class Copier:
+    def __init__(self, device: torch.device, delay_s: float = 0.0):
+        self.device = device
+        self.delay_s = delay_s
+        self.bytes_copied = 0
+        self._lock = threading.Lock()
+        self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self._pool = None if self._stream is not None else ThreadPoolExecutor(1, thread_name_prefix="expert-copy")
+
+    def copy(self, pairs: Pairs) -> Copy:
+        """Starts copying each pair; returns at once."""
+        with self._lock:
+            self.bytes_copied += sum(src.numel() * src.element_size() for src, _ in pairs)
+        if self._stream is not None:
+            self._stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(self._stream):
+                for src, dst in pairs:
+                    dst.copy_(src, non_blocking=True)
+                event = torch.cuda.Event()
+                event.record(self._stream)
+            return Copy(event=event)
+        return Copy(future=self._pool.submit(self._copy_on_host, pairs))
+
+    def wait(self, handle: Copy) -> None:
+        """Orders later compute after `handle` (on CUDA without blocking the host)."""
+        if handle.event is not None:
+            torch.cuda.current_stream(self.device).wait_event(handle.event)
+        else:
+            handle.future.result()
+
+    def _copy_on_host(self, pairs: Pairs) -> None:
+        if self.delay_s:
+            time.sleep(self.delay_s)
+        for src, dst in pairs:
+            dst.copy_(src)
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)

@@ -1,0 +1,208 @@
+"""The hybrid expert executor: resident experts on the accelerator, the rest on the CPU.
+
+One MoE layer step (DESIGN.md, "the hot path"):
+1. the selected ids come to the host once (the only wait on the accelerator per layer);
+2. distinct experts split into hits (landed in a slot), uploads (a `miss_fraction` share of
+   the misses, copied into staging slots) and CPU misses (the rest);
+3. the CPU pool starts on its misses at once, from the memory-mapped GGUF bytes, while the
+   accelerator computes hits and uploads;
+4. the weighted outputs are summed slot by slot in top-k order, the same order and maths as
+   the all-resident path, so where an expert ran does not change the result;
+5. counters are bumped and the policy's refills start copying; a slot joins the residency
+   map only once its copy has landed.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from engine.layers.moe import ExpertWeights, expert_ffn
+from engine.moe.copier import Copier
+from engine.moe.cpu_pool import CpuExpertPool
+from engine.moe.policy import AdaptParams, Policy
+from engine.moe.slots import HostExperts, LayerSlots
+from engine.runtime.telemetry import CacheCounters, Telemetry
+
+FRACTION_STEPS = 256  # the miss fraction's resolution
+
+
+@dataclass(frozen=True)
+class HybridOptions:
+    slots_per_layer: int
+    miss_fraction: float = 0.17
+    policy: str = "occurrence"
+    adapt: AdaptParams = AdaptParams()
+    threads: int = 2
+    load_mode: str = "mmap"
+    copy_delay_s: float = 0.0  # tests: slow every copy down
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.miss_fraction <= 1.0:
+            raise ValueError("the GPU miss fraction must lie in [0, 1]")
+        if self.slots_per_layer < 0:
+            raise ValueError("the expert cache size must not be negative")
+
+
+class _Layer:
+    def __init__(self, w: ExpertWeights, slots: LayerSlots, policy: Policy):
+        self.w, self.slots, self.policy = w, slots, policy
+        self.upload_credit = 0.0
+
+
+class HybridExperts:
+    """Drop-in for DecoderModel.experts (see engine/layers/moe.Experts)."""
+
+    def __init__(self, expert_weights: dict[int, ExpertWeights], device: torch.device | str,
+                 options: HybridOptions, pool: CpuExpertPool | None = None):
+        self.device = torch.device(device)
+        self.options = options
+        self.step_fraction = round(options.miss_fraction * FRACTION_STEPS)
+        self.copier = Copier(self.device, options.copy_delay_s)
+        self.pool = pool if pool is not None else CpuExpertPool(expert_weights, options.threads)
+        self.layer_ids = sorted(expert_weights)
+        self.index = {layer: i for i, layer in enumerate(self.layer_ids)}
+        pin = self.device.type == "cuda"
+        k_max = max(w.n_expert for w in expert_weights.values())
+        self.layers: dict[int, _Layer] = {}
+        for layer, w in expert_weights.items():
+            n_slots = min(options.slots_per_layer, w.n_expert)
+            # Staging for one step's uploads: up to every distinct miss when the fraction is 1.
+            n_staging = 0 if n_slots == w.n_expert else -(-self.step_fraction * w.n_expert // FRACTION_STEPS)
+            slots = LayerSlots(w, n_slots, n_staging, self.device, HostExperts(w, options.load_mode, pin), self.copier)
+            self.layers[layer] = _Layer(w, slots, Policy(options.policy, w.n_expert, n_slots, options.adapt))
+        self.counters = CacheCounters(self.layer_ids, k_max, min(options.slots_per_layer, k_max))
+
+    # --- residency -----------------------------------------------------------------------------
+    def prefill_residency(self, ranking: list[tuple[int, int]]) -> None:
+        """Fills slots in `ranking` order ((layer, expert), hottest first) and waits for the copies."""
+        for layer, expert in ranking:
+            L = self.layers.get(layer)
+            if L is None or L.slots.resident[expert] >= 0 or expert in L.slots.in_flight():
+                continue
+            slot = L.slots.free_slot()
+            if slot is not None:
+                self.copier.wait(L.slots.load(slot, expert))
+        for L in self.layers.values():
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            while L.slots.pending:
+                L.slots.refresh()
+        self._publish_residency()
+
+    def _publish_residency(self) -> None:
+        for layer, L in self.layers.items():
+            self.counters.residency[self.index[layer]] = L.slots.resident
+
+    # --- one layer step ------------------------------------------------------------------------
+    def _split(self, L: _Layer, ids_host: np.ndarray):
+        """Distinct experts of a step, their row counts, and which are hits, uploads, CPU misses."""
+        L.slots.refresh()
+        experts, rows = np.unique(ids_host, return_counts=True)
+        where = L.slots.resident[experts]
+        hits = experts[where >= 0]
+        misses = experts[where < 0]
+        misses = misses[np.argsort(-L.policy.counts[misses], kind="stable")]  # upload the hottest
+        L.upload_credit += len(misses) * self.step_fraction / FRACTION_STEPS
+        n_up = min(int(L.upload_credit + 1e-9), len(misses), L.slots.n_staging)
+        L.upload_credit -= n_up
+        return experts, rows, hits, misses[:n_up], misses[n_up:]
+
+    def replay(self, layer: int, ids_host: np.ndarray) -> None:
+        """Takes a layer step's residency decisions and counters without computing experts:
+        hit rates of a policy over a recorded routing trace (engine/bench/hitrate.py)."""
+        L = self.layers[layer]
+        experts, rows, hits, uploads, cpu = self._split(L, ids_host)
+        L.slots.stage(uploads.tolist())
+        self._account(layer, L, experts, rows, hits, uploads, cpu)
+
+    def __call__(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        L = self.layers[layer]
+        slots = L.slots
+        ids_host = ids.cpu().numpy()  # the one wait on the accelerator in this layer step
+        experts, rows, hits, uploads, cpu = self._split(L, ids_host)
+
+        k = ids_host.shape[1]
+        per_slot = torch.zeros(k, *x.shape, dtype=x.dtype, device=x.device)
+        futures = []
+        if cpu.size:
+            tok, pos = np.nonzero(np.isin(ids_host, cpu))
+            x_host = x.float().cpu().numpy()
+            pair_experts = ids_host[tok, pos].astype(np.int32)
+            pair_rows = tok.astype(np.int32)
+            step = self.pool.max_rows
+            for a in range(0, len(pair_rows), step):  # prefill: many pairs, bounded jobs
+                futures.append(self.pool.submit(layer, x_host, pair_rows[a:a + step], pair_experts[a:a + step]))
+
+        for e, slot in zip(hits.tolist(), slots.resident[hits].tolist()):
+            self._run_on_accelerator(L, slot, e, x, ids, weights, per_slot)
+        for e, slot in zip(uploads.tolist(), slots.stage(uploads.tolist())):
+            self._run_on_accelerator(L, slot, e, x, ids, weights, per_slot)
+
+        if futures:
+            out = torch.from_numpy(np.concatenate([f.result() for f in futures])).to(x.device, x.dtype)
+            self.counters.cpu_busy_s = self.pool.busy_seconds
+            tok_t, pos_t = torch.from_numpy(tok).to(x.device), torch.from_numpy(pos).to(x.device)
+            per_slot[pos_t, tok_t] = out * weights[tok_t, pos_t, None]
+        total = per_slot[0]
+        for j in range(1, k):
+            total = total + per_slot[j]
+
+        self._account(layer, L, experts, rows, hits, uploads, cpu)
+        return total
+
+    def _run_on_accelerator(self, L: _Layer, slot: int, e: int, x: torch.Tensor, ids: torch.Tensor,
+                            weights: torch.Tensor, per_slot: torch.Tensor) -> None:
+        tok, pos = torch.nonzero(ids == e, as_tuple=True)
+        out = expert_ffn(x[tok], *L.slots.weights(slot), L.w, e)
+        per_slot[pos, tok] = out * weights[tok, pos, None]
+
+    def _account(self, layer: int, L: _Layer, experts: np.ndarray, rows: np.ndarray, hits: np.ndarray,
+                 uploads: np.ndarray, cpu: np.ndarray) -> None:
+        c, i = self.counters, self.index[layer]
+        count = dict(zip(experts.tolist(), rows.tolist()))
+        c.gpu_hit[i] += sum(count[e] for e in hits.tolist())
+        c.uploaded[i] += sum(count[e] for e in uploads.tolist())
+        c.cpu_computed[i] += sum(count[e] for e in cpu.tolist())
+        c.heat[i] *= Telemetry.HEAT_DECAY
+        c.heat[i, experts] += rows
+        refills = L.policy.refills(experts, rows, L.slots.slot_expert, L.slots.resident, L.slots.in_flight())
+        for slot, expert in refills:
+            handle = L.slots.load(slot, expert)
+            if L.policy.synchronous:
+                self.copier.wait(handle)
+        if L.policy.synchronous:
+            if self.device.type == "cuda":
+                torch.cuda.current_stream(self.device).synchronize()
+            while L.slots.pending:
+                L.slots.refresh()
+        c.swaps[i] += len(refills)
+        c.bytes_uploaded = self.copier.bytes_copied
+        c.residency[i] = L.slots.resident
+
+    def close(self) -> None:
+        self.copier.close()
+        self.pool.close()
+
+
+def attach_hybrid(model, config) -> HybridExperts:
+    """Replaces `model.experts` with a HybridExperts sized from `config` (an EngineConfig)."""
+    from engine.moe.budget import slots_per_layer
+
+    device = torch.device(config.device)
+    ws = model.expert_weights
+    any_w = next(iter(ws.values()))
+    expert_bytes = sum(t.expert_bytes for t in (any_w.gate, any_w.up, any_w.down))
+    n_slots = slots_per_layer(cache_size=config.expert_cache_size, cache_mib=config.expert_cache_mib,
+                              expert_bytes=expert_bytes, n_expert=any_w.n_expert, n_layers=len(ws), device=device,
+                              vram_budget_mib=config.vram_budget_mib)
+    options = HybridOptions(slots_per_layer=n_slots, miss_fraction=config.miss_fraction, policy=config.policy,
+                            threads=config.threads or 2, load_mode=config.load_mode)
+    hybrid = HybridExperts(ws, device, options)
+    if config.expert_profile:
+        from engine.moe.profile import load_profile
+
+        hybrid.prefill_residency(load_profile(config.expert_profile, model.source).ranking())
+    model.experts = hybrid
+    return hybrid

@@ -1,0 +1,101 @@
+"""Which experts live in a layer's slots: the residency policies.
+
+Every policy sees the same observations (the distinct experts a layer step routed to, with
+how many rows picked each) and answers with refills: (slot, expert) copies to start. All of
+them first fill empty slots with missed experts. Then:
+
+* off            static after the fill (a profile, if given, did the fill at start)
+* occurrence     Strata's adaptive tier: decayed counts (x decay per update), a miss becomes a
+                 candidate once its count reaches min_count, it replaces the coldest resident
+                 expert only by a margin, at most `swaps` refills per update, an update every
+                 `every` steps; copies land asynchronously and decode never waits for them
+* occurrence-sync the same decisions, but the step waits for its copies (the control)
+* lru            every missed expert replaces the least recently used one (at most `swaps`/step)
+* lfru           evicts the least frequently used (decayed), recency breaking ties, and admits a
+                 missed expert only if it is at least as frequent as the victim
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+POLICIES = ("off", "occurrence", "occurrence-sync", "lru", "lfru")
+
+
+@dataclass(frozen=True)
+class AdaptParams:
+    every: int = 4
+    decay: float = 0.7
+    swaps: int = 4
+    margin: float = 1.5
+    min_count: float = 2.0
+
+
+class Policy:
+    """Per-layer state for one policy; `refills` is called once per layer step."""
+
+    def __init__(self, name: str, n_expert: int, n_slots: int, params: AdaptParams = AdaptParams()):
+        if name not in POLICIES:
+            raise ValueError(f"unknown residency policy {name!r}; choose from: {', '.join(POLICIES)}")
+        self.name, self.params, self.n_slots = name, params, n_slots
+        self.counts = np.zeros(n_expert, np.float64)  # decayed access counts
+        self.last_use = np.zeros(n_expert, np.int64)
+        self.step = 0
+
+    @property
+    def synchronous(self) -> bool:
+        return self.name == "occurrence-sync"
+
+    def refills(self, experts: np.ndarray, rows: np.ndarray, slot_expert: np.ndarray,
+                resident: np.ndarray, in_flight: set[int]) -> list[tuple[int, int]]:
+        """(slot, expert) refills after a step that routed rows[i] rows to experts[i]."""
+        self.step += 1
+        p = self.params
+        if self.name in ("lru", "lfru"):
+            self.counts *= p.decay ** (1 / p.every)  # the same half-life per step as occurrence's updates
+        self.counts[experts] += rows
+        self.last_use[experts] = self.step
+        missed = [int(e) for e in experts[np.argsort(-self.counts[experts], kind="stable")]
+                  if resident[e] < 0 and e not in in_flight]
+        out: list[tuple[int, int]] = []
+        free = [int(s) for s in np.nonzero(slot_expert < 0)[0]]
+        while missed and free:
+            out.append((free.pop(0), missed.pop(0)))
+        if self.name == "off" or not missed or self.n_slots == 0:
+            return out
+        if self.name in ("occurrence", "occurrence-sync"):
+            return out + self._occurrence(missed, slot_expert, resident)
+        return out + self._replace(missed[:p.swaps], slot_expert, resident, busy={s for s, _ in out})
+
+    def _occurrence(self, missed: list[int], slot_expert: np.ndarray, resident: np.ndarray) -> list[tuple[int, int]]:
+        p = self.params
+        if self.step % p.every:
+            return []
+        self.counts *= p.decay
+        candidates = [e for e in missed if self.counts[e] >= p.min_count]
+        victims = sorted((s for s in range(self.n_slots) if slot_expert[s] >= 0 and resident[slot_expert[s]] == s),
+                         key=lambda s: self.counts[slot_expert[s]])
+        out = []
+        for e, s in zip(candidates, victims):
+            if len(out) == p.swaps or self.counts[e] < self.counts[slot_expert[s]] + p.margin:
+                break
+            out.append((s, e))
+        return out
+
+    def _replace(self, missed: list[int], slot_expert: np.ndarray, resident: np.ndarray,
+                 busy: set[int]) -> list[tuple[int, int]]:
+        landed = [s for s in range(self.n_slots)
+                  if s not in busy and slot_expert[s] >= 0 and resident[slot_expert[s]] == s]
+        if self.name == "lru":
+            order = sorted(landed, key=lambda s: self.last_use[slot_expert[s]])
+        else:
+            order = sorted(landed, key=lambda s: (self.counts[slot_expert[s]], self.last_use[slot_expert[s]]))
+        out = []
+        for e, s in zip(missed, order):
+            if self.last_use[slot_expert[s]] == self.step:
+                break  # never evict an expert this very step used
+            if self.name == "lfru" and self.counts[e] < self.counts[slot_expert[s]]:
+                break
+            out.append((s, e))
+        return out

@@ -1,0 +1,129 @@
+"""`moestudio profile collect|show|convert`: which experts a workload uses, in GGUF or STRP files."""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from engine.errors import UserError
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("profile", help="collect, show and convert expert profiles",
+                       description="Expert profiles rank the experts a workload routes to, so the expert "
+                       "cache starts with the right ones (--moe-expert-profile).")
+    psub = p.add_subparsers(dest="profile_command", metavar="ACTION", required=True)
+
+    c = psub.add_parser("collect", help="generate a corpus greedily and score the experts its decode steps use")
+    c.add_argument("model", type=Path)
+    c.add_argument("--corpus", required=True, type=Path,
+                   help='JSON: {"version": 1, "weights": {FAMILY: W}, "requests": [{"family", '
+                   '"prompt"|"prompt_file"|"messages", "max_tokens"}]}')
+    c.add_argument("-o", "--output", required=True, type=Path, help="profile to write: .gguf or .strp")
+    c.add_argument("--slots", type=int, help="STRP only: the cache size the ranking is for (ranks at most N)")
+    c.add_argument("--device", default="cpu")
+    c.add_argument("-c", "--ctx", type=int, default=4096, help="context length (default 4096)")
+    c.set_defaults(run=_collect)
+
+    s = psub.add_parser("show", help="print a profile's geometry, identity and hottest experts")
+    s.add_argument("file", type=Path)
+    s.add_argument("--model", type=Path, help="also check the profile against this model")
+    s.add_argument("--top", type=int, default=10, help="experts to list per layer (default 10)")
+    s.set_defaults(run=_show)
+
+    v = psub.add_parser("convert", help="convert between GGUF and STRP profiles (by the output's suffix)")
+    v.add_argument("input", type=Path)
+    v.add_argument("output", type=Path)
+    v.add_argument("--slots", type=int, help="STRP output: the cache size the ranking is for (ranks at most N)")
+    v.add_argument("--model", type=Path, help="check against this model and record its identity (STRP has none)")
+    v.set_defaults(run=_convert)
+
+
+def _open_model(path: Path):
+    from engine.gguf.reader import GGUFError, ModelFile
+
+    if not path.is_file():
+        raise UserError(f"no such model file: {path}")
+    try:
+        return ModelFile.open(path)
+    except GGUFError as e:
+        raise UserError(str(e)) from None
+
+
+def _collect(args: argparse.Namespace) -> int:
+    from engine.gguf.reader import GGUFError
+    from engine.moe.profile import ModelIdentity, collect_profile, load_corpus, profile_format, save_profile
+    from engine.runtime.engine import Engine, EngineConfig
+
+    profile_format(args.output, args.slots)  # refuse a bad output before hours of generation
+    corpus = load_corpus(args.corpus)
+    identity = ModelIdentity.of(_open_model(args.model))
+    try:
+        engine = Engine.load(args.model, EngineConfig(device=args.device, n_ctx=args.ctx))
+    except GGUFError as e:
+        raise UserError(str(e)) from None
+
+    def progress(done: int, total: int, family: str) -> None:
+        print(f"profile: {done}/{total} requests done ({family})", file=sys.stderr, flush=True)
+
+    profile = collect_profile(engine, corpus, progress, identity)
+    save_profile(profile, args.output, args.slots)
+    rows = sum(w.decode_rows for w in profile.workload)
+    print(f"wrote {args.output}: {len(corpus.requests)} requests, {rows} decode rows, "
+          f"{identity.describe()}")
+    return 0
+
+
+def _show(args: argparse.Namespace) -> int:
+    from engine.moe.profile import STRP_MAGIC, ModelIdentity, fit, read_profile, read_strp
+
+    if args.top < 1:
+        raise UserError("--top must be at least 1")
+    profile = read_profile(args.file)
+    with open(args.file, "rb") as f:
+        strp = read_strp(args.file) if f.read(4) == STRP_MAGIC else None
+    src = profile.identity
+    if strp is not None:
+        print(f"format    STRP v1: {len(strp.ranked)} experts ranked for {strp.slots} slots")
+    else:
+        print("format    GGUF expert profile v1")
+    print(f"source    {src.describe()}")
+    if src.expert_hash is not None:
+        print(f"identity  expert hash {src.expert_hash}, {src.expert_bytes / 2**20:.1f} MiB of experts "
+              f"in a {src.file_size / 2**20:.1f} MiB file")
+    else:
+        print("identity  none (geometry only)")
+    if args.model:
+        fit(profile, ModelIdentity.of(_open_model(args.model)), f"profile {args.file}")
+        print(f"model     {args.model} fits this profile")
+    for w in profile.workload:
+        print(f"workload  {w.family}: weight {w.weight:.0%}, {w.requests} request{'s' * (w.requests != 1)}, "
+              f"{w.decode_rows} decode rows")
+    for row, layer in enumerate(src.moe_layers):
+        scores = profile.scores[row]
+        top = [e for e in profile.top(layer, args.top) if scores[e] > 0]
+        if not top:
+            print(f"layer {layer:<3} nothing ranked")
+        elif profile.counts is None:
+            # Scores read from STRP (or converted from it) encode rank only: shares would be invented.
+            print(f"layer {layer:<3} by rank: " + " ".join(map(str, top)))
+        else:
+            total = scores.sum()
+            print(f"layer {layer:<3} top {len(top)} hold {scores[top].sum() / total:.0%}: "
+                  + "  ".join(f"{e} {scores[e] / total:.1%}" for e in top))
+    return 0
+
+
+def _convert(args: argparse.Namespace) -> int:
+    from engine.moe.profile import load_profile, profile_format, read_profile, save_profile
+
+    profile_format(args.output, args.slots)
+    if args.input.resolve() == args.output.resolve():
+        raise UserError("the output would overwrite the input; give another file name")
+    profile = load_profile(args.input, _open_model(args.model)) if args.model else read_profile(args.input)
+    save_profile(profile, args.output, args.slots)
+    if profile.identity.arch is None and args.output.suffix.lower() == ".gguf":
+        print(f"note: {args.input} carries no model identity, so {args.output} holds geometry only; "
+              "pass --model MODEL to record the model's", file=sys.stderr)
+    print(f"wrote {args.output}")
+    return 0
