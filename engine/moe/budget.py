@@ -14,8 +14,8 @@ def slots_per_layer(*, cache_size: str | int | None, cache_mib: float | None, ex
     """`cache_size` is N, "all" or "auto" (default); `cache_mib` splits M MiB across the layers.
 
     auto: on CUDA, what is free (or what --vram-budget-mib leaves after `used_bytes` of dense
-    weights and KV cache) minus headroom; on a CPU "accelerator" every expert is resident,
-    since both sides are the same memory.
+    weights and KV cache) minus headroom. Without a GPU, no slots: every expert then runs in
+    ggml's CPU pool straight from the quantized bytes, which beats decoding them for torch.
     """
     if cache_size not in (None, "auto") and cache_mib is not None:
         raise UserError("give the expert cache as a slot count or as MiB, not both")
@@ -31,7 +31,7 @@ def slots_per_layer(*, cache_size: str | int | None, cache_mib: float | None, ex
             raise UserError("--moe-expert-cache-size must not be negative")
         return min(n, n_expert)
     if device.type != "cuda":
-        return n_expert
+        return 0
     free, _total = torch.cuda.mem_get_info(device)
     if vram_budget_mib is not None:
         free = min(free, int(vram_budget_mib * 2**20) - used_bytes)

@@ -122,3 +122,26 @@ def test_counters_and_residency_reach_the_telemetry_snapshot(make_model, prompt_
     resident = np.array(cache["residency"])
     assert ((resident >= 0).sum(axis=1) <= 4).all()
     engine.model.experts.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("arch", ARCHS)
+def test_every_split_on_cuda_gives_the_all_resident_tokens(reference_runs, arch):
+    """The same sweep with real CUDA slots, side-stream copies and events."""
+    path, tokens, _ = reference_runs[arch]
+    model = build_model(path, "cuda")
+    resident = decode_logits(model, tokens)
+    expected = resident.argmax(-1)
+    for size_name, n_slots, fraction, policy in _cases(model.config.n_expert):
+        hybrid = HybridExperts(model.expert_weights, "cuda",
+                               HybridOptions(slots_per_layer=n_slots, miss_fraction=fraction, policy=policy, threads=4))
+        model.experts = hybrid
+        try:
+            logits = decode_logits(model, tokens)
+        finally:
+            hybrid.close()
+        case = f"cuda {arch} cache={size_name} fraction={fraction} policy={policy}"
+        assert torch.equal(logits.argmax(-1), expected), case
+        assert (logits - resident).abs().max().item() < 5e-2, case
+        c = hybrid.counters
+        assert (c.gpu_hit + c.uploaded + c.cpu_computed == (len(tokens) - 1) * model.config.n_expert_used).all(), case
