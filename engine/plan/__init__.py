@@ -1,0 +1,1 @@
+"""The memory plan: hardware probe, model geometry, and where each part of a model goes."""

@@ -1,0 +1,91 @@
+"""The HTTP application: routes, API-key check, error shapes, and the engine thread's lifetime."""
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Awaitable, Callable
+
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request as HttpRequest
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from engine.config import Config
+from engine.server import anthropic_api, openai_api, stats
+from engine.server.errors import ApiError, api_of, error_response
+from engine.server.worker import EngineWorker
+
+log = logging.getLogger("moestudio.server")
+Handler = Callable[[HttpRequest], Awaitable[Response]]
+
+
+def _presented_key(http: HttpRequest) -> str | None:
+    auth = http.headers.get("authorization", "")
+    if auth[:7].lower() == "bearer ":
+        return auth[7:].strip()
+    return http.headers.get("x-api-key")
+
+
+def guarded(handler: Handler, api_key: str | None) -> Handler:
+    """Checks the key (constant time), and turns ApiError into the path's API error shape."""
+    expected = api_key.encode() if api_key else None
+
+    async def endpoint(http: HttpRequest) -> Response:
+        api = api_of(http.url.path)
+        try:
+            if expected is not None:
+                given = _presented_key(http)
+                if given is None or not hmac.compare_digest(given.encode(), expected):
+                    raise ApiError(401, "missing or invalid API key (send 'Authorization: Bearer KEY' or "
+                                   "'x-api-key: KEY')", code="invalid_api_key")
+            return await handler(http)
+        except ApiError as e:
+            return error_response(api, e)
+        except Exception:
+            log.exception("%s %s failed", http.method, http.url.path)
+            return error_response(api, ApiError(500, "internal server error (see the server log)"))
+    return endpoint
+
+
+async def health(http: HttpRequest) -> Response:
+    worker: EngineWorker = http.app.state.worker
+    body = worker.health()
+    return JSONResponse(body, status_code=503 if body["status"] == "error" else 200)
+
+
+async def _http_error(http: HttpRequest, exc: HTTPException) -> Response:
+    """Unknown paths and wrong methods, in the error shape of the API the path belongs to."""
+    message = f"no endpoint {http.method} {http.url.path}" if exc.status_code == 404 else str(exc.detail)
+    return error_response(api_of(http.url.path), ApiError(exc.status_code, message))
+
+
+def build_app(cfg: Config, worker: EngineWorker | None = None) -> Starlette:
+    worker = worker or EngineWorker(cfg)
+    key = cfg.api_key
+
+    @asynccontextmanager
+    async def lifespan(app: Starlette):
+        worker.start()
+        yield
+        await asyncio.to_thread(worker.stop)  # joining the engine thread must not stall the loop
+
+    routes = [Route("/health", health, methods=["GET"])] + [
+        Route(path, guarded(handler, key), methods=[method]) for path, handler, method in (
+            ("/v1/chat/completions", openai_api.chat_completions, "POST"),
+            ("/v1/completions", openai_api.completions, "POST"),
+            ("/v1/models", openai_api.models, "GET"),
+            ("/v1/messages", anthropic_api.messages, "POST"),
+            ("/v1/stats", stats.stats, "GET"),
+            ("/v1/stats/stream", stats.stats_stream, "GET"),
+            ("/metrics", stats.metrics_endpoint(worker), "GET"),
+        )]
+    app = Starlette(routes=routes, lifespan=lifespan, exception_handlers={HTTPException: _http_error})
+    model = Path(cfg.model)
+    app.state.worker = worker
+    app.state.model_id = model.stem
+    app.state.model_created = int(model.stat().st_mtime)
+    return app

@@ -1,0 +1,112 @@
+"""Which engine runs a model (`--engine hybrid|llamacpp|auto`), and loading it from a Config."""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable
+
+from engine.config import Config
+from engine.errors import UserError
+
+if TYPE_CHECKING:  # the reader imports torch: the server listens before paying for that
+    from engine.gguf.reader import ModelFile
+
+log = logging.getLogger("moestudio.server")
+Progress = Callable[[str, float], None]
+
+
+@dataclass
+class Loaded:
+    engine: Any  # engine.runtime.engine.Engine or engine.baseline.llama_engine.LlamaEngine
+    kind: str  # "hybrid" or "llamacpp"
+    reason: str
+
+
+def unsupported_reason(mf: ModelFile) -> str | None:
+    """Why the MoE Studio engine cannot compute this file, or None when it can."""
+    from engine.models import UnsupportedArchitecture, check_architecture
+    from engine.quant.dequant import SUPPORTED_TYPES
+
+    try:
+        check_architecture(mf.arch)
+    except UnsupportedArchitecture as e:
+        return str(e)
+    bad = sorted({t.qtype.name for t in mf.tensors.values() if t.qtype not in SUPPORTED_TYPES})
+    if bad:
+        return f"quantization type(s) {', '.join(bad)} are not supported by the MoE Studio engine"
+    return None
+
+
+def choose_engine(path: str | Path, requested: str) -> tuple[str, str]:
+    """(kind, reason). `auto` prefers the MoE Studio engine; `hybrid` on an unsupported model fails."""
+    from engine.gguf.reader import GGUFError, ModelFile
+
+    if requested == "llamacpp":
+        return "llamacpp", "chosen with --engine llamacpp"
+    try:
+        mf = ModelFile.open(path)
+    except (GGUFError, OSError) as e:
+        raise UserError(f"cannot read the model: {e}") from None
+    problem = unsupported_reason(mf)
+    if requested == "hybrid":
+        if problem:
+            raise UserError(f"{problem}; use --engine llamacpp or auto")
+        return "hybrid", "chosen with --engine hybrid"
+    if problem:
+        return "llamacpp", f"auto: {problem}"
+    return "hybrid", f"auto: the MoE Studio engine supports {mf.arch} and every tensor type of this file"
+
+
+def _threads(cfg: Config) -> int:
+    import psutil
+
+    return cfg.threads or psutil.cpu_count(logical=False) or psutil.cpu_count() or 1
+
+
+def _hybrid(cfg: Config, progress: Progress):
+    import torch
+
+    from engine.runtime.engine import Engine, EngineConfig
+
+    device = cfg.device if cfg.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    # The hybrid engine (engine/moe) consumes the moe_* options: cache size, miss fraction, policy, profile.
+    config = EngineConfig(device=device, n_ctx=cfg.ctx, threads=_threads(cfg), prefill_chunk=cfg.prefill_chunk,
+                          experts="hybrid", expert_cache_size=cfg.moe_expert_cache_size,
+                          expert_cache_mib=cfg.moe_expert_cache_mib, miss_fraction=cfg.miss_fraction,
+                          policy=cfg.moe_profile_adapt, expert_profile=cfg.moe_expert_profile,
+                          load_mode=cfg.load_mode, vram_budget_mib=cfg.vram_budget_mib)
+    return Engine.load(cfg.model, config, progress)
+
+
+def _n_cpu_moe(cfg: Config) -> int:
+    """--n-cpu-moe for a GPU build of llama.cpp: given, or from the memory plan's fit."""
+    if cfg.n_cpu_moe != "auto":
+        return int(cfg.n_cpu_moe)
+    from engine.plan.geometry import read_geometry
+    from engine.plan.planner import PlanOptions, make_plan
+    from engine.plan.probe import probe_hardware
+
+    plan = make_plan(probe_hardware(), read_geometry(cfg.model),
+                     PlanOptions(ctx=cfg.ctx or 4096, kv_type="f16", vram_budget_mib=cfg.vram_budget_mib))
+    return int(plan.settings.get("n_cpu_moe", 0))
+
+
+def _llamacpp(cfg: Config, progress: Progress):
+    from engine.baseline.llama_engine import LlamaEngine
+    from engine.baseline.llama_load import llama_cpp
+
+    gpu_build = bool(llama_cpp().llama_supports_gpu_offload())
+    n_cpu_moe = _n_cpu_moe(cfg) if gpu_build else 0
+    if gpu_build:
+        log.info("llama.cpp GPU build: experts of the first %d layers stay on the CPU", n_cpu_moe)
+    return LlamaEngine.load(cfg.model, n_ctx=cfg.ctx, threads=_threads(cfg), load_mode=cfg.load_mode,
+                            n_cpu_moe=n_cpu_moe, progress=progress)
+
+
+def load_engine(cfg: Config, progress: Progress) -> Loaded:
+    progress("choosing the engine", 0.0)
+    kind, reason = choose_engine(cfg.model, cfg.engine)
+    log.info("engine: %s (%s)", kind, reason)
+    engine = _hybrid(cfg, progress) if kind == "hybrid" else _llamacpp(cfg, progress)
+    return Loaded(engine, kind, reason)

@@ -1,0 +1,86 @@
+"""API keys on both APIs, and the server as a process: refusals, port in use, signals."""
+from __future__ import annotations
+
+import signal
+import socket
+
+import anthropic
+import openai
+import pytest
+
+KEY = "test-key-7f3a9c"  # noqa: S105 - a test fixture, not a secret
+USER = [{"role": "user", "content": "Hi"}]
+
+
+@pytest.fixture(scope="module")
+def keyed(serve, tiny_model):
+    # The key comes from the environment, as it should in real use: it stays out of `ps`.
+    return serve(tiny_model, "-c", "512", env={"MOESTUDIO_API_KEY": KEY})
+
+
+def test_openai_key_accepted_and_refused(keyed):
+    good = openai.OpenAI(base_url=keyed.url + "/v1", api_key=KEY, max_retries=0)
+    assert good.chat.completions.create(model="m", messages=USER, max_tokens=2).usage.completion_tokens == 2
+    bad = openai.OpenAI(base_url=keyed.url + "/v1", api_key="wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError) as e:
+        bad.chat.completions.create(model="m", messages=USER, max_tokens=2)
+    assert e.value.status_code == 401
+    assert e.value.body["code"] == "invalid_api_key" and e.value.body["type"] == "authentication_error"
+
+
+def test_anthropic_key_accepted_and_refused(keyed):
+    good = anthropic.Anthropic(base_url=keyed.url, api_key=KEY, max_retries=0)  # sends x-api-key
+    assert good.messages.create(model="m", messages=USER, max_tokens=2).usage.output_tokens == 2
+    bad = anthropic.Anthropic(base_url=keyed.url, api_key="wrong", max_retries=0)
+    with pytest.raises(anthropic.AuthenticationError) as e:
+        bad.messages.create(model="m", messages=USER, max_tokens=2)
+    assert e.value.body == {"type": "error", "error": {"type": "authentication_error",
+                                                       "message": e.value.body["error"]["message"]}}
+
+
+@pytest.mark.parametrize("path", ["/v1/models", "/v1/stats", "/metrics", "/v1/stats/stream"])
+def test_every_endpoint_but_health_needs_the_key(keyed, path):
+    assert keyed.request("GET", path)[0] == 401
+    assert keyed.request("GET", "/health")[0] == 200
+    if path != "/v1/stats/stream":
+        assert keyed.request("GET", path, headers={"Authorization": f"Bearer {KEY}"})[0] == 200
+        assert keyed.request("GET", path, headers={"x-api-key": KEY})[0] == 200
+
+
+def test_the_key_is_never_logged(keyed):
+    keyed.request("GET", "/v1/models", headers={"x-api-key": "wrong-" + KEY})
+    assert KEY not in "".join(keyed.log)
+
+
+def test_non_loopback_host_without_key_is_refused(run_cli, tiny_model):
+    r = run_cli("serve", str(tiny_model), "--host", "0.0.0.0", "--port", "0")
+    assert r.returncode == 2 and "without an API key" in r.stderr and "--api-key" in r.stderr
+
+
+def test_port_in_use_is_one_clear_line(run_cli, tiny_model):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        r = run_cli("serve", str(tiny_model), "--port", str(port))
+    assert r.returncode != 0
+    assert r.stderr.strip() == (f"moestudio: error: port {port} on 127.0.0.1 is already in use "
+                                "(another server running?); stop it or choose another --port")
+
+
+def test_bad_settings_are_refused_before_listening(run_cli, tiny_model, tmp_path):
+    r = run_cli("serve", str(tiny_model), "--moe-gpu-miss-fraction", "1.5")
+    assert r.returncode == 2 and "moe_gpu_miss_fraction must be 'auto' or a number in [0, 1], got '1.5'" in r.stderr
+    r = run_cli("serve", str(tmp_path / "missing.gguf"))
+    assert r.returncode == 2 and "no such model file" in r.stderr
+
+
+def test_sigint_stops_mid_generation_and_releases_the_port(serve, tiny_model):
+    s = serve(tiny_model, "-c", "512")
+    stream = openai.OpenAI(base_url=s.url + "/v1", api_key="x", max_retries=0).chat.completions.create(
+        model="m", messages=USER, max_tokens=400, stream=True)
+    next(iter(stream))
+    assert s.stop(signal.SIGINT) in (0, 130)
+    with socket.socket() as again:
+        again.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as servers do: TIME_WAIT may linger
+        again.bind((s.host, s.port))  # no listener holds the port any more

@@ -1,0 +1,84 @@
+"""The llama.cpp engine behind the same API, and `--engine auto` choosing it for what we cannot run."""
+from __future__ import annotations
+
+import openai
+import pytest
+from gguf import GGMLQuantizationType as QT
+
+from engine.errors import UserError
+from engine.server.loader import choose_engine
+
+USER = [{"role": "user", "content": "Name three colours."}]
+
+
+@pytest.fixture(scope="module")
+def iq4_model(make_model):
+    """IQ4_NL experts: llama.cpp runs them, the MoE Studio engine does not."""
+    return make_model("qwen3moe", QT.IQ4_NL)
+
+
+def test_auto_prefers_hybrid_and_falls_back_with_a_reason(tiny_model, iq4_model):
+    assert choose_engine(tiny_model, "auto")[0] == "hybrid"
+    kind, reason = choose_engine(iq4_model, "auto")
+    assert kind == "llamacpp" and "IQ4_NL" in reason
+    assert choose_engine(iq4_model, "llamacpp") == ("llamacpp", "chosen with --engine llamacpp")
+    with pytest.raises(UserError, match="IQ4_NL.*--engine llamacpp"):
+        choose_engine(iq4_model, "hybrid")
+
+
+def chat(url: str, **kwargs):
+    client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=60)
+    return client.chat.completions.create(model="m", messages=USER, max_tokens=8, temperature=0, **kwargs)
+
+
+def test_llamacpp_answers_the_same_request_as_the_hybrid_engine(serve, server, tiny_model, count_chat_tokens):
+    llama = serve(tiny_model, "--engine", "llamacpp", "-c", "1024")
+    health = llama.request("GET", "/health")[1]
+    assert health["engine"] == "llamacpp" and health["engine_reason"] == "chosen with --engine llamacpp"
+    ours, theirs = chat(server.url), chat(llama.url)
+    assert theirs.usage.prompt_tokens == ours.usage.prompt_tokens == count_chat_tokens(USER)
+    # Same request, same counts. (The texts may part at a near-tie: llama.cpp's KV cache here is F16,
+    # the engine's F32; tests/engine/test_parity.py compares the two with equal KV types.)
+    assert theirs.usage.completion_tokens == ours.usage.completion_tokens == 8
+    streamed = "".join(c.choices[0].delta.content or "" for c in chat(llama.url, stream=True) if c.choices)
+    assert streamed == theirs.choices[0].message.content
+    snap = llama.request("GET", "/v1/stats")[1]
+    assert snap["engine"] == "llamacpp" and snap["cache"] is None and snap["completion_tokens"] >= 16
+    assert "moestudio_expert_gpu_hit" not in llama.request("GET", "/metrics")[1]  # absent, not faked
+
+
+def test_auto_serves_an_unsupported_quant_through_llamacpp(serve, iq4_model):
+    s = serve(iq4_model)
+    health = s.request("GET", "/health")[1]
+    assert health["engine"] == "llamacpp" and "IQ4_NL" in health["engine_reason"]
+    r = chat(s.url, stop=["\n\n"])
+    assert r.usage.completion_tokens >= 1 and r.choices[0].finish_reason in ("length", "stop")
+
+
+def test_cpu_moe_overrides_reach_llama_cpp(tiny_model):
+    """The --n-cpu-moe override list is built and read by llama.cpp (on this CPU build it moves nothing)."""
+    from engine.baseline.llama_engine import LlamaEngine, cpu_moe_overrides, open_llama_with
+    from engine.layers.sampler import SamplingParams
+    from engine.runtime.engine import Request
+    from engine.runtime.tokenizer import Tokenizer
+
+    table = cpu_moe_overrides(2)
+    assert [table[i].pattern for i in range(2)] == [rb"blk\.0\.ffn_(up|down|gate|gate_up)_(ch|)exps",
+                                                     rb"blk\.1\.ffn_(up|down|gate|gate_up)_(ch|)exps"]
+    assert table[2].pattern is None and cpu_moe_overrides(0) is None
+    request = Request(messages=USER, max_tokens=6, sampling=SamplingParams(temperature=0))
+    pinned = LlamaEngine(open_llama_with(tiny_model, overrides=table, n_ctx=256), Tokenizer(tiny_model))
+    plain = LlamaEngine.load(tiny_model, n_ctx=256, threads=None)
+    assert list(pinned.generate(request))[-1].text == list(plain.generate(request))[-1].text
+    table[0].pattern = rb"blk\.0\.ffn_(up"  # an invalid regex: llama.cpp refuses the load, so it read the list
+    with pytest.raises(UserError, match="could not load"):
+        open_llama_with(tiny_model, overrides=table, n_ctx=256)
+
+
+def test_a_model_that_cannot_load_is_reported_not_crashed(serve, iq4_model):
+    s = serve(iq4_model, "--engine", "hybrid")
+    status, health = s.request("GET", "/health")
+    assert status == 503 and health["status"] == "error" and "IQ4_NL" in health["error"]
+    with pytest.raises(openai.InternalServerError) as e:
+        chat(s.url)
+    assert e.value.status_code == 503 and "failed to load" in e.value.body["message"]
