@@ -77,6 +77,7 @@ def run_reference(model_path: str | Path, tokens: list[int], *, generate: int = 
         cp.n_batch = cp.n_ubatch = min(chunk, max(len(tokens), 1))
         cp.type_k = cp.type_v = GGML_TYPE_F32
         cp.flash_attn_type = L.LLAMA_FLASH_ATTN_TYPE_DISABLED
+        cp.op_offload = False  # a GPU build must not move the reference's matmuls to the GPU
         if n_threads:
             cp.n_threads = cp.n_threads_batch = n_threads
         cp.cb_eval = on_tensor

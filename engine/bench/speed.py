@@ -1,0 +1,190 @@
+"""`moestudio bench speed`: this engine against llama.cpp, side by side, in one run.
+
+Same GGUF, same token stream, same VRAM budget. Decode is teacher-forced on real text (every
+engine routes the same tokens), prefill runs a fixed prompt. Configurations:
+  hybrid        this engine with its defaults at the budget
+  resident      this engine with every expert on the GPU (budget ignored)
+  llama-split   llama.cpp with the fewest --n-cpu-moe layers whose GPU bytes fit the budget
+  llama-gpu     llama.cpp with every expert on the GPU (budget ignored)
+Reports tok/s, TTFT, hit rates, bytes read from host RAM per token, PCIe MB/s, peak VRAM and
+the share of the bandwidth bound reached (bound = RAM bytes / RAM bandwidth + VRAM bytes /
+HBM bandwidth per token, both bandwidths measured here).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+MiB = 2**20
+
+
+def measure_bandwidths(device: torch.device) -> dict[str, float]:
+    """GB/s of a host memory read (numpy sum over 1 GiB) and of a device-to-device copy."""
+    host = np.ones(2**28, np.float32)
+    host.sum()
+    t = time.perf_counter()
+    for _ in range(3):
+        host.sum()
+    ram = 3 * host.nbytes / (time.perf_counter() - t) / 1e9
+    out = {"ram_read_gbs_one_thread": ram}
+    if device.type == "cuda":
+        a = torch.empty(2**30, dtype=torch.uint8, device=device)
+        b = torch.empty_like(a)
+        b.copy_(a)
+        torch.cuda.synchronize(device)
+        t = time.perf_counter()
+        for _ in range(10):
+            b.copy_(a)
+        torch.cuda.synchronize(device)
+        out["hbm_gbs"] = 10 * 2 * a.numel() / (time.perf_counter() - t) / 1e9
+        del a, b
+    return out
+
+
+def _geometry(path: Path) -> dict[str, int]:
+    from engine.gguf.reader import ModelFile
+
+    mf = ModelFile.open(path)
+    expert = sum(t.n_bytes for t in mf.tensors.values() if "_exps." in t.name)
+    n_layer = int(mf.arch_key("block_count"))
+    moe_layers = sorted({int(t.name.split(".")[1]) for t in mf.tensors.values() if "_exps." in t.name})
+    n_expert = int(mf.arch_key("expert_count"))
+    return {"n_layer": n_layer, "n_moe_layers": len(moe_layers), "first_moe_layer": moe_layers[0],
+            "n_expert": n_expert, "k": int(mf.arch_key("expert_used_count")),
+            "expert_bytes": expert // (len(moe_layers) * n_expert),
+            "dense_bytes": sum(t.n_bytes for t in mf.tensors.values()) - expert}
+
+
+def run_engine(path: Path, prompt: list[int], stream: list[int], *, device: str, budget_mib: float | None,
+               cache: str, threads: int) -> dict:
+    from engine.runtime.engine import Engine, EngineConfig
+
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(dev)
+    engine = Engine.load(path, EngineConfig(device=device, n_ctx=len(prompt) + len(stream) + 8, threads=threads,
+                                            expert_cache_size=cache, vram_budget_mib=budget_mib))
+    model, kv = engine.model, engine.cache
+    sync = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else (lambda: None)
+    model.forward(torch.tensor(prompt[:8]), kv, 0)  # warm-up: kernels, pools, graphs
+    sync()
+    t0 = time.perf_counter()
+    model.forward(torch.tensor(prompt), kv, 0)
+    sync()
+    prefill_s = time.perf_counter() - t0
+    c = engine.telemetry.cache
+    before = None if c is None else (c.gpu_hit.sum(), c.uploaded.sum(), c.cpu_computed.sum(), c.bytes_uploaded)
+    t0 = time.perf_counter()
+    pos = len(prompt)
+    for tok in stream:
+        model.forward(torch.tensor([tok]), kv, pos)
+        pos += 1
+    sync()
+    decode_s = time.perf_counter() - t0
+    out = {"prefill_tokens_per_s": len(prompt) / prefill_s, "ttft_s": prefill_s,
+           "decode_tokens_per_s": len(stream) / decode_s,
+           "peak_vram_mib": torch.cuda.max_memory_allocated(dev) / MiB if dev.type == "cuda" else None}
+    if c is not None:
+        hit, up, cpu, moved = (a - b for a, b in zip((c.gpu_hit.sum(), c.uploaded.sum(), c.cpu_computed.sum(),
+                                                      c.bytes_uploaded), before))
+        total = hit + up + cpu
+        out.update(slots_per_layer=c.slots_per_layer, gpu_hit=hit / total, uploaded=up / total, cpu=cpu / total,
+                   pcie_mb_per_s=moved / decode_s / 1e6, uploaded_bytes_per_token=moved / len(stream))
+    model.experts.close() if hasattr(model.experts, "close") else None
+    return out
+
+
+def run_llama(path: Path, prompt: list[int], stream: list[int], *, n_cpu_moe: int, threads: int) -> dict:
+    from engine.baseline.llama_engine import cpu_moe_overrides, open_llama_with
+
+    llm = open_llama_with(path, overrides=cpu_moe_overrides(n_cpu_moe), n_gpu_layers=-1, flash_attn=True,
+                          n_ctx=len(prompt) + len(stream) + 8, n_batch=512, n_ubatch=512, n_threads=threads,
+                          n_threads_batch=threads)
+    llm.eval(prompt[:8])
+    llm.reset()
+    t0 = time.perf_counter()
+    llm.eval(prompt)
+    prefill_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    for tok in stream:
+        llm.eval([tok])
+    decode_s = time.perf_counter() - t0
+    del llm
+    return {"n_cpu_moe": n_cpu_moe, "prefill_tokens_per_s": len(prompt) / prefill_s, "ttft_s": prefill_s,
+            "decode_tokens_per_s": len(stream) / decode_s}
+
+
+def fitting_split(geo: dict[str, int], budget_mib: float, kv_mib: float, workspace_mib: float = 1024) -> int:
+    """Fewest leading MoE layers whose experts must stay in RAM for llama.cpp to fit the budget."""
+    per_layer = geo["expert_bytes"] * geo["n_expert"]
+    room = budget_mib * MiB - geo["dense_bytes"] - (kv_mib + workspace_mib) * MiB
+    on_gpu = max(0, int(room // per_layer))
+    return max(0, geo["n_moe_layers"] - on_gpu) + (geo["first_moe_layer"] if on_gpu < geo["n_moe_layers"] else 0)
+
+
+def bench(path: Path, budget_mib: float, *, device: str, threads: int, n_prompt: int, n_decode: int) -> dict:
+    from engine.runtime.tokenizer import tokenize_text
+    from engine.synth.corpus import stdlib_text
+
+    tokens = tokenize_text(path, stdlib_text(max_chars=(n_prompt + n_decode) * 8))
+    prompt, stream = tokens[:n_prompt], tokens[n_prompt:n_prompt + n_decode]
+    geo = _geometry(path)
+    dev = torch.device(device)
+    result = {"model": path.name, "budget_mib": budget_mib, "geometry": geo, "bandwidth": measure_bandwidths(dev),
+              "tokens": {"prompt": len(prompt), "decode": len(stream)}, "runs": {}}
+    runs = result["runs"]
+    runs["hybrid"] = run_engine(path, prompt, stream, device=device, budget_mib=budget_mib, cache="auto",
+                                threads=threads)
+    runs["resident"] = run_engine(path, prompt, stream, device=device, budget_mib=None, cache="all", threads=threads)
+    if dev.type == "cuda":
+        split = fitting_split(geo, budget_mib, kv_mib=64)
+        runs["llama-split"] = run_llama(path, prompt, stream, n_cpu_moe=split, threads=threads)
+        runs["llama-gpu"] = run_llama(path, prompt, stream, n_cpu_moe=0, threads=threads)
+    _bounds(result)
+    return result
+
+
+def _bounds(result: dict) -> None:
+    """Adds bytes per token and the share of the bandwidth bound reached to each run."""
+    geo, bw = result["geometry"], result["bandwidth"]
+    ram, hbm = bw["ram_read_gbs_one_thread"] * 1e9, bw.get("hbm_gbs", bw["ram_read_gbs_one_thread"]) * 1e9
+    per_token_experts = geo["n_moe_layers"] * geo["k"] * geo["expert_bytes"]
+    for name, run in result["runs"].items():
+        if "cpu" in run:
+            host = per_token_experts * (run["cpu"] + run["uploaded"])
+        elif "n_cpu_moe" in run:
+            host = per_token_experts * run["n_cpu_moe"] / geo["n_moe_layers"]
+        else:
+            continue
+        device_bytes = geo["dense_bytes"] + per_token_experts - host
+        bound_s = host / ram + device_bytes / hbm
+        run["host_bytes_per_token"] = host
+        run["bound_tokens_per_s"] = 1 / bound_s
+        run["share_of_bound"] = run["decode_tokens_per_s"] * bound_s
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("speed", help="decode/prefill speed against llama.cpp at a VRAM budget")
+    p.add_argument("model", type=Path)
+    p.add_argument("--vram-budget-mib", type=float, required=True)
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("-t", "--threads", type=int, default=4)
+    p.add_argument("--prompt-tokens", type=int, default=512)
+    p.add_argument("--decode-tokens", type=int, default=64)
+    p.add_argument("--out", type=Path, help="write the JSON result here too")
+    p.set_defaults(run=_run)
+
+
+def _run(args: argparse.Namespace) -> int:
+    r = bench(args.model, args.vram_budget_mib, device=args.device, threads=args.threads,
+              n_prompt=args.prompt_tokens, n_decode=args.decode_tokens)
+    text = json.dumps(r, indent=2, default=float)
+    if args.out:
+        args.out.write_text(text)
+    print(text)
+    return 0
