@@ -7,7 +7,6 @@ AMX-capable CPUs for 2-D Q8_0/Q4_K weights (gdb: ggml_backend_amx_mul_mat; llama
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import os
 from functools import lru_cache
 from pathlib import Path
@@ -36,18 +35,11 @@ def _log(level, text, _user) -> None:  # noqa: ANN001 - C callback
         print(text.decode(errors="replace"), end="")
 
 
-# An empty NULL-terminated device list: with n_gpu_layers 0 a GPU build of llama.cpp then
-# keeps every tensor AND every computation on the CPU, as a reference must.
-_NO_DEVICES = (ctypes.c_void_p * 1)()
-
-
 def model_params(n_gpu_layers: int = 0):
     L = llama_cpp()
     p = L.llama_model_default_params()
     p.n_gpu_layers = n_gpu_layers
     p.use_extra_bufts = False
-    if n_gpu_layers == 0:
-        p.devices = ctypes.addressof(_NO_DEVICES)
     return p
 
 

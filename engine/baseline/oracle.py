@@ -77,7 +77,10 @@ def run_reference(model_path: str | Path, tokens: list[int], *, generate: int = 
         cp.n_batch = cp.n_ubatch = min(chunk, max(len(tokens), 1))
         cp.type_k = cp.type_v = GGML_TYPE_F32
         cp.flash_attn_type = L.LLAMA_FLASH_ATTN_TYPE_DISABLED
-        cp.op_offload = False  # a GPU build must not move the reference's matmuls to the GPU
+        # On a GPU build the weights stay on the CPU (n_gpu_layers 0); these keep the KV cache and
+        # the big-batch matmuls there too, so the reference computes on the CPU everywhere.
+        cp.op_offload = False
+        cp.offload_kqv = False
         if n_threads:
             cp.n_threads = cp.n_threads_batch = n_threads
         cp.cb_eval = on_tensor

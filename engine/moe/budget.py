@@ -33,6 +33,9 @@ def slots_per_layer(*, cache_size: str | int | None, cache_mib: float | None, ex
     if device.type != "cuda":
         return 0
     free, _total = torch.cuda.mem_get_info(device)
+    headroom = HEADROOM_BYTES
     if vram_budget_mib is not None:
-        free = min(free, int(vram_budget_mib * 2**20) - used_bytes)
-    return max(0, min(n_expert, (free - HEADROOM_BYTES) // (expert_bytes * n_layers)))
+        budget = int(vram_budget_mib * 2**20)
+        free = min(free, budget - used_bytes)
+        headroom = min(headroom, budget // 8)  # an emulated small GPU keeps a proportionate reserve
+    return max(0, min(n_expert, (free - headroom) // (expert_bytes * n_layers)))

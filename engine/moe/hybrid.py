@@ -194,9 +194,12 @@ def attach_hybrid(model, config) -> HybridExperts:
     ws = model.expert_weights
     any_w = next(iter(ws.values()))
     expert_bytes = sum(t.expert_bytes for t in (any_w.gate, any_w.up, any_w.down))
+    c = model.config
+    kv_bytes = 4 * c.n_layer * config.n_ctx * c.n_head_kv * (c.head_dim_k + c.head_dim_v)  # float32 cache
+    used = (torch.cuda.memory_allocated(device) if device.type == "cuda" else 0) + kv_bytes
     n_slots = slots_per_layer(cache_size=config.expert_cache_size, cache_mib=config.expert_cache_mib,
                               expert_bytes=expert_bytes, n_expert=any_w.n_expert, n_layers=len(ws), device=device,
-                              vram_budget_mib=config.vram_budget_mib)
+                              vram_budget_mib=config.vram_budget_mib, used_bytes=used)
     options = HybridOptions(slots_per_layer=n_slots, miss_fraction=config.miss_fraction, policy=config.policy,
                             threads=config.threads or 2, load_mode=config.load_mode)
     hybrid = HybridExperts(ws, device, options)
