@@ -19,14 +19,25 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$OUT/gpu
 lscpu | grep -E "Model name|^CPU\(s\)|Flags" | cut -c1-300 > "$OUT/cpu.txt"
 
 if has build; then
-  log "build llama-cpp-python (CUDA sm_90)"
-  mkdir -p /tmp/llsrc && tar xzf .src/llama_cpp_python-*.tar.gz -C /tmp/llsrc
-  (cd /tmp/llsrc/llama_cpp_python-* && CMAKE_ARGS="-DGGML_CUDA=on -DCMAKE_CUDA_ARCHITECTURES=90 -DLLAVA_BUILD=OFF" \
-     CMAKE_BUILD_PARALLEL_LEVEL=16 timeout 420 python3 -m pip install -q --no-build-isolation --no-deps \
-     --target /tmp/site . > "$OUT/build.log" 2>&1) || { log "build failed"; tail -30 "$OUT/build.log"; exit 1; }
-  log "built"
+  # Two builds: a CPU one for this engine's process (ggml CPU pool, reference, tokenizer) and a
+  # CUDA one for the llama.cpp baseline, which runs in its own torch-free process: llama.cpp's
+  # CUDA build and torch's CUDA libraries crash when loaded into one process.
+  log "build llama-cpp-python: CPU into /tmp/site, CUDA sm_90 into /tmp/site_cuda (in parallel)"
+  mkdir -p /tmp/llcpu /tmp/llcuda && tar xzf .src/llama_cpp_python-*.tar.gz -C /tmp/llcpu && tar xzf .src/llama_cpp_python-*.tar.gz -C /tmp/llcuda
+  (cd /tmp/llcpu/llama_cpp_python-* && CMAKE_ARGS="-DLLAVA_BUILD=OFF" CMAKE_BUILD_PARALLEL_LEVEL=5 timeout 420 \
+     python3 -m pip install -q --no-build-isolation --no-deps --target /tmp/site . > "$OUT/build_cpu.log" 2>&1) &
+  cpu_pid=$!
+  (cd /tmp/llcuda/llama_cpp_python-* && CMAKE_ARGS="-DGGML_CUDA=on -DCMAKE_CUDA_ARCHITECTURES=90 -DLLAVA_BUILD=OFF" \
+     CMAKE_BUILD_PARALLEL_LEVEL=11 timeout 420 python3 -m pip install -q --no-build-isolation --no-deps \
+     --target /tmp/site_cuda . > "$OUT/build_cuda.log" 2>&1) &
+  cuda_pid=$!
+  wait $cpu_pid || { log "CPU build failed"; tail -30 "$OUT/build_cpu.log"; exit 1; }
+  log "CPU build done"
+  wait $cuda_pid || log "CUDA build failed (baseline runs will fail)"
+  log "builds done"
 fi
-python3 -c "import llama_cpp, torch; print(llama_cpp.__version__, torch.__version__, torch.cuda.get_device_name())" | tee -a "$OUT/steps.log"
+export MOESTUDIO_LLAMA_SITE=/tmp/site_cuda
+python3 -c "import torch, llama_cpp; print(llama_cpp.__version__, torch.__version__, torch.cuda.get_device_name())" 2>&1 | tee -a "$OUT/steps.log"
 
 if has tests; then
   log "GPU tests"

@@ -5,90 +5,24 @@
 TokenEvent/DoneEvent. It tokenizes, renders chat templates and matches stop strings with the
 same code as the torch engine, so a request means the same thing on both.
 
-GPU placement (`--n-cpu-moe` behaviour): on a llama.cpp build with GPU offload every layer goes
-to the GPU (n_gpu_layers = -1) except the expert tensors of the first N layers, which a
-`tensor_buft_overrides` list pins to CPU memory, exactly what llama.cpp's `--n-cpu-moe N`
-builds. The project's llama-cpp-python is a CPU build, where no override is needed; the
-override list itself is still built and loaded by the tests (pinning experts to the CPU
-buffer type is a no-op there), but the GPU split can only be exercised on a GPU build.
+GPU placement (`--n-cpu-moe`) is engine/baseline/placement.py. The project's llama-cpp-python
+is a CPU build, where no override is needed; the override list itself is still built and
+loaded by the tests, but the GPU split can only be exercised on a GPU build.
 """
 from __future__ import annotations
 
-import ctypes
 import threading
 import time
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable, Iterator
 
-from engine.baseline.llama_load import llama_cpp, open_llama
+from engine.baseline.llama_load import llama_cpp
+from engine.baseline.placement import cpu_moe_overrides, open_llama_with
 from engine.errors import UserError
 from engine.runtime.engine import ContextOverflow, DoneEvent, Engine, Event, Request, TokenEvent
 from engine.runtime.stops import StopMatcher, Utf8Decoder
 from engine.runtime.telemetry import Telemetry
 from engine.runtime.tokenizer import Tokenizer
-
-# llama.cpp common/arg.cpp LLM_FFN_EXPS_REGEX: the routed expert tensors of a layer.
-EXPERT_TENSORS = r"\.ffn_(up|down|gate|gate_up)_(ch|)exps"
-_params_lock = threading.Lock()  # the default-params factory is patched process-wide while loading
-
-
-class _BuftOverride(ctypes.Structure):
-    """struct llama_model_tensor_buft_override (llama.h); llama-cpp-python does not bind it."""
-    _fields_ = [("pattern", ctypes.c_char_p), ("buft", ctypes.c_void_p)]
-
-
-def _cpu_buffer_type() -> int:
-    lib = ctypes.CDLL(str(Path(llama_cpp().__file__).parent / "lib" / "libggml-cpu.so"))
-    lib.ggml_backend_cpu_buffer_type.restype = ctypes.c_void_p
-    return lib.ggml_backend_cpu_buffer_type()
-
-
-def cpu_moe_overrides(first_layers: int) -> ctypes.Array | None:
-    """The NULL-terminated override list of `--n-cpu-moe first_layers` (None for 0)."""
-    if first_layers <= 0:
-        return None
-    buft = _cpu_buffer_type()
-    table = (_BuftOverride * (first_layers + 1))()  # zeroed: the last entry is the terminator
-    for i in range(first_layers):
-        # ctypes keeps the assigned bytes alive in the array's own references.
-        table[i].pattern = f"blk\\.{i}{EXPERT_TENSORS}".encode()
-        table[i].buft = buft
-    return table
-
-
-@contextmanager
-def _model_params(overrides: ctypes.Array | None, progress: Callable[[float], None] | None):
-    """Adds buffer overrides and a load-progress callback to the params `Llama` is built with.
-
-    `Llama` exposes neither; `open_llama` builds its params through the llama_cpp module's
-    default-params factory, so that factory is wrapped for the duration of the load.
-    """
-    L = llama_cpp()
-    callback = L.llama_progress_callback((lambda fraction, _user: progress(fraction) or True) if progress
-                                         else (lambda fraction, _user: True))
-    original = L.llama_model_default_params
-
-    def params():
-        p = original()
-        if overrides is not None:
-            p.tensor_buft_overrides = ctypes.addressof(overrides)
-        p.progress_callback = callback
-        return p
-
-    with _params_lock:
-        L.llama_model_default_params = params
-        try:
-            yield
-        finally:
-            L.llama_model_default_params = original
-
-
-def open_llama_with(path: str | Path, *, overrides: ctypes.Array | None = None,
-                    progress: Callable[[float], None] | None = None, **kwargs):
-    with _model_params(overrides, progress):
-        return open_llama(path, **kwargs)
-
 
 class LlamaEngine:
     def __init__(self, llm, tokenizer: Tokenizer):

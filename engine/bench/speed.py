@@ -14,6 +14,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import subprocess
+import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -100,23 +104,22 @@ def run_engine(path: Path, prompt: list[int], stream: list[int], *, device: str,
 
 
 def run_llama(path: Path, prompt: list[int], stream: list[int], *, n_cpu_moe: int, threads: int) -> dict:
-    from engine.baseline.llama_engine import cpu_moe_overrides, open_llama_with
-
-    llm = open_llama_with(path, overrides=cpu_moe_overrides(n_cpu_moe), n_gpu_layers=-1, flash_attn=True,
-                          n_ctx=len(prompt) + len(stream) + 8, n_batch=512, n_ubatch=512, n_threads=threads,
-                          n_threads_batch=threads)
-    llm.eval(prompt[:8])
-    llm.reset()
-    t0 = time.perf_counter()
-    llm.eval(prompt)
-    prefill_s = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    for tok in stream:
-        llm.eval([tok])
-    decode_s = time.perf_counter() - t0
-    del llm
-    return {"n_cpu_moe": n_cpu_moe, "prefill_tokens_per_s": len(prompt) / prefill_s, "ttft_s": prefill_s,
-            "decode_tokens_per_s": len(stream) / decode_s}
+    """engine/bench/llama_runner.py in a subprocess; MOESTUDIO_LLAMA_SITE names a site dir with a
+    GPU build of llama-cpp-python to put first on its path."""
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+        json.dump({"prompt": prompt, "stream": stream}, f)
+    env = dict(os.environ)
+    if env.get("MOESTUDIO_LLAMA_SITE"):
+        env["PYTHONPATH"] = os.pathsep.join([env["MOESTUDIO_LLAMA_SITE"], env.get("PYTHONPATH", "")])
+    try:
+        r = subprocess.run([sys.executable, "-m", "engine.bench.llama_runner", str(path), f.name,
+                            "--n-cpu-moe", str(n_cpu_moe), "-t", str(threads)],
+                           capture_output=True, text=True, env=env, timeout=600)
+    finally:
+        os.unlink(f.name)
+    if r.returncode != 0:
+        raise RuntimeError(f"llama.cpp run failed (n_cpu_moe={n_cpu_moe}): {r.stderr[-2000:]}")
+    return json.loads(r.stdout.strip().splitlines()[-1])
 
 
 def fitting_split(geo: dict[str, int], budget_mib: float, kv_mib: float, workspace_mib: float = 1024) -> int:

@@ -57,7 +57,8 @@ def test_auto_serves_an_unsupported_quant_through_llamacpp(serve, iq4_model):
 
 def test_cpu_moe_overrides_reach_llama_cpp(tiny_model):
     """The --n-cpu-moe override list is built and read by llama.cpp (on this CPU build it moves nothing)."""
-    from engine.baseline.llama_engine import LlamaEngine, cpu_moe_overrides, open_llama_with
+    from engine.baseline.llama_engine import LlamaEngine
+    from engine.baseline.placement import cpu_moe_overrides, open_llama_with
     from engine.layers.sampler import SamplingParams
     from engine.runtime.engine import Request
     from engine.runtime.tokenizer import Tokenizer

@@ -1,0 +1,49 @@
+"""Times llama.cpp on a token stream, in a process of its own, without torch.
+
+`python -m engine.bench.llama_runner MODEL TOKENS.json --n-cpu-moe N -t THREADS` prints one
+JSON line: prefill tok/s on the prompt, then teacher-forced decode tok/s on the stream.
+A separate process because a CUDA build of llama.cpp and torch's CUDA libraries crash when
+loaded together (engine/baseline/placement.py).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+
+def time_llama(model: Path, prompt: list[int], stream: list[int], n_cpu_moe: int, threads: int) -> dict:
+    from engine.baseline.placement import cpu_moe_overrides, open_llama_with
+
+    llm = open_llama_with(model, overrides=cpu_moe_overrides(n_cpu_moe), n_gpu_layers=-1, flash_attn=True,
+                          n_ctx=len(prompt) + len(stream) + 16, n_batch=512, n_ubatch=512, n_threads=threads,
+                          n_threads_batch=threads)
+    llm.eval(prompt[:8])  # warm-up
+    llm.reset()
+    t0 = time.perf_counter()
+    llm.eval(prompt)
+    prefill_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    for tok in stream:
+        llm.eval([tok])
+    decode_s = time.perf_counter() - t0
+    return {"n_cpu_moe": n_cpu_moe, "prefill_tokens_per_s": len(prompt) / prefill_s, "ttft_s": prefill_s,
+            "decode_tokens_per_s": len(stream) / decode_s}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="llama_runner")
+    p.add_argument("model", type=Path)
+    p.add_argument("tokens", type=Path, help='JSON {"prompt": [...], "stream": [...]}')
+    p.add_argument("--n-cpu-moe", type=int, default=0)
+    p.add_argument("-t", "--threads", type=int, default=8)
+    args = p.parse_args(argv)
+    toks = json.loads(args.tokens.read_text())
+    print(json.dumps(time_llama(args.model, toks["prompt"], toks["stream"], args.n_cpu_moe, args.threads)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
