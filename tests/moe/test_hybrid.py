@@ -126,12 +126,20 @@ def test_counters_and_residency_reach_the_telemetry_snapshot(make_model, prompt_
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("arch", ARCHS)
-def test_every_split_on_cuda_gives_the_all_resident_tokens(reference_runs, arch):
-    """The same sweep with real CUDA slots, side-stream copies and events."""
-    path, tokens, _ = reference_runs[arch]
+def test_every_split_on_cuda_gives_the_all_resident_tokens(make_model, prompt_text, arch):
+    """The same sweep with real CUDA slots, side-stream copies and events. The token stream is
+    the all-resident CUDA model's own greedy continuation (no llama.cpp in this process)."""
+    path = make_model(arch, QUANT.get(arch, QT.Q4_K))
     model = build_model(path, "cuda")
+    tokens = tokenize_text(path, prompt_text)[:N_PROMPT]
+    cache = model.new_cache(N_PROMPT + N_GEN)
+    logits = model.forward(torch.tensor(tokens), cache)[-1]
+    for _ in range(N_GEN):
+        tokens.append(int(logits.argmax()))
+        logits = model.forward(torch.tensor(tokens[-1:]), cache)[-1]
     resident = decode_logits(model, tokens)
     expected = resident.argmax(-1)
+    assert torch.equal(expected.cpu(), torch.tensor(tokens[N_PROMPT:]))
     for size_name, n_slots, fraction, policy in _cases(model.config.n_expert):
         hybrid = HybridExperts(model.expert_weights, "cuda",
                                HybridOptions(slots_per_layer=n_slots, miss_fraction=fraction, policy=policy, threads=4))
