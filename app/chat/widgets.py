@@ -1,0 +1,424 @@
+"""The chat tab: conversation list with search, messages rendered as Markdown, the input box,
+and the per-conversation settings (system prompt, sampling)."""
+from __future__ import annotations
+
+import re
+
+
+from PySide6.QtCore import Qt, QTimer, Signal
+from PySide6.QtGui import QGuiApplication, QKeyEvent, QTextDocument
+from PySide6.QtWidgets import (QAbstractItemView, QDoubleSpinBox, QFormLayout, QFrame, QHBoxLayout,
+                               QInputDialog, QLabel, QLineEdit, QListWidget, QListWidgetItem, QMessageBox,
+                               QPlainTextEdit, QPushButton, QScrollArea, QSpinBox, QSplitter,
+                               QToolButton, QVBoxLayout, QWidget)
+
+from app.chat.controller import ChatController
+from app.chat.markdown import code_blocks, display_markdown
+from app.chat.session import DEFAULT_SETTINGS, format_stats
+from app.store import Message
+
+STATUS_NOTE = {
+    "streaming": "writing\u2026",
+    "stopped": "stopped",
+    "interrupted": "interrupted: the engine or the app stopped during this reply",
+    "error": "error",
+}
+
+
+_DOC = None
+
+
+def markdown_html(text: str) -> str:
+    """Markdown to Qt rich text (Qt's own CommonMark/GitHub reader), with code blocks shaded."""
+    global _DOC
+    if _DOC is None:
+        _DOC = QTextDocument()
+    _DOC.setMarkdown(text)
+    html = _DOC.toHtml()
+    html = re.sub(r"<body style=\"[^\"]*\">", "<body>", html)  # the label's own font, not the document's
+    return html.replace("<pre style=\"", "<pre style=\" background-color:rgba(128,128,128,40);")
+
+
+class MessageWidget(QFrame):
+    copyRequested = Signal(str)
+    editRequested = Signal(int)
+    regenerateRequested = Signal()
+
+    def __init__(self, msg: Message, parent: QWidget | None = None):
+        super().__init__(parent)
+        self.msg = msg
+        self.setObjectName("message")
+        self.setFrameShape(QFrame.StyledPanel)
+        self.setProperty("role", msg.role)
+        lay = QVBoxLayout(self)
+        lay.setContentsMargins(10, 6, 10, 6)
+        head = QHBoxLayout()
+        self.role_label = QLabel("<b>You</b>" if msg.role == "user" else "<b>Assistant</b>")
+        self.status_label = QLabel()
+        self.status_label.setObjectName("messageStatus")
+        head.addWidget(self.role_label)
+        head.addWidget(self.status_label, 1)
+        self.copy_btn = QToolButton(text="Copy", toolTip="Copy this message as Markdown")
+        self.code_btn = QToolButton(text="Copy code", toolTip="Copy the last code block of this message")
+        self.edit_btn = QToolButton(text="Edit", toolTip="Edit this message and send it again "
+                                    "(the replies after it are replaced)")
+        self.regen_btn = QToolButton(text="Regenerate", toolTip="Replace this reply with a new one")
+        for b in (self.copy_btn, self.code_btn, self.edit_btn, self.regen_btn):
+            b.setAutoRaise(True)
+            head.addWidget(b)
+        self.copy_btn.clicked.connect(lambda: self.copyRequested.emit(self.msg.content))
+        self.code_btn.clicked.connect(self._copy_code)
+        self.edit_btn.clicked.connect(lambda: self.editRequested.emit(self.msg.id))
+        self.regen_btn.clicked.connect(self.regenerateRequested.emit)
+        lay.addLayout(head)
+        self.body = QLabel()
+        self.body.setTextFormat(Qt.RichText)
+        self.body.setWordWrap(True)
+        self.body.setTextInteractionFlags(Qt.TextSelectableByMouse | Qt.LinksAccessibleByMouse)
+        self.body.setOpenExternalLinks(True)
+        lay.addWidget(self.body)
+        self.stats_label = QLabel()
+        self.stats_label.setObjectName("messageStats")
+        lay.addWidget(self.stats_label)
+        self.edit_btn.setVisible(msg.role == "user")
+        self.regen_btn.setVisible(False)
+        self.update_from(msg)
+
+    def _copy_code(self) -> None:
+        blocks = code_blocks(self.msg.content)
+        if blocks:
+            self.copyRequested.emit(blocks[-1])
+
+    def update_from(self, msg: Message) -> None:
+        self.msg = msg
+        streaming = msg.status == "streaming"
+        self.body.setText(markdown_html(display_markdown(msg.content, streaming) if (msg.content or streaming)
+                                        else "*(no text)*"))
+        note = STATUS_NOTE.get(msg.status, "")
+        self.status_label.setText(f"<i>{note}</i>" if note else "")
+        self.stats_label.setText(format_stats(msg.stats) if msg.role == "assistant" else "")
+        self.stats_label.setVisible(bool(self.stats_label.text()))
+        self.code_btn.setVisible(bool(code_blocks(msg.content)))
+        self.copy_btn.setEnabled(bool(msg.content))
+
+    def set_actions_enabled(self, enabled: bool, last_reply: bool) -> None:
+        self.edit_btn.setEnabled(enabled)
+        self.regen_btn.setVisible(self.msg.role == "assistant" and last_reply)
+        self.regen_btn.setEnabled(enabled)
+
+
+class _InputBox(QPlainTextEdit):
+    submitted = Signal()
+
+    def keyPressEvent(self, e: QKeyEvent) -> None:
+        if e.key() in (Qt.Key_Return, Qt.Key_Enter) and not (e.modifiers() & Qt.ShiftModifier):
+            self.submitted.emit()
+            return
+        super().keyPressEvent(e)
+
+
+class ChatWidget(QWidget):
+    def __init__(self, controller: ChatController, parent: QWidget | None = None):
+        super().__init__(parent)
+        self.c = controller
+        self._widgets: dict[int, MessageWidget] = {}
+        self._editing: int | None = None
+        self._engine_ready = False
+        self._loading_settings = False
+
+        # conversations
+        left = QWidget()
+        ll = QVBoxLayout(left)
+        ll.setContentsMargins(0, 0, 0, 0)
+        self.search = QLineEdit(placeholderText="Search chats\u2026", clearButtonEnabled=True)
+        self.conv_list = QListWidget()
+        self.conv_list.setSelectionMode(QAbstractItemView.SingleSelection)
+        row = QHBoxLayout()
+        self.new_btn = QPushButton("New")
+        self.rename_btn = QPushButton("Rename")
+        self.delete_btn = QPushButton("Delete")
+        for b in (self.new_btn, self.rename_btn, self.delete_btn):
+            row.addWidget(b)
+        ll.addWidget(self.search)
+        ll.addWidget(self.conv_list, 1)
+        ll.addLayout(row)
+
+        # messages + input
+        center = QWidget()
+        cl = QVBoxLayout(center)
+        cl.setContentsMargins(0, 0, 0, 0)
+        self.banner = QLabel()
+        self.banner.setObjectName("chatBanner")
+        self.banner.setWordWrap(True)
+        self.banner.setVisible(False)
+        self.scroll = QScrollArea()
+        self.scroll.setWidgetResizable(True)
+        self.scroll.setHorizontalScrollBarPolicy(Qt.ScrollBarAlwaysOff)
+        self.msg_host = QWidget()
+        self.msg_layout = QVBoxLayout(self.msg_host)
+        self.empty_label = QLabel("Send a message to start. Replies stream in as the model writes them; "
+                                  "everything is saved as it arrives.")
+        self.empty_label.setAlignment(Qt.AlignCenter)
+        self.empty_label.setWordWrap(True)
+        self.msg_layout.addWidget(self.empty_label)
+        self.msg_layout.addStretch(1)
+        self.scroll.setWidget(self.msg_host)
+        self.edit_banner = QLabel()
+        self.edit_banner.setVisible(False)
+        self.cancel_edit_btn = QToolButton(text="Cancel edit")
+        self.cancel_edit_btn.setVisible(False)
+        eb = QHBoxLayout()
+        eb.addWidget(self.edit_banner, 1)
+        eb.addWidget(self.cancel_edit_btn)
+        self.input = _InputBox()
+        self.input.setPlaceholderText("Message (Enter sends, Shift+Enter for a new line)")
+        self.input.setMaximumHeight(110)
+        buttons = QHBoxLayout()
+        self.send_btn = QPushButton("Send")
+        self.send_btn.setDefault(True)
+        self.stop_btn = QPushButton("Stop")
+        self.regen_btn = QPushButton("Regenerate")
+        self.settings_btn = QToolButton(text="Chat settings", checkable=True)
+        buttons.addWidget(self.settings_btn)
+        buttons.addStretch(1)
+        buttons.addWidget(self.regen_btn)
+        buttons.addWidget(self.stop_btn)
+        buttons.addWidget(self.send_btn)
+        cl.addWidget(self.banner)
+        cl.addWidget(self.scroll, 1)
+        cl.addLayout(eb)
+        cl.addWidget(self.input)
+        cl.addLayout(buttons)
+
+        # per-conversation settings
+        self.settings_panel = QWidget()
+        form = QFormLayout(self.settings_panel)
+        self.system_prompt = QPlainTextEdit()
+        self.system_prompt.setPlaceholderText("System prompt (optional)")
+        self.temperature = QDoubleSpinBox(minimum=0.0, maximum=2.0, singleStep=0.05, decimals=2)
+        self.top_p = QDoubleSpinBox(minimum=0.0, maximum=1.0, singleStep=0.05, decimals=2)
+        self.max_tokens = QSpinBox(minimum=1, maximum=131072, singleStep=64)
+        self.seed = QSpinBox(minimum=-1, maximum=2**31 - 1, specialValueText="random")
+        form.addRow("System prompt", self.system_prompt)
+        form.addRow("Temperature", self.temperature)
+        form.addRow("Top-p", self.top_p)
+        form.addRow("Max tokens", self.max_tokens)
+        form.addRow("Seed", self.seed)
+        self.settings_panel.setVisible(False)
+        self.settings_panel.setMinimumWidth(240)
+
+        split = QSplitter()
+        split.addWidget(left)
+        split.addWidget(center)
+        split.addWidget(self.settings_panel)
+        split.setStretchFactor(1, 1)
+        split.setSizes([220, 700, 260])
+        outer = QVBoxLayout(self)
+        outer.setContentsMargins(6, 6, 6, 6)
+        outer.addWidget(split)
+        self.msg_host.setObjectName("messages")
+        self.msg_host.setStyleSheet(  # palette roles: follows the system's light or dark theme
+            "QFrame#message { border: 1px solid palette(mid); border-radius: 6px; background: palette(base); }"
+            "QFrame#message[role='user'] { background: palette(alternate-base); }"
+            "QLabel#messageStats, QLabel#messageStatus { color: palette(placeholder-text); }")
+
+        # wiring
+        self.new_btn.clicked.connect(self.c.new_conversation)
+        self.rename_btn.clicked.connect(self._rename)
+        self.delete_btn.clicked.connect(self._delete)
+        self.search.textChanged.connect(lambda _t: self.refresh_conversations())
+        self.conv_list.currentItemChanged.connect(self._conv_selected)
+        self.send_btn.clicked.connect(self.submit)
+        self.input.submitted.connect(self.submit)
+        self.stop_btn.clicked.connect(self.c.stop)
+        self.regen_btn.clicked.connect(self.c.regenerate)
+        self.cancel_edit_btn.clicked.connect(self._cancel_edit)
+        self.settings_btn.toggled.connect(self.settings_panel.setVisible)
+        self.system_prompt.textChanged.connect(self._settings_edited)
+        for w in (self.temperature, self.top_p, self.max_tokens, self.seed):
+            w.valueChanged.connect(self._settings_edited)
+        self.c.conversationsChanged.connect(self.refresh_conversations)
+        self.c.conversationOpened.connect(self._rebuild)
+        self.c.messageAdded.connect(self._add_message)
+        self.c.messageChanged.connect(self._message_changed)
+        self.c.busyChanged.connect(lambda _b: self._update_buttons())
+        self.c.error.connect(self.show_banner)
+        self.refresh_conversations()
+        self._rebuild(self.c.current.id if self.c.current else -1)
+
+    # ---- engine state -----------------------------------------------------------------------
+    def set_engine_ready(self, ready: bool, message: str = "") -> None:
+        self._engine_ready = ready
+        if ready:
+            self.banner.setVisible(False)
+        elif message:
+            self.show_banner(message)
+        self._update_buttons()
+
+    def show_banner(self, text: str) -> None:
+        self.banner.setText(text)
+        self.banner.setVisible(bool(text))
+
+    # ---- conversations -----------------------------------------------------------------------
+    def refresh_conversations(self) -> None:
+        current = self.c.current.id if self.c.current else None
+        self.conv_list.blockSignals(True)
+        self.conv_list.clear()
+        for conv in self.c.conversations(self.search.text()):
+            item = QListWidgetItem(conv.title)
+            item.setData(Qt.UserRole, conv.id)
+            self.conv_list.addItem(item)
+            if conv.id == current:
+                self.conv_list.setCurrentItem(item)
+        self.conv_list.blockSignals(False)
+        self._update_buttons()
+
+    def _conv_selected(self, item: QListWidgetItem | None, _prev=None) -> None:
+        if item is not None:
+            conv_id = item.data(Qt.UserRole)
+            if not self.c.current or self.c.current.id != conv_id:
+                self.c.open(conv_id)
+
+    def _selected_id(self) -> int | None:
+        item = self.conv_list.currentItem()
+        return item.data(Qt.UserRole) if item else (self.c.current.id if self.c.current else None)
+
+    def _rename(self) -> None:
+        conv_id = self._selected_id()
+        if conv_id is None:
+            return
+        conv = self.c.store.conversation(conv_id)
+        title, ok = QInputDialog.getText(self, "Rename chat", "Title:", text=conv.title if conv else "")
+        if ok and title.strip():
+            self.c.rename(conv_id, title)
+
+    def _delete(self) -> None:
+        conv_id = self._selected_id()
+        if conv_id is None:
+            return
+        conv = self.c.store.conversation(conv_id)
+        answer = QMessageBox.question(self, "Delete chat",
+                                      f"Delete \u201c{conv.title if conv else conv_id}\u201d and all its messages? "
+                                      "They are erased from disk; this cannot be undone.")
+        if answer == QMessageBox.Yes:
+            self.c.delete(conv_id)
+
+    # ---- messages -----------------------------------------------------------------------------
+    def _clear_messages(self) -> None:
+        for w in self._widgets.values():
+            w.setParent(None)
+            w.deleteLater()
+        self._widgets.clear()
+
+    def _rebuild(self, conv_id: int) -> None:
+        self._clear_messages()
+        self._cancel_edit()
+        for msg in self.c.messages():
+            self._add_message(msg, scroll=False)
+        self._load_settings()
+        self.refresh_conversations()
+        self._update_buttons()
+        QTimer.singleShot(0, self._scroll_to_bottom)
+
+    def _add_message(self, msg: Message, scroll: bool = True) -> None:
+        if not self.c.current or msg.conversation_id != self.c.current.id or msg.id in self._widgets:
+            return
+        w = MessageWidget(msg)
+        w.copyRequested.connect(self._copy)
+        w.editRequested.connect(self._start_edit)
+        w.regenerateRequested.connect(self.c.regenerate)
+        self.msg_layout.insertWidget(self.msg_layout.count() - 1, w)
+        self._widgets[msg.id] = w
+        self._update_buttons()
+        if scroll:
+            QTimer.singleShot(0, self._scroll_to_bottom)
+
+    def _message_changed(self, msg: Message) -> None:
+        w = self._widgets.get(msg.id)
+        if w is None:
+            return
+        bar = self.scroll.verticalScrollBar()
+        at_bottom = bar.value() >= bar.maximum() - 30
+        w.update_from(msg)
+        self._update_buttons()
+        if at_bottom:
+            QTimer.singleShot(0, self._scroll_to_bottom)
+
+    def _scroll_to_bottom(self) -> None:
+        bar = self.scroll.verticalScrollBar()
+        bar.setValue(bar.maximum())
+
+    def _copy(self, text: str) -> None:
+        QGuiApplication.clipboard().setText(text)
+
+    def message_widgets(self) -> list[MessageWidget]:
+        return [self._widgets[k] for k in sorted(self._widgets)]
+
+    # ---- sending, editing ------------------------------------------------------------------------
+    def submit(self) -> None:
+        text = self.input.toPlainText()
+        if not text.strip() or self.c.busy or not self._engine_ready:
+            return
+        ok = self.c.edit_and_resend(self._editing, text) if self._editing is not None else self.c.send(text)
+        if ok:
+            self.input.clear()
+            self._cancel_edit()
+
+    def _start_edit(self, msg_id: int) -> None:
+        msg = self.c.store.message(msg_id)
+        if msg is None:
+            return
+        self._editing = msg_id
+        self.input.setPlainText(msg.content)
+        self.input.setFocus()
+        self.edit_banner.setText("<b>Editing a message.</b> Send replaces it and every reply after it.")
+        self.edit_banner.setVisible(True)
+        self.cancel_edit_btn.setVisible(True)
+        self.send_btn.setText("Send edit")
+
+    def _cancel_edit(self) -> None:
+        if self._editing is not None:
+            self.input.clear()
+        self._editing = None
+        self.edit_banner.setVisible(False)
+        self.cancel_edit_btn.setVisible(False)
+        self.send_btn.setText("Send")
+
+    def _update_buttons(self) -> None:
+        busy = self.c.busy
+        has_conv = self.c.current is not None
+        self.send_btn.setEnabled(not busy and self._engine_ready)
+        self.stop_btn.setEnabled(busy)
+        msgs = self.message_widgets()
+        has_user = any(w.msg.role == "user" for w in msgs)
+        self.regen_btn.setEnabled(not busy and self._engine_ready and has_user)
+        self.rename_btn.setEnabled(has_conv)
+        self.delete_btn.setEnabled(has_conv)
+        last_assistant = next((w for w in reversed(msgs) if w.msg.role == "assistant"), None)
+        for w in msgs:
+            w.set_actions_enabled(not busy and self._engine_ready, w is last_assistant)
+        self.empty_label.setVisible(not msgs)
+
+    # ---- settings -----------------------------------------------------------------------------
+    def _load_settings(self) -> None:
+        self._loading_settings = True
+        conv = self.c.current
+        s = {**DEFAULT_SETTINGS, **(conv.settings if conv else self.c.defaults)}
+        self.system_prompt.setPlainText(conv.system_prompt if conv else self.c.default_system_prompt)
+        self.temperature.setValue(float(s["temperature"]))
+        self.top_p.setValue(float(s["top_p"]))
+        self.max_tokens.setValue(int(s["max_tokens"]))
+        self.seed.setValue(int(s["seed"]))
+        self._loading_settings = False
+
+    def _settings_edited(self, *_a) -> None:
+        if self._loading_settings:
+            return
+        values = {"temperature": self.temperature.value(), "top_p": self.top_p.value(),
+                  "max_tokens": self.max_tokens.value(), "seed": self.seed.value()}
+        if self.c.current is None:  # no chat yet: these become the first chat's settings
+            self.c.defaults.update(values)
+            self.c.default_system_prompt = self.system_prompt.toPlainText()
+            return
+        self.c.set_system_prompt(self.system_prompt.toPlainText())
+        self.c.set_settings(values)

@@ -1,0 +1,1 @@
+"""The live dashboard: telemetry series (no Qt) and their pyqtgraph views."""

@@ -1,0 +1,294 @@
+"""The dashboard tab: pyqtgraph plots of the telemetry stream (no OpenGL, no antialiasing).
+
+Every series is one persistent PlotDataItem fed with `setData` from ring-buffer views; the
+heatmap is an ImageItem with fixed levels and a 256-entry LUT. Snapshots are ingested as
+they arrive (5/s from the server while generating) and the plots redraw on a 10 Hz timer only
+when something changed, so a burst of snapshots never queues redraws.
+"""
+from __future__ import annotations
+
+
+import time
+from collections import deque
+
+import numpy as np
+import pyqtgraph as pg
+from PySide6.QtCore import QPointF, Qt, QTimer
+from PySide6.QtGui import QPalette
+from PySide6.QtWidgets import QGraphicsItem, QGridLayout, QLabel, QStackedWidget, QVBoxLayout, QWidget
+
+from app.dashboard.series import StatsSeries, residency_lut
+
+pg.setConfigOptions(antialias=False, useOpenGL=False)
+
+NO_CACHE = ("No expert cache in this engine.\n\nThe llama.cpp engine runs the experts itself, so expert "
+            "hits, PCIe uploads and residency are not measured (they would be zeros that pretend to be "
+            "measurements). Choose the hybrid engine in Settings to see them.")
+COLORS = {"decode": (80, 160, 255), "prefill": (255, 170, 60), "gpu_hit": (90, 200, 120),
+          "uploaded": (240, 190, 60), "cpu": (220, 90, 90), "pcie": (170, 120, 255), "ram": (80, 160, 255),
+          "vram": (90, 200, 120), "cpuuse": (220, 90, 90), "bars": (90, 200, 120)}
+
+
+WINDOW_S = 120.0  # the time plots show the last two minutes
+
+
+def _plot(title: str, left: str, bottom: str = "seconds ago", time_axis: bool = True) -> pg.PlotWidget:
+    w = pg.PlotWidget()
+    if time_axis:
+        # A fixed x range in "seconds ago": the axes stay the same between updates, so pyqtgraph
+        # keeps their rendered pictures instead of re-rendering every label 5 times a second
+        # (axis text was 70% of the dashboard's paint time with a sliding absolute time axis).
+        w.setXRange(-WINDOW_S, 0, padding=0)
+        w.enableAutoRange(x=False)
+    w.setTitle(title)
+    w.setLabel("left", left)
+    if bottom:
+        w.setLabel("bottom", bottom)
+    w.showGrid(x=False, y=True, alpha=0.15)
+    for axis in ("left", "bottom"):
+        ax = w.getAxis(axis)
+        ax.enableAutoSIPrefix(False)  # "GiB (x0.001)" helps nobody
+        # Keep each axis as a pixmap between changes: replaying its text on every repaint was
+        # most of the dashboard's paint time.
+        ax.setCacheMode(QGraphicsItem.DeviceCoordinateCache)
+    w.setMouseEnabled(x=False, y=False)
+    w.setMenuEnabled(False)
+    w.hideButtons()
+    w.addLegend(offset=(5, 5), labelTextSize="8pt")
+    return w
+
+
+def _curve(plot: pg.PlotWidget, name: str, color, **kw) -> pg.PlotDataItem:
+    c = plot.plot([], [], name=name, pen=pg.mkPen(color, width=2), connect="finite", **kw)
+    c.setClipToView(True)
+    c.setDownsampling(auto=True, method="peak")
+    return c
+
+
+class DashboardWidget(QWidget):
+    REDRAW_MS = 100
+
+    def __init__(self, parent: QWidget | None = None, capacity: int = 1200):
+        super().__init__(parent)
+        self.series = StatsSeries(capacity)
+        self._dirty = False
+        self._arrivals: deque[float] = deque(maxlen=64)
+        self.redraws = 0
+
+        self.header = QLabel("Waiting for the engine\u2026")
+        self.header.setWordWrap(True)
+        self.header.setTextFormat(Qt.RichText)
+        self.rate_label = QLabel()
+        self.rate_label.setAlignment(Qt.AlignRight | Qt.AlignVCenter)
+
+        self.tok_plot = _plot("Tokens/s", "tok/s")
+        self.decode_curve = _curve(self.tok_plot, "decode", COLORS["decode"])
+        self.prefill_curve = self.tok_plot.plot([], [], name="prefill (per request)", pen=None, symbol="o",
+                                                symbolSize=6, symbolBrush=COLORS["prefill"])
+
+        self.hit_plot = _plot("Experts served (share per interval)", "%")
+        self.hit_plot.setYRange(0, 100)
+        self.hit_curves = [_curve(self.hit_plot, "GPU hit", COLORS["gpu_hit"]),
+                           _curve(self.hit_plot, "uploaded", COLORS["uploaded"]),
+                           _curve(self.hit_plot, "CPU", COLORS["cpu"])]
+
+        self.pcie_plot = _plot("PCIe host\u2192device", "MB/s")
+        self.pcie_curve = _curve(self.pcie_plot, "expert uploads", COLORS["pcie"])
+
+        self.heat_plot = pg.PlotWidget()
+        self.heat_plot.setTitle("Expert residency (amber: on the GPU, blue: in RAM; brighter: hotter)")
+        self.heat_plot.setLabel("left", "layer")
+        self.heat_plot.setLabel("bottom", "expert")
+        self.heat_plot.getAxis("left").enableAutoSIPrefix(False)
+        self.heat_plot.setMouseEnabled(x=False, y=False)
+        self.heat_plot.setMenuEnabled(False)
+        self.heat_plot.hideButtons()
+        self.heat_plot.getViewBox().invertY(True)
+        self.image = pg.ImageItem(axisOrder="row-major")
+        self.image.setLookupTable(residency_lut())
+        self.image.setLevels((0, 255))
+        self.heat_plot.addItem(self.image)
+        self.hover_label = QLabel("Hover over the map for an expert's layer, slot and recent hits.")
+        self.heat_plot.scene().sigMouseMoved.connect(self._hover)
+
+        self.bar_plot = _plot("Hit rate per layer (recent)", "%", "layer", time_axis=False)
+        self.bar_plot.setYRange(0, 100)
+        self.bars = pg.BarGraphItem(x=np.zeros(0), height=np.zeros(0), width=0.8, brush=COLORS["bars"])
+        self.bar_plot.addItem(self.bars)
+        self.bar_note = pg.TextItem("", anchor=(0.5, 0.5))
+        self.bar_plot.addItem(self.bar_note)
+
+        self.mem_plot = _plot("Memory", "GiB")
+        self.ram_curve = _curve(self.mem_plot, "RAM (engine)", COLORS["ram"])
+        self.vram_curve = _curve(self.mem_plot, "VRAM", COLORS["vram"])
+        self.cpu_plot = _plot("CPU (engine process)", "% of one core")
+        self.cpu_curve = _curve(self.cpu_plot, "CPU", COLORS["cpuuse"])
+
+        # the cache plots, each with its "no expert cache" explanation
+        self.cache_stacks: list[QStackedWidget] = []
+
+        def stacked(widget: QWidget) -> QStackedWidget:
+            s = QStackedWidget()
+            s.addWidget(widget)
+            label = QLabel(NO_CACHE)
+            label.setWordWrap(True)
+            label.setAlignment(Qt.AlignCenter)
+            label.setObjectName("noCacheLabel")
+            s.addWidget(label)
+            self.cache_stacks.append(s)
+            return s
+
+        heat_box = QWidget()
+        hb = QVBoxLayout(heat_box)
+        hb.setContentsMargins(0, 0, 0, 0)
+        hb.addWidget(self.heat_plot, 1)
+        hb.addWidget(self.hover_label)
+
+        grid = QGridLayout()
+        grid.addWidget(self.tok_plot, 0, 0)
+        grid.addWidget(stacked(self.hit_plot), 0, 1)
+        grid.addWidget(stacked(self.pcie_plot), 0, 2)
+        grid.addWidget(stacked(heat_box), 1, 0, 1, 2)
+        grid.addWidget(stacked(self.bar_plot), 1, 2)
+        grid.addWidget(self.mem_plot, 2, 0)
+        grid.addWidget(self.cpu_plot, 2, 1)
+        grid.setRowStretch(0, 1)
+        grid.setRowStretch(1, 1)
+        grid.setRowStretch(2, 1)
+        top = QVBoxLayout(self)
+        head = QGridLayout()
+        head.addWidget(self.header, 0, 0)
+        head.addWidget(self.rate_label, 0, 1)
+        top.addLayout(head)
+        top.addLayout(grid, 1)
+        self.summary = QLabel()
+        self.summary.setWordWrap(True)
+        grid.addWidget(self.summary, 2, 2)
+        self.apply_palette()
+
+        self._timer = QTimer(self)
+        self._timer.setInterval(self.REDRAW_MS)
+        self._timer.timeout.connect(self.redraw)
+        self._timer.start()
+
+    # ---- data in ----------------------------------------------------------------------------
+    def ingest(self, snap: dict) -> None:
+        self._arrivals.append(time.monotonic())
+        self.series.ingest(snap)
+        self._dirty = True
+
+    def update_rate(self) -> float:
+        """Snapshots per second received over the last few seconds."""
+        a = self._arrivals
+        if len(a) < 2 or time.monotonic() - a[-1] > 2.5:
+            return 0.0
+        recent = [t for t in a if a[-1] - t <= 3.0]
+        return (len(recent) - 1) / (recent[-1] - recent[0]) if len(recent) > 1 and recent[-1] > recent[0] else 0.0
+
+    def engine_changed(self) -> None:
+        """A new engine process: its counters start from zero."""
+        self.series.reset_counters()
+
+    # ---- drawing --------------------------------------------------------------------------------
+    def redraw(self) -> None:
+        if not self._dirty or not self.isVisible():
+            return  # another tab is showing: keep ingesting, draw when the dashboard is looked at
+        self.rate_label.setText(f"stats stream: {self.update_rate():.1f} snapshots/s")
+        self._dirty = False
+        self.redraws += 1
+        s = self.series
+        now = s.latest_t
+
+        def ago(view):  # (t, y) ring-buffer views -> (seconds ago, y)
+            t, y = view
+            return t - now, y
+        self.decode_curve.setData(*ago(s.tokens.view()))
+        self.prefill_curve.setData(*ago(s.prefill.view()))
+        self.ram_curve.setData(*ago(s.memory.view(0)))
+        self.vram_curve.setData(*ago(s.memory.view(1)))
+        self.cpu_curve.setData(*ago(s.cpu.view()))
+        for stack in self.cache_stacks:
+            stack.setCurrentIndex(1 if s.has_cache is False else 0)
+        if s.has_cache:
+            gpu = (s.last or {}).get("gpu_memory_used_bytes") is not None
+            self.pcie_plot.setTitle("PCIe host\u2192device" if gpu else "Expert uploads (no GPU: copies within RAM)")
+            for i, curve in enumerate(self.hit_curves):
+                curve.setData(*ago(s.hits.view(i)))
+            self.pcie_curve.setData(*ago(s.pcie.view()))
+            if s.image.size:
+                self.image.setImage(s.image, autoLevels=False, levels=(0, 255))
+                self.image.setRect(-0.5, -0.5, s.image.shape[1], s.image.shape[0])
+            x = np.arange(len(s.layers), dtype=float)
+            self.bars.setOpts(x=x, height=s.layer_hit_rate, width=0.8)
+            self.bar_plot.getAxis("bottom").setTicks([[(i, str(layer)) for i, layer in enumerate(s.layers)]])
+            slots = (s.last or {}).get("cache", {}).get("slots_per_layer")
+            self.bar_note.setText("no resident experts\n(0 slots per layer)" if slots == 0 else "")
+            self.bar_note.setPos((len(s.layers) - 1) / 2, 50)
+            self.heat_plot.getAxis("left").setTicks([[(i, str(layer)) for i, layer in enumerate(s.layers)]])
+        self._update_text()
+
+    def _update_text(self) -> None:
+        snap = self.series.last
+        if not snap:
+            return
+        last = snap.get("last_request") or {}
+        parts = [f"<b>{snap.get('model', '?')}</b> on the <b>{snap.get('engine', '?')}</b> engine",
+                 f"{snap.get('requests', 0)} requests, {snap.get('completion_tokens', 0)} tokens generated"]
+        if last:
+            parts.append(f"last request: TTFT {last.get('ttft_s', 0) * 1000:.0f} ms, prefill "
+                         f"{last.get('prefill_tokens_per_s', 0):.1f} tok/s, decode {last.get('decode_tokens_per_s', 0):.1f} tok/s")
+        self.header.setText(" \u00b7 ".join(parts))
+        cache = snap.get("cache")
+        lines = []
+        ram, vram = snap.get("ram_used_bytes"), snap.get("gpu_memory_used_bytes")
+        lines.append(f"RAM {ram / (1 << 30):.2f} GiB" if ram else "RAM n/a")
+        lines.append(f"VRAM {vram / (1 << 30):.2f} GiB" if vram is not None else "VRAM: no GPU in use")
+        if snap.get("cpu_percent") is not None:
+            lines.append(f"CPU {snap['cpu_percent']:.0f}%")
+        if cache:
+            total = sum(cache["gpu_hit"]) + sum(cache["uploaded"]) + sum(cache["cpu_computed"])
+            hit = sum(cache["gpu_hit"]) / total * 100 if total else 0.0
+            lines.append(f"{cache['slots_per_layer']} of {cache['n_expert']} experts resident per layer")
+            lines.append(f"hit rate since start {hit:.1f}%")
+            lines.append(f"swaps {sum(cache['swaps'])}, uploaded {cache['bytes_uploaded'] / 1e6:.1f} MB")
+            lines.append(f"CPU expert pool busy {cache['cpu_busy_s']:.2f} s")
+        else:
+            lines.append("no expert cache in this engine")
+        self.summary.setText("<br>".join(lines))
+
+    def _hover(self, pos: QPointF) -> None:
+        s = self.series
+        if not s.image.size:
+            return
+        p = self.image.mapFromScene(pos)
+        col, row = int(np.floor(p.x() + 0.5)), int(np.floor(p.y() + 0.5))
+        if not (0 <= row < s.image.shape[0] and 0 <= col < s.image.shape[1]):
+            return
+        text = describe_expert(s, row, col)
+        self.hover_label.setText(text)
+        self.heat_plot.setToolTip(text)
+
+    def apply_palette(self) -> None:
+        """Plots follow the system theme (light or dark)."""
+        pal = self.palette()
+        bg, fg = pal.color(QPalette.Base), pal.color(QPalette.Text)
+        for w in (self.tok_plot, self.hit_plot, self.pcie_plot, self.heat_plot, self.bar_plot, self.mem_plot,
+                  self.cpu_plot):
+            w.setBackground(bg)
+            for axis in ("left", "bottom"):
+                ax = w.getAxis(axis)
+                ax.setPen(fg)
+                ax.setTextPen(fg)
+            w.getPlotItem().titleLabel.setAttr("color", fg.name())
+            w.getPlotItem().titleLabel.setText(w.getPlotItem().titleLabel.text)
+            legend = w.getPlotItem().legend
+            if legend is not None:
+                legend.setLabelTextColor(fg)
+                legend.setBrush(pg.mkBrush(bg.red(), bg.green(), bg.blue(), 200))
+
+
+def describe_expert(s: StatsSeries, row: int, col: int) -> str:
+    slot = int(s.residency[row, col])
+    where = f"resident in slot {slot}" if slot >= 0 else "in RAM (not resident)"
+    return (f"layer {s.layers[row]}, expert {col}: {where}; recent hits {float(s.heat[row, col]):.1f} "
+            "(decayed count over the last ~50 tokens)")

@@ -1,0 +1,168 @@
+"""Widgets without an engine: conversation list, copy buttons, settings form, logs panel,
+the dashboard's llama.cpp (no cache) mode, and error dialogs."""
+from __future__ import annotations
+
+import sys
+
+import pytest
+from PySide6.QtWidgets import QApplication, QMessageBox
+
+from app.chat.controller import ChatController
+from app.chat.widgets import ChatWidget
+from app.dashboard.widgets import DashboardWidget
+from app.dialogs import CrashDialog, ErrorDialog
+from app.log_buffer import LogBuffer
+from app.logs_widget import LogsWidget
+from app.settings_panel import SettingsPanel
+from app.store import ChatStore
+from app.tasks import TaskManager
+from app.worker_state import classify_crash
+
+
+@pytest.fixture
+def chat(qtbot, tmp_path):
+    store = ChatStore(tmp_path / "c.db")
+    ctl = ChatController(store, TaskManager(), lambda: None)
+    w = ChatWidget(ctl)
+    qtbot.addWidget(w)
+    w.set_engine_ready(True)
+    return w
+
+
+def test_conversation_list_new_rename_search_delete(chat, qtbot, monkeypatch):
+    ctl, store = chat.c, chat.c.store
+    a = ctl.new_conversation()
+    store.add_message(a.id, "user", "about routers")
+    b = ctl.new_conversation()
+    store.add_message(b.id, "user", "about kittens")
+    ctl.rename(b.id, "Cats")
+    assert [chat.conv_list.item(i).text() for i in range(chat.conv_list.count())] == ["Cats", "New chat"]
+    chat.search.setText("router")
+    assert chat.conv_list.count() == 1 and chat.conv_list.item(0).text() == "New chat"
+    chat.search.clear()
+    chat.conv_list.setCurrentRow(0)
+    monkeypatch.setattr(QMessageBox, "question", lambda *a, **k: QMessageBox.Yes)
+    chat.delete_btn.click()
+    assert store.conversation(b.id) is None and store.messages(b.id) == []
+    assert [c.id for c in store.conversations()] == [a.id] and ctl.current.id == a.id
+
+
+def test_copy_buttons_and_settings_before_first_chat(chat, qtbot):
+    chat.system_prompt.setPlainText("Answer in French.")
+    chat.max_tokens.setValue(77)
+    conv = chat.c.new_conversation()  # settings chosen before the first chat carry into it
+    assert conv.system_prompt == "Answer in French." and conv.settings["max_tokens"] == 77
+    m = chat.c.store.add_message(conv.id, "assistant", "Try:\n```sh\nls -l\n```\nor\n```py\nprint(2)\n```")
+    chat.c.open(conv.id)
+    w = chat.message_widgets()[-1]
+    assert w.code_btn.isVisibleTo(w) and "print(2)" in w.body.text()
+    w.code_btn.click()
+    assert QApplication.clipboard().text() == "print(2)"
+    w.copy_btn.click()
+    assert QApplication.clipboard().text() == m.content
+
+
+def test_send_without_engine_says_so(qtbot, tmp_path):
+    ctl = ChatController(ChatStore(tmp_path / "c.db"), TaskManager(), lambda: None)
+    errors = []
+    ctl.error.connect(errors.append)
+    assert not ctl.send("hello") and errors and "not running" in errors[0]
+
+
+def test_settings_panel_round_trip_and_errors(qtbot):
+    from engine.config import Config
+    p = SettingsPanel()
+    qtbot.addWidget(p)
+    p.set_config(Config(model="/m.gguf", ctx=2048, moe_expert_cache_size=12, engine="hybrid"), "mine")
+    cfg = p.config()
+    assert (cfg.model, cfg.ctx, cfg.moe_expert_cache_size, cfg.engine) == ("/m.gguf", 2048, 12, "hybrid")
+    p.fields["ctx"].setText("lots")
+    with qtbot.assertNotEmitted(p.applyRequested):
+        p.apply_btn.click()
+    assert "ctx must be" in p.error.text()
+    p.set_server("http://127.0.0.1:4321", "sekrit")
+    assert p.openai_url.text() == "http://127.0.0.1:4321/v1" and p.anthropic_url.text() == "http://127.0.0.1:4321"
+    assert "sekrit" not in p.example.toPlainText()
+    p.key.parent().copy_button.click()
+    assert QApplication.clipboard().text() == "sekrit"
+
+
+def test_logs_filter_and_copy(qtbot, tmp_path):
+    buf = LogBuffer()
+    w = LogsWidget(buf, tmp_path)
+    qtbot.addWidget(w)
+    for line in buf.feed("stderr", "INFO loading\nWARNING slow disk\nERROR boom\n"):
+        w.append(line)
+    assert w.shown_text().count("\n") == 2
+    w.filter.setText("disk")
+    assert "slow disk" in w.shown_text() and "boom" not in w.shown_text()
+    w.filter.clear()
+    w.level.setCurrentIndex(2)  # ERROR and above
+    assert "boom" in w.shown_text() and "slow" not in w.shown_text()
+    w.copy()
+    assert "boom" in QApplication.clipboard().text()
+
+
+def test_dashboard_without_expert_cache_says_so(qtbot):
+    d = DashboardWidget()
+    qtbot.addWidget(d)
+    d.show()
+    for t in range(3):
+        d.ingest({"schema": 1, "time": 100.0 + t, "engine": "llamacpp", "model": "m", "requests": t,
+                  "decode_tokens_per_s_now": 5.0 + t, "last_request": {}, "ram_used_bytes": 1 << 30,
+                  "gpu_memory_used_bytes": None, "cache": None, "cpu_percent": 50.0})
+    d.redraw()
+    assert all(s.currentIndex() == 1 for s in d.cache_stacks)
+    assert "No expert cache" in d.cache_stacks[0].currentWidget().text()
+    assert list(d.decode_curve.getData()[1]) == [5.0, 6.0, 7.0]
+    assert d.hit_curves[0].getData()[1] is None or len(d.hit_curves[0].getData()[1]) == 0
+    assert "no expert cache" in d.summary.text()
+
+
+def test_error_dialogs_copy_details(qtbot):
+    d = ErrorDialog("Bad thing", "it broke", "Traceback ...\nValueError: x")
+    qtbot.addWidget(d)
+    d.copy_btn.click()
+    assert "ValueError: x" in QApplication.clipboard().text()
+    crash = classify_crash("torch.OutOfMemoryError: CUDA out of memory", 1)
+    c = CrashDialog(crash)
+    qtbot.addWidget(c)
+    assert "GPU memory" in c.windowTitle() and "expert cache size" in c.details_text
+    assert c.restart_btn.isVisibleTo(c) and "CUDA out of memory" in c.details.toPlainText()
+    c.copy_btn.click()
+    assert "CUDA out of memory" in QApplication.clipboard().text()
+
+
+def test_uncaught_errors_become_a_dialog(qtbot, monkeypatch):
+    from app import main as app_main
+    shown = []
+    monkeypatch.setattr(app_main.ErrorDialog, "show", lambda self: shown.append(self))
+    old = sys.excepthook
+    app_main._install_excepthook(QApplication.instance())
+    try:
+        try:
+            raise RuntimeError("surprise")
+        except RuntimeError:
+            sys.excepthook(*sys.exc_info())
+    finally:
+        sys.excepthook = old
+    assert shown and "surprise" in shown[0].details_text and "Traceback" in shown[0].details_text
+
+
+def test_single_instance(qtbot):
+    from app.single_instance import SingleInstance
+    first = SingleInstance("moestudio-test-instance")
+    assert not first.notify_running(200) and first.listen()
+    with qtbot.waitSignal(first.activated, timeout=3000):
+        assert SingleInstance("moestudio-test-instance").notify_running()
+    first.close()
+
+
+def test_missing_x11_libraries_are_named(monkeypatch):
+    from app.main import missing_x11_libraries
+    monkeypatch.delenv("QT_QPA_PLATFORM", raising=False)
+    monkeypatch.delenv("WAYLAND_DISPLAY", raising=False)
+    if not sys.platform.startswith("linux"):
+        pytest.skip("Linux only")
+    assert missing_x11_libraries(lambda lib: None if lib == "xcb-cursor" else "lib.so") == ["libxcb-cursor0"]
+    assert missing_x11_libraries(lambda lib: "lib.so") == []
