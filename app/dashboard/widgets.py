@@ -211,7 +211,7 @@ class DashboardWidget(QWidget):
             stack.setCurrentIndex(1 if s.has_cache is False else 0)
         if s.has_cache:
             gpu = (s.last or {}).get("gpu_memory_used_bytes") is not None
-            self.pcie_plot.setTitle("PCIe host\u2192device" if gpu else "Expert uploads (no GPU: copies within RAM)")
+            self.pcie_plot.setTitle("PCIe host\u2192device" if gpu else "Expert uploads (none without a GPU)")
             for i, curve in enumerate(self.hit_curves):
                 curve.setData(*ago(s.hits.view(i)))
             self.pcie_curve.setData(*ago(s.pcie.view()))

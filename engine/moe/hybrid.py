@@ -200,7 +200,9 @@ def attach_hybrid(model, config) -> HybridExperts:
     n_slots = slots_per_layer(cache_size=config.expert_cache_size, cache_mib=config.expert_cache_mib,
                               expert_bytes=expert_bytes, n_expert=any_w.n_expert, n_layers=len(ws), device=device,
                               vram_budget_mib=config.vram_budget_mib, used_bytes=used)
-    options = HybridOptions(slots_per_layer=n_slots, miss_fraction=config.miss_fraction, policy=config.policy,
+    # Without a GPU an "upload" would only copy RAM to RAM: every miss goes to the CPU pool.
+    fraction = config.miss_fraction if device.type == "cuda" else 0.0
+    options = HybridOptions(slots_per_layer=n_slots, miss_fraction=fraction, policy=config.policy,
                             threads=config.threads or 2, load_mode=config.load_mode)
     hybrid = HybridExperts(ws, device, options)
     if config.expert_profile:
