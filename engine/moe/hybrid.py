@@ -59,6 +59,7 @@ class HybridExperts:
         self.device = torch.device(device)
         self.options = options
         self.step_fraction = round(options.miss_fraction * FRACTION_STEPS)
+        self._triton_broken = False  # set when a kernel fails to build: torch from then on
         self.copier = Copier(self.device, options.copy_delay_s)
         self.pool = pool if pool is not None else CpuExpertPool(expert_weights, options.threads)
         self.layer_ids = sorted(expert_weights)
@@ -135,10 +136,12 @@ class HybridExperts:
             for a in range(0, len(pair_rows), step):  # prefill: many pairs, bounded jobs
                 futures.append(self.pool.submit(layer, x_host, pair_rows[a:a + step], pair_experts[a:a + step]))
 
-        for e, slot in zip(hits.tolist(), slots.resident[hits].tolist()):
-            self._run_on_accelerator(L, slot, e, x, ids, weights, per_slot)
-        for e, slot in zip(uploads.tolist(), slots.stage(uploads.tolist())):
-            self._run_on_accelerator(L, slot, e, x, ids, weights, per_slot)
+        # Hits first (they need no copy), then the uploads once staged: one batch each.
+        self._run_batch_on_accelerator(L, hits.tolist(), slots.resident[hits].tolist(), x, ids, ids_host,
+                                       weights, per_slot)
+        if uploads.size:
+            self._run_batch_on_accelerator(L, uploads.tolist(), slots.stage(uploads.tolist()), x, ids, ids_host,
+                                           weights, per_slot)
 
         if futures:
             out = torch.from_numpy(np.concatenate([f.result() for f in futures])).to(x.device, x.dtype)
@@ -154,9 +157,42 @@ class HybridExperts:
 
     def _run_on_accelerator(self, L: _Layer, slot: int, e: int, x: torch.Tensor, ids: torch.Tensor,
                             weights: torch.Tensor, per_slot: torch.Tensor) -> None:
+        """The torch path for one expert (the fallback, and the oracle the kernels are tested against)."""
         tok, pos = torch.nonzero(ids == e, as_tuple=True)
         out = expert_ffn(x[tok], *L.slots.weights(slot), L.w, e)
         per_slot[pos, tok] = out * weights[tok, pos, None]
+
+    # --- Triton dispatch hook (kernels: engine/quant/triton_kernels.py) -------------------------
+    def _run_batch_on_accelerator(self, L: _Layer, experts: list[int], slots: list[int], x: torch.Tensor,
+                                  ids: torch.Tensor, ids_host: np.ndarray, weights: torch.Tensor,
+                                  per_slot: torch.Tensor) -> None:
+        """Every (token, top-k) pair routed to `experts` (living in `slots`): one Triton launch
+        sequence over all of them when the kernels apply, else the torch path expert by expert."""
+        if not experts:
+            return
+        if not self._triton_broken and _use_triton(L.w, x, int(np.isin(ids_host, experts).sum())):
+            from engine.quant import triton_kernels as tk
+
+            slot_of = np.full(L.w.n_expert, -1, np.int32)
+            slot_of[experts] = slots
+            pair_slot = slot_of[ids_host]
+            tok, pos = np.nonzero(pair_slot >= 0)
+            order = np.argsort(pair_slot[tok, pos], kind="stable")  # pairs of one expert adjacent: L2 reuse
+            tok, pos = tok[order], pos[order]
+            meta = np.stack([tok, pos, pair_slot[tok, pos], ids_host[tok, pos]]).astype(np.int32)
+            meta_t = torch.from_numpy(meta).to(x.device, non_blocking=True)
+            try:
+                tk.experts_forward(x.float().contiguous(), L.slots.buffers, L.w, meta_t[0], meta_t[1], meta_t[2],
+                                   meta_t[3], weights.float().contiguous(), per_slot)
+                return
+            except Exception as e:  # a kernel that does not build here: say so once, keep running on torch
+                import warnings
+
+                warnings.warn(f"Triton expert kernels unavailable ({type(e).__name__}: {e}); using the torch "
+                              f"path (MOESTUDIO_TRITON=0 silences this)", RuntimeWarning, stacklevel=2)
+                self._triton_broken = True
+        for e, slot in zip(experts, slots):
+            self._run_on_accelerator(L, slot, e, x, ids, weights, per_slot)
 
     def _account(self, layer: int, L: _Layer, experts: np.ndarray, rows: np.ndarray, hits: np.ndarray,
                  uploads: np.ndarray, cpu: np.ndarray) -> None:
@@ -184,6 +220,24 @@ class HybridExperts:
     def close(self) -> None:
         self.copier.close()
         self.pool.close()
+
+
+TRITON_MAX_PAIRS = 64  # decode (1-8 tokens x top-k); larger batches take the torch path
+
+
+def _use_triton(w: ExpertWeights, x: torch.Tensor, n_pairs: int) -> bool:
+    """The Triton kernels run on CUDA for supported expert types unless MOESTUDIO_TRITON=0;
+    MOESTUDIO_TRITON=force also runs them on other devices (Triton's interpreter, tests)."""
+    import os
+
+    mode = os.environ.get("MOESTUDIO_TRITON", "1")
+    if mode == "0" or (x.device.type != "cuda" and mode != "force") or n_pairs > TRITON_MAX_PAIRS:
+        return False
+    if x.dtype != torch.float32 or x.dim() != 2:
+        return False
+    from engine.quant import triton_kernels as tk
+
+    return tk.supports(w)
 
 
 def attach_hybrid(model, config) -> HybridExperts:

@@ -1,0 +1,166 @@
+"""Ahead-of-time compilation of the decode expert kernels for a GPU that is not here.
+
+Triton compiles for a named target without a driver (ptxas and cuobjdump ship inside the
+triton wheel), so a CPU-only machine can check that every kernel variant compiles for
+Hopper (sm_90) and read its registers, spills and load widths off the cubin. The tests use
+this where there is no GPU; `python -m engine.quant.triton_aot` prints the table.
+"""
+from __future__ import annotations
+
+import re
+import subprocess
+import tempfile
+from pathlib import Path
+
+from gguf import GGMLQuantizationType as QT
+
+from engine.quant import triton_kernels as tk
+
+_PTR = {"x": "*fp32", "xg": "*fp32", "xu": "*fp32", "out": "*fp32", "gb": "*fp32", "ub": "*fp32", "h": "*fp32",
+        "hr": "*fp32", "db": "*fp32", "wt": "*fp32", "g": "*u8", "u": "*u8", "d": "*u8", "count": "*i32"}
+_ALIGNED_INTS = {"g_slot_bytes", "g_row_bytes", "u_slot_bytes", "u_row_bytes", "d_slot_bytes", "d_row_bytes",
+                 "x_stride", "out_stride_pos", "out_stride_tok"}
+
+
+def _signature(fn, constexprs: dict, aligned: set[str]) -> tuple[dict, dict]:
+    sig, attrs = {}, {}
+    for i, name in enumerate(fn.arg_names):
+        if name in constexprs:
+            sig[name] = "constexpr"
+        elif name.endswith("_ptr") or name.startswith("pair_"):
+            base = name[:-4] if name.endswith("_ptr") else "pair"
+            sig[name] = _PTR.get(base, "*i32")
+            attrs[(i,)] = [["tt.divisibility", 16]]
+        else:
+            sig[name] = "i64" if name.endswith("slot_bytes") else "i32"
+            if name in aligned:
+                attrs[(i,)] = [["tt.divisibility", 16]]
+    return sig, attrs
+
+
+def compile_kernel(fn, constexprs: dict, num_warps: int = 4, num_stages: int = 1, arch: int = 90,
+                   aligned: set[str] = _ALIGNED_INTS):
+    import triton
+    from triton.compiler import ASTSource
+
+    sig, attrs = _signature(fn, constexprs, aligned)
+    src = ASTSource(fn, sig, constexprs, attrs)
+    return triton.compile(src, target=_target(arch), options={"num_warps": num_warps, "num_stages": num_stages})
+
+
+def _loops(sass: str) -> list[list[str]]:
+    """The instructions of each loop (a backward branch and what it jumps over)."""
+    lines = [ln for ln in sass.splitlines() if re.search(r"/\*[0-9a-f]{4,6}\*/", ln)]
+    addr = [int(re.search(r"/\*([0-9a-f]{4,6})\*/", ln).group(1), 16) for ln in lines]
+    loops = []
+    for ln, a in zip(lines, addr):
+        m = re.search(r"BRA\s+(?:`\(\.L_x_\d+\)|0x([0-9a-f]+))", ln)
+        if m and m.group(1) and int(m.group(1), 16) < a:
+            start = int(m.group(1), 16)
+            loops.append([x for x, b in zip(lines, addr) if start <= b <= a])
+    return loops
+
+
+def _opcode(line: str) -> str | None:
+    m = re.search(r"\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9]*)", line)
+    return m.group(1) if m else None
+
+
+def resource_usage(compiled) -> dict:
+    """Registers, stack, spills, barriers and load widths of a compiled kernel, and for its
+    loops (the K loops) their length and any shared-memory traffic or barriers in them."""
+    import triton
+
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(compiled.asm["cubin"])
+        f.flush()
+        usage = subprocess.run([str(tool), "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
+        sass = subprocess.run([str(tool), "--dump-sass", f.name], capture_output=True, text=True).stdout
+    m = re.search(r"REG:(\d+) STACK:(\d+) SHARED:(\d+) LOCAL:(\d+)", usage)
+    loads: dict[str, int] = {}
+    for op in re.findall(r"\b(LDG\.[A-Z0-9.]+)", sass):
+        loads[op] = loads.get(op, 0) + 1
+    loops = _loops(sass)
+    loop_ops = [op for body in loops for op in map(_opcode, body)]
+    return {"regs": int(m.group(1)), "stack": int(m.group(2)), "shared": int(m.group(3)), "local": int(m.group(4)),
+            "bar_sync": len(re.findall(r"\bBAR\.SYNC", sass)),
+            "spill_ops": len(re.findall(r"\b(?:LDL|STL)\b", sass)),
+            "instructions": len(re.findall(r"/\*[0-9a-f]{4,6}\*/", sass)),
+            "loop_instructions": [len(body) for body in loops],
+            "loop_smem_or_barrier": sum(op in ("BAR", "LDS", "STS") for op in loop_ops),
+            "loop_spill_ops": sum(op in ("LDL", "STL") for op in loop_ops),
+            "loop_dp4a": sum(op == "IDP" for op in loop_ops),
+            "loads": loads}
+
+
+def _target(arch: int = 90):
+    from triton.backends.compiler import GPUTarget
+
+    return GPUTarget("cuda", arch, 32)
+
+
+def decode_variants(gate: QT, up: QT, down: QT, n_embd: int, n_ff: int, activation: int = 0, bias: bool = False,
+                    gate_up_cfg: tk.TileConfig | None = None, down_cfg: tk.TileConfig | None = None,
+                    arch: int = 90):
+    """(label, kernel, constexprs, config) of every launch experts_forward makes for this geometry."""
+    vt = tk._vt
+    rev = tk.reversed_ties(_target(arch))
+    gu = gate_up_cfg or tk.GATE_UP_CONFIG[gate]
+    dn = down_cfg or tk.DOWN_CONFIG[down]
+    out = [("round_x", tk._round_rows_kernel, {"K": n_embd, "VT": vt(gate), "INTERP": False}, tk.TileConfig(0, 4))]
+    out.append(("gate_up", tk._gate_up_kernel,
+                {"N": n_ff, "K": n_embd, "QG": int(gate), "QU": int(up), "SAME_X": vt(gate) == vt(up),
+                 "VT_DOWN": vt(down), "ACT": activation, "HAS_BIAS": bias, "BLOCK_N": gu.block_n, "UNROLL": gu.unroll,
+                 "INTERP": False, "REV": rev}, gu))
+    out.append(("down", tk._down_kernel,
+                {"K": n_ff, "QD": int(down), "HAS_BIAS": bias, "WEIGHTED": True, "BLOCK_N": dn.block_n,
+                 "UNROLL": dn.unroll, "INTERP": False, "REV": rev}, dn))
+    return out
+
+
+STANDARD_GEOMETRIES = {
+    **{t.name: ((t,) * 3, 2048, 768, 0, False) for t in sorted(tk.KERNEL_TYPES, key=lambda t: t.name)},
+    "Q4_K_M": ((QT.Q4_K, QT.Q4_K, QT.Q6_K), 2048, 768, 0, False),
+    "gpt-oss": ((QT.MXFP4,) * 3, 2880, 2880, 1, True),
+}
+
+
+def report(names: list[str], arch: int = 90) -> list[dict]:
+    """Compiles every launch of the named geometries; one dict per kernel."""
+    rows = []
+    for name in names:
+        (g, u, d), n_embd, n_ff, act, bias = STANDARD_GEOMETRIES[name]
+        for label, fn, const, cfg in decode_variants(g, u, d, n_embd, n_ff, act, bias, arch=arch):
+            compiled = compile_kernel(fn, const, cfg.num_warps, cfg.num_stages, arch)
+            rows.append({"geometry": name, "kernel": label, "block_n": cfg.block_n, "num_warps": cfg.num_warps,
+                         "convert_layout": compiled.asm["ttgir"].count("ttg.convert_layout"),
+                         **resource_usage(compiled)})
+    return rows
+
+
+def main() -> None:  # pragma: no cover - a report, run by hand or by the tests in a subprocess
+    import argparse
+    import json
+
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--arch", type=int, default=90)
+    ap.add_argument("--json", action="store_true", help="print one JSON list instead of a table")
+    ap.add_argument("names", nargs="*", default=list(STANDARD_GEOMETRIES))
+    args = ap.parse_args()
+    if tk.INTERPRETED:
+        raise SystemExit("unset TRITON_INTERPRET: kernels imported for the interpreter cannot be compiled")
+    rows = report(args.names, args.arch)
+    if args.json:
+        print(json.dumps(rows))
+        return
+    for r in rows:
+        print(f"{r['geometry']:8s} {r['kernel']:8s} bn={r['block_n']:<3d} w={r['num_warps']} regs={r['regs']} "
+              f"local={r['local']} stack={r['stack']} shared={r['shared']} bar={r['bar_sync']} "
+              f"cvt={r['convert_layout']} instr={r['instructions']} loop={r['loop_instructions']} "
+              f"loop_smem={r['loop_smem_or_barrier']} loop_spills={r['loop_spill_ops']} dp4a={r['loop_dp4a']} "
+              f"loads={r['loads']}")
+
+
+if __name__ == "__main__":  # pragma: no cover
+    main()

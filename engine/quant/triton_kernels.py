@@ -1,0 +1,792 @@
+"""Fused decode expert kernels (Triton) that read experts in their GGUF bytes from slot buffers.
+
+The work item is a *pair* (token row t, top-k position j) whose expert lives in slot `slot` of
+a layer's slot buffers (engine/moe/slots.LayerSlots.buffers: gate, up and down as uint8
+[n_slots, rows, row_bytes], each row a run of GGUF blocks). Three launches per batch of pairs
+(the hybrid executor sends one batch for its hits, one for its uploads; no Python per expert):
+
+0. `_round_rows_kernel`, grid (tokens, K / 256): the activation rows rounded as
+   engine/quant/activation.round_activation rounds them for the gate/up type (values; for Q8_K
+   also the int8 quants and per-256 scales), zero-padded to whole K steps.
+1. `_gate_up_kernel`, grid (pairs, n_ff / BLOCK_N): the gate and up rows of the pair's expert
+   against the token's rounded activation, biases, the activation function (SiLU, or gpt-oss's
+   SWIGLU_OAI) -> h [pairs, n_ff]; the last program of each pair to finish (a semaphore) then
+   rounds the whole h row for the down type.
+2. `_down_kernel`, grid (pairs, n_embd / BLOCK_N): the rounded h against the down rows, plus
+   bias, times the routing weight, stored straight into the executor's per_slot[j, t, :].
+
+Exactness: the rounding is bit-exact with round_activation (correctly rounded divisions,
+half-to-even); weights decode with dequant.py's arithmetic; products are summed in float32
+(Q4_K/Q5_K: exact int32 sums of quant products, scaled in float32). Results equal
+`engine.layers.moe.expert_ffn` up to float32 summation order and rounding.
+
+Rounding needs block-wide maxima (cross-thread reductions, CTA barriers), so it stays out of
+the weight loops; those only load, decode and multiply. The tile and the memory access pattern
+are described at "weight tiles" below.
+
+`TRITON_INTERPRET=1` (set before this module is imported) runs the same kernels on CPU
+tensors through Triton's interpreter: the tests use it where there is no GPU.
+"""
+from __future__ import annotations
+
+import functools
+import os
+import re
+from dataclasses import dataclass
+
+import torch
+from gguf import GGMLQuantizationType as QT
+
+try:  # Triton is optional: without it the torch path runs.
+    import triton
+    import triton.language as tl
+    from triton.language.extra import libdevice
+except ImportError:  # pragma: no cover - depends on the environment
+    triton = None
+
+INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+# Weight types these kernels decode (their GGUF type ids are the kernels' QT constexpr).
+KERNEL_TYPES: frozenset[QT] = frozenset({QT.Q4_K, QT.Q5_K, QT.Q6_K, QT.Q8_0, QT.MXFP4, QT.F16, QT.BF16})
+KSTEP = 256  # activation values per K step
+
+
+def available() -> bool:
+    return triton is not None
+
+
+if triton is not None:
+    _Q4_K = tl.constexpr(int(QT.Q4_K))
+    _Q5_K = tl.constexpr(int(QT.Q5_K))
+    _Q6_K = tl.constexpr(int(QT.Q6_K))
+    _Q8_0 = tl.constexpr(int(QT.Q8_0))
+    _MXFP4 = tl.constexpr(int(QT.MXFP4))
+    _F16 = tl.constexpr(int(QT.F16))
+    _BF16 = tl.constexpr(int(QT.BF16))
+    _Q8_K = tl.constexpr(int(QT.Q8_K))
+
+    # ---------------------------------------------------------------- activation rounding
+    # Rounding needs block-wide maxima, i.e. cross-thread reductions and CTA barriers. They
+    # are kept out of the weight loops (barriers would stop the compiler from issuing the
+    # weight loads early): x is rounded by _round_rows_kernel, h by the last program of each
+    # pair in _gate_up_kernel; the weight loops then only load rounded values.
+
+    @triton.jit
+    def _rint(v, INTERP: tl.constexpr):
+        """Round half to even (ggml's nearest_int / _mm256_round_ps)."""
+        if INTERP:
+            r = (v + 12582912.0) - 12582912.0  # exact for |v| < 2^22; numpy does not contract
+        else:
+            r = libdevice.rint(v)
+        return r
+
+    @triton.jit
+    def _q8_k(v, INTERP: tl.constexpr):
+        """quantize_row_q8_K_ref for one block of 256 values: (quants as float, scale d, and
+        whether the block is all zero); round_activation's value is where(zero, 0, d * q)."""
+        iv = tl.arange(0, 256)
+        av = tl.abs(v)
+        amax = tl.max(av)
+        # The first value of largest magnitude (the reference loop's strict `>`), signed.
+        idx = tl.min(tl.where(av == amax, iv, 1 << 20))
+        vmax = tl.sum(tl.where(iv == idx, v, 0.0))
+        zero = vmax == 0.0
+        iscale = tl.math.div_rn(tl.full((), -127.0, tl.float32), tl.where(zero, 1.0, vmax))
+        d = tl.math.div_rn(tl.full((), 1.0, tl.float32), iscale)
+        q = tl.minimum(_rint(iscale * v, INTERP), 127.0)
+        return q, d, zero
+
+    @triton.jit
+    def _q8_0(v, INTERP: tl.constexpr):
+        """Q8_0 (ggml's x86 recipe) for blocks of 32 along axis 1 of v [n, 32]: the quants (as
+        float) and each block's scale, fp16-rounded; round_activation's value is d * q."""
+        amax = tl.max(tl.abs(v), axis=1)
+        c127 = tl.zeros_like(amax) + 127.0
+        d = tl.math.div_rn(amax, c127)
+        inv = tl.where(amax != 0.0, tl.math.div_rn(c127, tl.where(amax != 0.0, amax, 1.0)), 0.0)
+        return _rint(v * inv[:, None], INTERP), d.to(tl.float16).to(tl.float32)
+
+    @triton.jit
+    def _bf16_round(v):
+        """float32 -> bfloat16 -> float32, round half to even (torch's conversion; finite v).
+        In integers: Triton's interpreter truncates in its own bf16 conversion."""
+        bits = v.to(tl.uint32, bitcast=True)
+        bits = bits + 0x7FFF + ((bits >> 16) & 1)
+        return ((bits >> 16) << 16).to(tl.float32, bitcast=True)
+
+    @triton.jit
+    def _round_chunk(src, dst, dst_q, dst_d, c, K: tl.constexpr, VT: tl.constexpr, INTERP: tl.constexpr):
+        """dst[256c : 256c + 256] = round_activation(src[...]) for vec-dot type VT (a GGUF
+        type id: Q8_K, Q8_0, F16, BF16; anything else copies). For Q8_K and Q8_0 also the int8
+        quants (dst_q, same positions) and the scales: Q8_K's at dst_d[8c] (0 for an all-zero
+        block), Q8_0's at dst_d[8c + b] for its blocks b. dst rows are padded to whole K
+        steps: positions from K on receive zeros."""
+        if VT == _Q8_K:
+            i = c * 256 + tl.arange(0, 256)
+            q, d, zero = _q8_k(tl.load(src + i, cache_modifier=".cg"), INTERP)
+            tl.store(dst + i, tl.where(zero, 0.0, d * q))
+            tl.store(dst_q + i, q.to(tl.int8))
+            tl.store(dst_d + c * 8, tl.where(zero, 0.0, d))
+        elif VT == _Q8_0:
+            i = c * 256 + tl.arange(0, 8)[:, None] * 32 + tl.arange(0, 32)[None, :]
+            v = tl.load(src + i, mask=i < K, other=0.0, cache_modifier=".cg")
+            q, d = _q8_0(v, INTERP)
+            tl.store(dst + i, d[:, None] * q)  # zeros into the padding up to the K step
+            tl.store(dst_q + i, q.to(tl.int8))
+            tl.store(dst_d + c * 8 + tl.arange(0, 8), d)
+        else:
+            i = c * 256 + tl.arange(0, 256)
+            v = tl.load(src + i, mask=i < K, other=0.0, cache_modifier=".cg")
+            if VT == _F16:
+                v = v.to(tl.float16).to(tl.float32)
+            elif VT == _BF16:
+                v = _bf16_round(v)
+            tl.store(dst + i, v)
+
+    @triton.jit
+    def _round_rows_kernel(x_ptr, x_stride, out_ptr, q_ptr, d_ptr, K: tl.constexpr, VT: tl.constexpr,
+                           INTERP: tl.constexpr):
+        """Grid (rows, KP / 256): out[row] = round_activation(x[row]), zero-padded to KP, the
+        next multiple of 256 (for Q8_K and Q8_0 also q [rows, KP] int8 and d [rows, KP / 32])."""
+        r = tl.program_id(0).to(tl.int64)
+        KP: tl.constexpr = (K + 255) // 256 * 256
+        _round_chunk(x_ptr + r * x_stride, out_ptr + r * KP, q_ptr + r * KP, d_ptr + r * (KP // 32),
+                     tl.program_id(1), K, VT, INTERP)
+
+    # ---------------------------------------------------------------- weight tiles
+    # A K step (256 activation values) of one program is a tile [2 (p), BLOCK_N (r), C, S, E]:
+    # each of BLOCK_N rows gets two lanes (p), which read adjacent runs of the row's bytes of
+    # that step (so a row's two lanes cover whole 32-byte sectors, and 16 rows fill a warp);
+    # a lane holds C runs, each S vector accesses of E elements (16-byte runs of K-quants as
+    # 4 words; 2-aligned Q6_K and Q8_0 as int16 pairs; 1-aligned MXFP4 as bytes; F16 as 8s).
+    # Every tensor of a step (quants, block headers, activation values) is built at that full
+    # shape, headers and activations with zero strides where they do not vary: Triton's
+    # coalescing pass then gives all of them one layout (it takes the widest access among
+    # memory ops of one shape) with the runs inside a lane, so nothing moves through shared
+    # memory, repeated addresses fold into one load, and scales are picked out of a header
+    # run by a select-and-sum whose positions are compile-time constants (a register read).
+    #
+    # The K-quants, Q8_0 and MXFP4 multiply in integers, as ggml does: quants are masked out
+    # of whole 32-bit words (Q4_K/Q5_K nibbles and fifth bits, Q6_K nibbles and top bits,
+    # MXFP4 nibbles mapped to int8 by a prmt table lookup) and dotted with the activation's
+    # int8 quants (Q8_K or Q8_0, from the rounding kernels) by dp4a, four products per
+    # instruction; each group of values that shares scales then adds
+    #   dx * (d * sc * sum(q * qx) - dmin * m * sum(qx))
+    # exact integer sums scaled in float32: the reference's value up to float rounding.
+    # F16 and BF16 multiply floats. The next step's bytes are loaded while the current step
+    # is computed (register double buffering); partial sums are reduced once, at the end.
+
+    @triton.jit
+    def _axes(BLOCK_N: tl.constexpr, QT: tl.constexpr):
+        """Index tensors of the step tile [2 (p), BLOCK_N (r), C (c), S, E]: position l = S-index *
+        E + E-index within a run, E elements per vector access. The order of the axes matters:
+        Triton lays lanes over the contiguous E axis, then p, then rows (the other axes have
+        no contiguity and go in index order), so c and S stay inside a lane: a lane holds whole
+        runs, and picks and sums along a run need no other lane."""
+        p = tl.arange(0, 2)[:, None, None, None, None]
+        r = tl.arange(0, BLOCK_N)[None, :, None, None, None]
+        if QT == _F16 or QT == _BF16:
+            c = tl.arange(0, 8)[None, None, :, None, None]
+            l = tl.arange(0, 2)[None, None, None, :, None] * 8 + tl.arange(0, 8)[None, None, None, None, :]
+        else:
+            c = tl.arange(0, 4)[None, None, :, None, None]
+            if QT == _Q8_0:  # a block's 16 int16 (2-aligned): 8 words of 2 halves
+                l = tl.arange(0, 8)[None, None, None, :, None] * 2 + tl.arange(0, 2)[None, None, None, None, :]
+            elif QT == _Q6_K:  # a 16-byte run as 8 int16 (2-aligned): 4 words of 2 halves
+                l = tl.arange(0, 4)[None, None, None, :, None] * 2 + tl.arange(0, 2)[None, None, None, None, :]
+            elif QT == _MXFP4:  # a block's 16 quant bytes (1-aligned): 4 words of 4 bytes
+                l = tl.arange(0, 4)[None, None, None, :, None] * 4 + tl.arange(0, 4)[None, None, None, None, :]
+            else:  # Q4_K, Q5_K: a 16-byte run as 4 words
+                l = tl.arange(0, 1)[None, None, None, :, None] * 4 + tl.arange(0, 4)[None, None, None, None, :]
+        return p, r, c, l
+
+    @triton.jit
+    def _zero_acc(BLOCK_N: tl.constexpr, QT: tl.constexpr):
+        if QT == _F16 or QT == _BF16:
+            acc = tl.zeros((2, BLOCK_N, 8), tl.float32)
+        else:
+            acc = tl.zeros((2, BLOCK_N, 4), tl.float32)
+        return acc
+
+    @triton.jit
+    def _reduce_acc(acc):
+        return tl.sum(tl.sum(acc, axis=2), axis=0)
+
+    @triton.jit
+    def _runsum(v):
+        """Sum along the runs (the last two axes), inside each lane."""
+        return tl.sum(tl.sum(v, axis=4), axis=3)
+
+    @triton.jit
+    def _ld(ptr, REV: tl.constexpr, mask=None, other=None):
+        """tl.load of a step tile. Triton orders a load's dimensions of equal contiguity by
+        index, ascending up to 3.6 and descending in later releases: with REV the load is
+        issued on the tile permuted to [c, s, r, p, e], so that either way the lanes go to
+        p and r and the runs stay inside a lane; the result is permuted back (a relabeling)."""
+        if REV:
+            q = tl.permute(ptr, (2, 3, 1, 0, 4))
+            if mask is None:
+                v = tl.load(q)
+            else:
+                v = tl.load(q, mask=tl.permute(mask, (2, 3, 1, 0, 4)), other=other)
+            v = tl.permute(v, (3, 2, 0, 1, 4))
+        else:
+            v = tl.load(ptr, mask=mask, other=other)
+        return v
+
+    @triton.jit
+    def _pick(run, l, k):
+        """Element k (compile-time per run) of int32 runs: a select-and-sum that folds to a
+        register read."""
+        return _runsum(tl.where(l == k, run, 0))
+
+    @triton.jit
+    def _pick_i8(halves, l, k):
+        """Signed byte k (compile-time per run) of runs held as int16 elements (in int32)."""
+        v = _pick((halves >> ((k % 2) * 8)) & 255, l, k // 2)
+        return v - ((v & 128) << 1)
+
+    @triton.jit
+    def _f16_bits(bits):
+        return bits.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+
+    @triton.jit
+    def _word_byte(words, l, k):
+        """Byte k of 16-byte runs held as four little-endian int32 words."""
+        return _pick((words >> ((k % 4) * 8)) & 255, l, k // 4)
+
+    @triton.jit
+    def _dp4a(a, b, INTERP: tl.constexpr, SIGNED_A: tl.constexpr = False):
+        """sum over the 4 bytes of a[k] * b[k], b signed, a unsigned or signed (PTX dp4a)."""
+        if INTERP:
+            s = a * 0
+            for k in tl.static_range(4):
+                ak = (a >> (8 * k)) & 255
+                bk = (b >> (8 * k)) & 255
+                if SIGNED_A:
+                    ak = ak - ((ak & 128) << 1)
+                s += ak * (bk - ((bk & 128) << 1))
+        elif SIGNED_A:
+            s = tl.inline_asm_elementwise("dp4a.s32.s32 $0, $1, $2, 0;", "=r,r,r", [a, b], dtype=tl.int32,
+                                          is_pure=True, pack=1)
+        else:
+            s = tl.inline_asm_elementwise("dp4a.u32.s32 $0, $1, $2, 0;", "=r,r,r", [a, b], dtype=tl.int32,
+                                          is_pure=True, pack=1)
+        return s
+
+    @triton.jit
+    def _prmt(a, b, sel, INTERP: tl.constexpr):
+        """PTX prmt.b32 (default mode, selector nibbles < 8): byte k of the result is byte
+        sel[k] of the 8 bytes b:a (a = bytes 0..3)."""
+        if INTERP:
+            out = sel * 0
+            for k in tl.static_range(4):
+                i = (sel >> (4 * k)) & 7
+                src = tl.where(i < 4, a >> ((i & 3) * 8), b >> ((i & 3) * 8)) & 255
+                out = out | (src << (8 * k))
+        else:
+            out = tl.inline_asm_elementwise("prmt.b32 $0, $1, $2, $3;", "=r,r,r,r", [a, b, sel], dtype=tl.int32,
+                                            is_pure=True, pack=1)
+        return out
+
+    @triton.jit
+    def _words(v, E: tl.constexpr):
+        """int32 words from runs of E = 2 (int16) or 4 (bytes) parts along the last axis."""
+        e = tl.arange(0, E)[None, None, None, None, :]
+        v32 = v.to(tl.int32)
+        if E == 2:
+            parts = tl.where(e == 0, v32 & 0xFFFF, v32 << 16)
+        else:
+            parts = (v32 & 255) << (e * 8)
+        return tl.sum(parts, axis=4)
+
+    @triton.jit
+    def _e2m1_words(w, INTERP: tl.constexpr):
+        """The low nibbles of the 4 bytes of w as MXFP4's doubled e2m1 values (0, 1, 2, 3, 4,
+        6, 8, 12; bit 3 negates), packed int8: magnitudes and negatives by prmt table lookups
+        on the nibbles' low 3 bits, chosen per byte by bit 3."""
+        x3 = w & 0x07070707
+        y = (x3 | (x3 >> 4)) & 0x00FF00FF
+        sel = (y | (y >> 8)) & 0xFFFF
+        z = w * 0
+        pos = _prmt(z + 0x03020100, z + 0x0C080604, sel, INTERP)
+        neg = _prmt(z - 33620224, z - 185009412, sel, INTERP)  # 0xFDFEFF00, 0xF4F8FAFC: -0 .. -12
+        m = ((w >> 3) & 0x01010101) * 255
+        return (pos & ~m) | (neg & m)
+
+    @triton.jit
+    def _k4_scale_min(hdr, l, j, low):
+        """get_scale_min_k4 of sub-blocks j from Q4_K/Q5_K headers (16 bytes as 4 words);
+        `low` is j < 4 at the reduced shape."""
+        a = _word_byte(hdr, l, 4 + j)
+        b = _word_byte(hdr, l, 8 + j)
+        e = _word_byte(hdr, l, 4 + (j & 3))
+        sc = tl.where(low, a & 63, (b & 15) | ((e >> 6) << 4))
+        mn = tl.where(low, b & 63, (b >> 4) | ((a >> 6) << 4))
+        return sc.to(tl.float32), mn.to(tl.float32)
+
+    @triton.jit
+    def _load_w(rows, ks, K: tl.constexpr, BLOCK_N: tl.constexpr, QT: tl.constexpr, REV: tl.constexpr):
+        """The raw bytes of K step `ks` for rows at byte pointers `rows` [1, BLOCK_N, 1, 1]:
+        up to four full-shape tensors (unused ones repeat the first)."""
+        p, r, c, l = _axes(BLOCK_N, QT)
+        z = p * 0 + c * 0  # zero strides (with r and l: the full shape)
+        if QT == _Q4_K:
+            # d, dmin (f16) | scales[12] | qs[128]; 144-byte blocks, 16-aligned
+            blk = rows + ks * 144
+            a = (blk + 16 + c * 32 + p * 16).to(tl.pointer_type(tl.int32))
+            a = _ld(a + l, REV)
+            b = _ld(blk.to(tl.pointer_type(tl.int32)) + l + z, REV)  # the 16-byte header
+            cc = a
+            dd = a
+        elif QT == _Q5_K:
+            # d, dmin | scales[12] | qh[32] | qs[128]; 176-byte blocks, 16-aligned
+            blk = rows + ks * 176
+            a = _ld((blk + 48 + c * 32 + p * 16).to(tl.pointer_type(tl.int32)) + l, REV)
+            b = _ld(blk.to(tl.pointer_type(tl.int32)) + l + z, REV)
+            cc = _ld((blk + 16 + p * 16).to(tl.pointer_type(tl.int32)) + l + c * 0, REV)
+            dd = a
+        elif QT == _Q6_K:
+            # ql[128] | qh[64] | scales[16] (int8) | d (f16); 210-byte blocks, 2-aligned: int16s
+            blk = rows + ks * 210
+            a = _ld((blk + c * 32 + p * 16).to(tl.pointer_type(tl.uint16)) + l, REV)
+            b = _ld((blk + 128 + (c // 2) * 32 + p * 16).to(tl.pointer_type(tl.uint16)) + l, REV)
+            cc = _ld((blk + 192).to(tl.pointer_type(tl.uint16)) + l + z, REV)
+            dd = _ld((blk + 208).to(tl.pointer_type(tl.uint16)) + l + z, REV, (l == 0) & (z == 0), 0)
+        elif QT == _Q8_0:
+            # d (f16) | qs[32] (int8): 34-byte blocks, block 2c + p of the step, as int16s.
+            # Blocks past the row's end read its last block again: the activation there is 0.
+            bp = rows + tl.minimum(ks * 8 + c * 2 + p, K // 32 - 1) * 34
+            a = _ld((bp + 2).to(tl.pointer_type(tl.uint16)) + l, REV)
+            b = _ld(bp.to(tl.pointer_type(tl.uint16)) + l + r * 0, REV, (l == 0) & (r >= 0), 0)
+            cc = a
+            dd = a
+        elif QT == _MXFP4:
+            # e (e8m0) | qs[16]: 17-byte blocks, block 2c + p of the step, bytes
+            bp = rows + tl.minimum(ks * 8 + c * 2 + p, K // 32 - 1) * 17
+            a = _ld(bp + 1 + l, REV)
+            b = _ld(bp + l + r * 0, REV, (l == 0) & (r >= 0), 0)
+            cc = a
+            dd = a
+        elif QT == _F16:
+            k = ks * 256 + c * 32 + p * 16 + l
+            a = _ld(rows.to(tl.pointer_type(tl.float16)) + k, REV, (k < K) & (r >= 0), 0.0)
+            b = a
+            cc = a
+            dd = a
+        else:  # BF16
+            k = ks * 256 + c * 32 + p * 16 + l
+            a = _ld(rows.to(tl.pointer_type(tl.uint16)) + k, REV, (k < K) & (r >= 0), 0)
+            b = a
+            cc = a
+            dd = a
+        return a, b, cc, dd
+
+    @triton.jit
+    def _use_w(acc, a, b, cc, dd, x_row, xq_row, xd_row, ks, K: tl.constexpr, BLOCK_N: tl.constexpr,
+               QT: tl.constexpr, INTERP: tl.constexpr, REV: tl.constexpr):
+        """acc += K step `ks` of the rows (raw bytes a, b, cc, dd from _load_w) dotted with
+        the rounded activation row: values at x_row; for Q8_K, int8 quants at xq_row and
+        block scales at xd_row."""
+        p, r, c, l = _axes(BLOCK_N, QT)
+        x0 = x_row + ks * 256 + r * 0  # zero stride along rows: the activation is shared
+        if QT == _Q4_K or QT == _Q5_K:
+            # qs byte 32c + 16p + i: low nibble -> value 64c + 16p + i (sub-block 2c), high
+            # nibble -> + 32 (sub-block 2c + 1); Q5_K's fifth bits: bits 2c / 2c + 1 of byte
+            # 16p + i of qh. Word l of a run holds bytes 4l .. 4l + 3.
+            z = p * 0 + c * 0 + r * 0
+            qlo = a & 0x0F0F0F0F
+            qhi = (a >> 4) & 0x0F0F0F0F
+            if QT == _Q5_K:
+                qlo = qlo | (((cc >> (c * 2)) & 0x01010101) << 4)
+                qhi = qhi | (((cc >> (c * 2 + 1)) & 0x01010101) << 4)
+            xw = xq_row.to(tl.pointer_type(tl.int32)) + ks * 64 + c * 16 + p * 4 + l + r * 0
+            xlo = _ld(xw, REV)
+            xhi = _ld(xw + 8, REV)
+            ones = xlo * 0 + 0x01010101
+            slo = _runsum(_dp4a(qlo, xlo, INTERP)).to(tl.float32)
+            shi = _runsum(_dp4a(qhi, xhi, INTERP)).to(tl.float32)
+            blo = _runsum(_dp4a(ones, xlo, INTERP)).to(tl.float32)
+            bhi = _runsum(_dp4a(ones, xhi, INTERP)).to(tl.float32)
+            dx_bits = _ld(xd_row.to(tl.pointer_type(tl.int32)) + ks * 8 + l + z, REV, (l == 0) & (z == 0), 0)
+            dx = _pick(dx_bits, l, 0).to(tl.float32, bitcast=True)
+            w0 = _pick(b, l, 0)
+            d = _f16_bits(w0 & 0xFFFF)
+            dmin = _f16_bits((w0 >> 16) & 0xFFFF)
+            low = (tl.arange(0, 4) * 2 < 4)[None, None, :]
+            sc0, mn0 = _k4_scale_min(b, l, c * 2, low)
+            sc1, mn1 = _k4_scale_min(b, l, c * 2 + 1, low)
+            acc += dx * (((d * sc0) * slo - (dmin * mn0) * blo) + ((d * sc1) * shi - (dmin * mn1) * bhi))
+        elif QT == _Q6_K:
+            # ql byte 32c + 16p + i: low nibble -> value 128(c//2) + 32(c%2) + 16p + i, high
+            # -> + 64; top bits from qh[32(c//2) + 16p + i] at shift 2(c%2) (+4); one int8
+            # scale per 16 values: index 8(c//2) + 2(c%2) + p (+4 for high). Unsigned 6-bit
+            # quants in dp4a, less 32 times the activation's quant sum.
+            ql = _words(a, 2)
+            qh = _words(b, 2)
+            sh = (tl.arange(0, 4) % 2 * 2)[None, None, :, None]
+            q0 = (ql & 0x0F0F0F0F) | (((qh >> sh) & 0x03030303) << 4)
+            q1 = ((ql >> 4) & 0x0F0F0F0F) | (((qh >> (sh + 4)) & 0x03030303) << 4)
+            xw = xq_row.to(tl.pointer_type(tl.uint16)) + ks * 128 + (c // 2) * 64 + (c % 2) * 16 + p * 8 + l + r * 0
+            xlo = _words(_ld(xw, REV), 2)
+            xhi = _words(_ld(xw + 32, REV), 2)
+            ones = xlo * 0 + 0x01010101
+            s0 = tl.sum(_dp4a(q0, xlo, INTERP) - 32 * _dp4a(ones, xlo, INTERP), axis=3).to(tl.float32)
+            s1 = tl.sum(_dp4a(q1, xhi, INTERP) - 32 * _dp4a(ones, xhi, INTERP), axis=3).to(tl.float32)
+            scales = cc.to(tl.int32)
+            si = (c // 2) * 8 + (c % 2) * 2  # + p: both lanes' candidates are picked, then chosen
+            p3 = tl.arange(0, 2)[:, None, None]
+            sc0 = tl.where(p3 == 0, _pick_i8(scales, l, si), _pick_i8(scales, l, si + 1)).to(tl.float32)
+            sc1 = tl.where(p3 == 0, _pick_i8(scales, l, si + 4), _pick_i8(scales, l, si + 5)).to(tl.float32)
+            d = _f16_bits(_pick(dd.to(tl.int32), l, 0) & 0xFFFF)
+            z = p * 0 + c * 0 + r * 0
+            dx_bits = _ld(xd_row.to(tl.pointer_type(tl.int32)) + ks * 8 + l + z, REV, (l == 0) & (z == 0), 0)
+            dx = _pick(dx_bits, l, 0).to(tl.float32, bitcast=True)
+            acc += dx * ((d * sc0) * s0 + (d * sc1) * s1)
+        elif QT == _Q8_0 or QT == _MXFP4:
+            # One block per (p, c): the integer dot of its quants with the activation's Q8_0
+            # quants, times both scales. MXFP4: byte i holds values i (low nibble) and 16 + i.
+            blk = c * 2 + p
+            if QT == _Q8_0:
+                xq = xq_row.to(tl.pointer_type(tl.uint16)) + ks * 128 + blk * 16 + l + r * 0
+                sw = tl.sum(_dp4a(_words(a, 2), _words(_ld(xq, REV), 2), INTERP, True), axis=3)
+                dw = _f16_bits(_pick(b.to(tl.int32), l, 0) & 0xFFFF)
+            else:
+                xq = xq_row.to(tl.pointer_type(tl.uint8)) + ks * 256 + blk * 32 + l + r * 0
+                w = _words(a, 4)
+                sw = tl.sum(_dp4a(_e2m1_words(w, INTERP), _words(_ld(xq, REV), 4), INTERP, True)
+                            + _dp4a(_e2m1_words(w >> 4, INTERP), _words(_ld(xq + 16, REV), 4), INTERP, True), axis=3)
+                e = _pick(b.to(tl.int32), l, 0) & 255
+                # ggml_e8m0_to_fp32_half: 2^(e - 128), subnormal for e < 2 (the table is doubled).
+                dw = tl.where(e < 2, 0x00200000 << e, (e - 1) << 23).to(tl.float32, bitcast=True)
+            # The step's 8 activation scales as one run (no stride along p: one layout for
+            # all); each lane picks its block's (compile-time candidates 2c, 2c + 1 by p).
+            z = p * 0 + c * 0 + r * 0
+            xd = _ld(xd_row.to(tl.pointer_type(tl.int32)) + ks * 8 + l + z, REV, (l < 8) & (z == 0), 0)
+            c2 = c * 2
+            p3 = tl.arange(0, 2)[:, None, None]
+            dx = tl.where(p3 == 0, _pick(xd, l, c2), _pick(xd, l, c2 + 1)).to(tl.float32, bitcast=True)
+            acc += (dw * dx) * sw.to(tl.float32)
+        else:  # F16, BF16
+            k = c * 32 + p * 16 + l
+            if QT == _F16:
+                w = a.to(tl.float32)
+            else:
+                w = (a.to(tl.int32) << 16).to(tl.float32, bitcast=True)
+            acc += _runsum(w * _ld(x0 + k, REV))
+        return acc
+
+    # ---------------------------------------------------------------- the two kernels
+
+    @triton.jit
+    def _gate_up_kernel(xg_ptr, xgq_ptr, xgd_ptr, xu_ptr, xuq_ptr, xud_ptr,
+                        g_ptr, g_slot_bytes, g_row_bytes, u_ptr, u_slot_bytes, u_row_bytes,
+                        gb_ptr, ub_ptr, h_ptr, hr_ptr, hq_ptr, hd_ptr, count_ptr, pair_tok, pair_slot, pair_exp,
+                        N: tl.constexpr, K: tl.constexpr, QG: tl.constexpr, QU: tl.constexpr, SAME_X: tl.constexpr,
+                        VT_DOWN: tl.constexpr, ACT: tl.constexpr, HAS_BIAS: tl.constexpr,
+                        BLOCK_N: tl.constexpr, UNROLL: tl.constexpr, INTERP: tl.constexpr, REV: tl.constexpr):
+        """Grid (pairs, N / BLOCK_N). x*: the rounded activations [T, K] (values, Q8_K quants,
+        Q8_K scales [T, K / 256]) for the gate and the up type; h [pairs, N] and, rounded for
+        the down type, hr (values), hq, hd (Q8_K quants and scales)."""
+        p = tl.program_id(0)
+        nb = tl.program_id(1)
+        tok = tl.load(pair_tok + p).to(tl.int64)
+        slot = tl.load(pair_slot + p).to(tl.int64)
+        r4 = tl.arange(0, BLOCK_N)[None, :, None, None, None]
+        rows_c = tl.minimum(nb * BLOCK_N + r4, N - 1).to(tl.int64)  # loads stay in bounds; stores are masked
+        NS: tl.constexpr = (K + 255) // 256
+        xg_row = xg_ptr + tok * (NS * 256)  # rounded rows are padded to whole K steps
+        xgq_row = xgq_ptr + tok * (NS * 256)
+        xgd_row = xgd_ptr + tok * (NS * 8)
+        if SAME_X:
+            xu_row = xg_row
+            xuq_row = xgq_row
+            xud_row = xgd_row
+        else:
+            xu_row = xu_ptr + tok * (NS * 256)
+            xuq_row = xuq_ptr + tok * (NS * 256)
+            xud_row = xud_ptr + tok * (NS * 8)
+        g_rows = g_ptr + slot * g_slot_bytes + rows_c * g_row_bytes
+        u_rows = u_ptr + slot * u_slot_bytes + rows_c * u_row_bytes
+        acc_g = _zero_acc(BLOCK_N, QG)
+        acc_u = _zero_acc(BLOCK_N, QU)
+        if UNROLL:
+            for ks in tl.static_range(0, NS):
+                ga, gb, gc, gd = _load_w(g_rows, ks, K, BLOCK_N, QG, REV)
+                ua, ub, uc, ud = _load_w(u_rows, ks, K, BLOCK_N, QU, REV)
+                acc_g = _use_w(acc_g, ga, gb, gc, gd, xg_row, xgq_row, xgd_row, ks, K, BLOCK_N, QG, INTERP, REV)
+                acc_u = _use_w(acc_u, ua, ub, uc, ud, xu_row, xuq_row, xud_row, ks, K, BLOCK_N, QU, INTERP, REV)
+        elif QG == _F16 or QG == _BF16 or QU == _F16 or QU == _BF16:
+            # 16-bit weights: a lane's bytes of a step fill 64 registers a matrix; no second set
+            for ks in range(0, NS):
+                ga, gb, gc, gd = _load_w(g_rows, ks, K, BLOCK_N, QG, REV)
+                ua, ub, uc, ud = _load_w(u_rows, ks, K, BLOCK_N, QU, REV)
+                acc_g = _use_w(acc_g, ga, gb, gc, gd, xg_row, xgq_row, xgd_row, ks, K, BLOCK_N, QG, INTERP, REV)
+                acc_u = _use_w(acc_u, ua, ub, uc, ud, xu_row, xuq_row, xud_row, ks, K, BLOCK_N, QU, INTERP, REV)
+        else:  # the next step's bytes of both matrices are loaded ahead (register double-buffering)
+            ga, gb, gc, gd = _load_w(g_rows, 0, K, BLOCK_N, QG, REV)
+            ua, ub, uc, ud = _load_w(u_rows, 0, K, BLOCK_N, QU, REV)
+            for ks in range(0, NS):
+                nk = tl.minimum(ks + 1, NS - 1)
+                nga, ngb, ngc, ngd = _load_w(g_rows, nk, K, BLOCK_N, QG, REV)
+                nua, nub, nuc, nud = _load_w(u_rows, nk, K, BLOCK_N, QU, REV)
+                acc_g = _use_w(acc_g, ga, gb, gc, gd, xg_row, xgq_row, xgd_row, ks, K, BLOCK_N, QG, INTERP, REV)
+                acc_u = _use_w(acc_u, ua, ub, uc, ud, xu_row, xuq_row, xud_row, ks, K, BLOCK_N, QU, INTERP, REV)
+                ga, gb, gc, gd = nga, ngb, ngc, ngd
+                ua, ub, uc, ud = nua, nub, nuc, nud
+        g = _reduce_acc(acc_g)
+        u = _reduce_acc(acc_u)
+        rows = nb * BLOCK_N + tl.arange(0, BLOCK_N)
+        live = rows < N
+        if HAS_BIAS:
+            e = tl.load(pair_exp + p).to(tl.int64)
+            g = g + tl.load(gb_ptr + e * N + rows, mask=live, other=0.0)
+            u = u + tl.load(ub_ptr + e * N + rows, mask=live, other=0.0)
+        if ACT == 0:  # SiLU(g) * u, as engine.layers.moe.activate writes it
+            h = g / (1.0 + tl.exp(-g)) * u
+        else:  # SWIGLU_OAI: alpha 1.702, limit 7
+            g7 = tl.minimum(g, 7.0)
+            u7 = tl.minimum(tl.maximum(u, -7.0), 7.0)
+            h = g7 / (1.0 + tl.exp(-1.702 * g7)) * (u7 + 1.0)
+        h_row = h_ptr + p.to(tl.int64) * N
+        tl.store(h_row + rows, h, mask=live)
+        # The last program of this pair to finish rounds the whole h row for the down weights
+        # (the split-K semaphore pattern: every thread fences its stores, the CTA syncs, one
+        # atomic counts; the last program resets the counter for the next launch).
+        if not INTERP:
+            tl.inline_asm_elementwise("fence.acq_rel.gpu;\n\tmov.u32 $0, $1;", "=r,r", [rows], dtype=tl.int32,
+                                      is_pure=False, pack=1)
+        tl.debug_barrier()
+        done = tl.atomic_add(count_ptr + p, 1, sem="acq_rel", scope="gpu")
+        if done == tl.num_programs(1) - 1:
+            tl.store(count_ptr + p, 0)
+            p64 = p.to(tl.int64)
+            NSH: tl.constexpr = (N + 255) // 256
+            for c in tl.static_range(0, NSH):
+                _round_chunk(h_row, hr_ptr + p64 * (NSH * 256), hq_ptr + p64 * (NSH * 256), hd_ptr + p64 * (NSH * 8),
+                             c, N, VT_DOWN, INTERP)
+
+    @triton.jit
+    def _down_kernel(hr_ptr, hq_ptr, hd_ptr, d_ptr, d_slot_bytes, d_row_bytes, db_ptr, wt_ptr, wt_stride_tok,
+                     out_ptr, out_stride_pos, out_stride_tok, pair_tok, pair_pos, pair_slot, pair_exp, N,
+                     K: tl.constexpr, QD: tl.constexpr, HAS_BIAS: tl.constexpr, WEIGHTED: tl.constexpr,
+                     BLOCK_N: tl.constexpr, UNROLL: tl.constexpr, INTERP: tl.constexpr, REV: tl.constexpr):
+        """Grid (pairs, N / BLOCK_N). hr/hq/hd: the rounded h [pairs, K]; out[pos, tok, :N]."""
+        p = tl.program_id(0)
+        nb = tl.program_id(1)
+        slot = tl.load(pair_slot + p).to(tl.int64)
+        r4 = tl.arange(0, BLOCK_N)[None, :, None, None, None]
+        rows_c = tl.minimum(nb * BLOCK_N + r4, N - 1).to(tl.int64)
+        d_rows = d_ptr + slot * d_slot_bytes + rows_c * d_row_bytes
+        NS: tl.constexpr = (K + 255) // 256
+        p64 = p.to(tl.int64)
+        x_row = hr_ptr + p64 * (NS * 256)
+        xq_row = hq_ptr + p64 * (NS * 256)
+        xd_row = hd_ptr + p64 * (NS * 8)
+        acc = _zero_acc(BLOCK_N, QD)
+        if UNROLL:
+            for ks in tl.static_range(0, NS):
+                a, b, cc, dd = _load_w(d_rows, ks, K, BLOCK_N, QD, REV)
+                acc = _use_w(acc, a, b, cc, dd, x_row, xq_row, xd_row, ks, K, BLOCK_N, QD, INTERP, REV)
+        else:
+            a, b, cc, dd = _load_w(d_rows, 0, K, BLOCK_N, QD, REV)
+            for ks in range(0, NS):
+                na, nb2, nc, nd = _load_w(d_rows, tl.minimum(ks + 1, NS - 1), K, BLOCK_N, QD, REV)
+                acc = _use_w(acc, a, b, cc, dd, x_row, xq_row, xd_row, ks, K, BLOCK_N, QD, INTERP, REV)
+                a, b, cc, dd = na, nb2, nc, nd
+        y = _reduce_acc(acc)
+        rows = nb * BLOCK_N + tl.arange(0, BLOCK_N)
+        live = rows < N
+        if HAS_BIAS:
+            e = tl.load(pair_exp + p).to(tl.int64)
+            y = y + tl.load(db_ptr + e * N + rows, mask=live, other=0.0)
+        tok = tl.load(pair_tok + p).to(tl.int64)
+        pos = tl.load(pair_pos + p).to(tl.int64)
+        if WEIGHTED:
+            y = y * tl.load(wt_ptr + tok * wt_stride_tok + pos)
+        tl.store(out_ptr + pos * out_stride_pos + tok * out_stride_tok + rows, y, mask=live)
+
+
+    @triton.jit
+    def _order_probe_kernel(ptr):
+        i = tl.arange(0, 2)[:, None, None] * 1000 + tl.arange(0, 4)[None, :, None] * 100 \
+            + tl.arange(0, 4)[None, None, :]
+        tl.store(ptr + i, tl.load(ptr + i) + 1.0)
+
+
+# -------------------------------------------------------------------- host side
+
+@functools.lru_cache(maxsize=None)
+def reversed_ties(target=None) -> bool:
+    """Whether this Triton orders a load's dimensions of equal contiguity by descending index
+    (the kernels' REV): read off a tiny probe compiled (not run) for `target` (default: the
+    current GPU). Triton 3.6 orders them ascending; later releases descending."""
+    if INTERPRETED or triton is None:
+        return False
+    from triton.compiler import ASTSource
+
+    if target is None:
+        target = triton.runtime.driver.active.get_current_target()
+    probe = triton.compile(ASTSource(_order_probe_kernel, {"ptr": "*fp32"}, {}, {}), target=target,
+                           options={"num_warps": 1})
+    m = re.search(r"order = \[2, (\d), (\d)\]", probe.asm["ttgir"])
+    if m is None:
+        raise RuntimeError("could not read the load layout order of the Triton probe kernel")
+    return (m.group(1), m.group(2)) == ("1", "0")
+
+
+@dataclass(frozen=True)
+class TileConfig:
+    block_n: int  # weight rows per program (a warp covers 16 rows: two lanes per row)
+    # (num_warps: warps per program; more than block_n / 16 of them cost layout conversions)
+    num_warps: int
+    unroll: bool = False  # K steps fully unrolled, or a loop that loads one step ahead
+    num_stages: int = 1  # Triton's own pipeliner: nothing for it to do here
+
+
+# Defaults, one per (kernel, weight type). Every tile puts two lanes on a row and 16 rows on a
+# warp (see "weight tiles"), so BLOCK_N = 16 x num_warps gives each lane pair one row; 2 warps
+# and 32 rows keep enough programs for decode (Qwen3-30B: 8 pairs x 24 of them for gate/up).
+# BLOCK_N = 32 x num_warps gives a lane two rows (more loads in flight per lane).
+# scripts/bench_kernels.py sweeps alternatives on the device.
+GATE_UP_CONFIG: dict[QT, TileConfig] = {t: TileConfig(32, 2) for t in KERNEL_TYPES}
+DOWN_CONFIG: dict[QT, TileConfig] = {t: TileConfig(32, 2) for t in KERNEL_TYPES}
+
+_ACT = {"silu": 0, "swiglu_oai": 1}
+
+
+def supports(w) -> bool:
+    """Whether these kernels can run the experts `w` (engine.layers.moe.ExpertWeights)."""
+    if triton is None or w.activation not in _ACT:
+        return False
+    return all(t.qtype in KERNEL_TYPES for t in (w.gate, w.up, w.down))
+
+
+def _launch_opts(cfg: TileConfig | None) -> dict:
+    if INTERPRETED or cfg is None:
+        return {}
+    return {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
+
+
+def _vt(qtype: QT) -> int:
+    from engine.quant.activation import activation_type
+
+    return int(activation_type(qtype))
+
+
+_counters: dict[tuple, torch.Tensor] = {}
+
+
+def _counter(device: torch.device, n: int) -> torch.Tensor:
+    """Zeroed int32 semaphores, one per pair, per device and stream (launches on one stream run
+    in order); every launch leaves the ones it used at zero."""
+    key = (device, torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0)
+    c = _counters.get(key)
+    if c is None or c.numel() < n:
+        c = torch.zeros(max(n, 256), dtype=torch.int32, device=device)
+        _counters[key] = c
+    return c
+
+
+@dataclass
+class Rounded:
+    """Rows rounded for one weight type, zero-padded to whole K steps (KP = 256 * ceil(K/256)):
+    `padded` [rows, KP] = round_activation(rows, type) then zeros; for Q8_K and Q8_0 (K-quant,
+    Q8_0 and MXFP4 weights) also `quants` (int8 [rows, KP]) and `scales` ([rows, KP / 32]:
+    Q8_0's per block of 32, Q8_K's at every eighth place)."""
+
+    padded: torch.Tensor
+    quants: torch.Tensor
+    scales: torch.Tensor
+    K: int
+
+    @property
+    def values(self) -> torch.Tensor:
+        return self.padded[:, :self.K]
+
+    @classmethod
+    def empty(cls, rows: int, K: int, device) -> "Rounded":
+        kp = -(-K // KSTEP) * KSTEP
+        return cls(torch.empty((rows, kp), dtype=torch.float32, device=device),
+                   torch.empty((rows, kp), dtype=torch.int8, device=device),
+                   torch.empty((rows, kp // 32), dtype=torch.float32, device=device), K)
+
+
+def round_rows(x: torch.Tensor, weight_qtype: QT) -> Rounded:
+    """round_activation(x, weight_qtype) for x [T, K] float32 (any row stride), one launch."""
+    T, K = x.shape
+    out = Rounded.empty(T, K, x.device)
+    if T:
+        _round_rows_kernel[(T, triton.cdiv(K, KSTEP))](x, x.stride(0), out.padded, out.quants, out.scales, K=K,
+                                                      VT=_vt(weight_qtype), INTERP=INTERPRETED,
+                                                      **_launch_opts(TileConfig(0, 4)))
+    return out
+
+
+def gate_up(xg: Rounded, xu: Rounded, gate_buf: torch.Tensor, up_buf: torch.Tensor, w,
+            pair_tok: torch.Tensor, pair_slot: torch.Tensor, pair_exp: torch.Tensor,
+            cfg: TileConfig | None = None) -> tuple[torch.Tensor, Rounded]:
+    """h [pairs, n_ff] = act(x[tok] . gate[slot] (+bias), x[tok] . up[slot] (+bias)), and h
+    rounded for the down weights. xg, xu: the token rows rounded (round_rows) for the gate and
+    the up type (pass the same object when the two round alike)."""
+    n_ff, d_in = w.gate.shape[1], w.gate.shape[2]
+    P = pair_tok.numel()
+    h = torch.empty((P, n_ff), dtype=torch.float32, device=xg.values.device)
+    hr = Rounded.empty(P, n_ff, h.device)
+    if P == 0:
+        return h, hr
+    assert xg.values.shape[1] == d_in
+    cfg = cfg or GATE_UP_CONFIG[w.gate.qtype]
+    has_bias = w.gate.bias is not None
+    gb = w.gate.bias if has_bias else h
+    ub = w.up.bias if w.up.bias is not None else gb
+    grid = (P, triton.cdiv(n_ff, cfg.block_n))
+    _gate_up_kernel[grid](
+        xg.padded, xg.quants, xg.scales, xu.padded, xu.quants, xu.scales,
+        gate_buf, gate_buf.stride(0), gate_buf.stride(1), up_buf, up_buf.stride(0), up_buf.stride(1),
+        gb, ub, h, hr.padded, hr.quants, hr.scales, _counter(h.device, P), pair_tok, pair_slot, pair_exp,
+        N=n_ff, K=d_in, QG=int(w.gate.qtype), QU=int(w.up.qtype), SAME_X=xg is xu, VT_DOWN=_vt(w.down.qtype),
+        ACT=_ACT[w.activation], HAS_BIAS=has_bias, BLOCK_N=cfg.block_n, UNROLL=cfg.unroll, INTERP=INTERPRETED,
+        REV=reversed_ties(), **_launch_opts(cfg))
+    return h, hr
+
+
+def down(hr: Rounded, down_buf: torch.Tensor, w, pair_tok: torch.Tensor, pair_pos: torch.Tensor,
+         pair_slot: torch.Tensor, pair_exp: torch.Tensor, weights: torch.Tensor | None, out: torch.Tensor,
+         cfg: TileConfig | None = None) -> None:
+    """out[pos, tok, :] = (hr[p] . down[slot] (+bias)) * weights[tok, pos] for each pair p.
+
+    hr: h rounded for the down type (gate_up's second result); `out` [k, T, D] (the
+    executor's per_slot, last axis contiguous); with weights None the result is unweighted."""
+    d_out, n_ff = w.down.shape[1], w.down.shape[2]
+    P = pair_tok.numel()
+    if P == 0:
+        return
+    assert out.stride(2) == 1
+    cfg = cfg or DOWN_CONFIG[w.down.qtype]
+    has_bias = w.down.bias is not None
+    db = w.down.bias if has_bias else hr.padded
+    wt = weights if weights is not None else hr.padded
+    grid = (P, triton.cdiv(d_out, cfg.block_n))
+    _down_kernel[grid](
+        hr.padded, hr.quants, hr.scales, down_buf, down_buf.stride(0), down_buf.stride(1), db, wt, wt.stride(0),
+        out, out.stride(0), out.stride(1), pair_tok, pair_pos, pair_slot, pair_exp, d_out,
+        K=n_ff, QD=int(w.down.qtype), HAS_BIAS=has_bias, WEIGHTED=weights is not None,
+        BLOCK_N=cfg.block_n, UNROLL=cfg.unroll, INTERP=INTERPRETED, REV=reversed_ties(), **_launch_opts(cfg))
+
+
+def experts_forward(x: torch.Tensor, buffers, w, pair_tok: torch.Tensor, pair_pos: torch.Tensor,
+                    pair_slot: torch.Tensor, pair_exp: torch.Tensor, weights: torch.Tensor | None,
+                    out: torch.Tensor, gate_up_cfg: TileConfig | None = None,
+                    down_cfg: TileConfig | None = None) -> None:
+    """Every pair's expert output, weighted, into out[pos, tok, :]: three launches in all
+    (round x; gate/up + activation + round h; down).
+
+    x [T, D] float32; buffers = [gate, up, down] uint8 slot buffers [slots, rows, row_bytes];
+    pair_* int32 [P] on x's device (pairs sorted by slot let pairs of one expert meet in L2)."""
+    if pair_tok.numel() == 0:
+        return
+    xg = round_rows(x, w.gate.qtype)
+    xu = xg if _vt(w.up.qtype) == _vt(w.gate.qtype) else round_rows(x, w.up.qtype)
+    _, hr = gate_up(xg, xu, buffers[0], buffers[1], w, pair_tok, pair_slot, pair_exp, gate_up_cfg)
+    down(hr, buffers[2], w, pair_tok, pair_pos, pair_slot, pair_exp, weights, out, down_cfg)

@@ -1,0 +1,400 @@
+"""The Triton decode expert kernels against the torch reference (engine.layers.moe.expert_ffn).
+
+Two ways to run:
+- here / in CI, without a GPU: Triton's interpreter runs the kernels on CPU tensors, on tiny
+  shapes (skipped when Triton is not installed);
+- on the GPU machine: `python -m pytest -q -m gpu tests/quant/test_triton_kernels.py` runs the
+  compiled kernels at real decode shapes (Qwen3-30B-A3B, gpt-oss-120b) and the hybrid hook.
+
+The contract: activation rounding bit-exact with round_activation, dot products equal to the
+float32 reference up to summation order (~1e-5 relative to the output's scale).
+"""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as QT
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the kernels' import
+triton = pytest.importorskip("triton")
+
+from engine.layers.moe import SILU, SWIGLU_OAI, ExpertTensor, ExpertWeights, expert_ffn  # noqa: E402
+from engine.quant import triton_kernels as tk  # noqa: E402
+from engine.quant.activation import round_activation  # noqa: E402
+from engine.quant.dequant import dequantize  # noqa: E402
+from engine.synth.randblocks import random_blocks  # noqa: E402
+
+interp = pytest.mark.skipif(not tk.INTERPRETED, reason="interpreter tests run where there is no GPU "
+                            "(TRITON_INTERPRET=1 before the kernels are imported)")
+gpu = pytest.mark.gpu
+
+REL_TOL = 2e-5  # of the output's largest magnitude: float32 summation order only
+
+
+# ------------------------------------------------------------------------------ fixtures
+
+def _random_raw(rng: np.random.Generator, qtype: QT, shape: tuple[int, int, int], std: float) -> torch.Tensor:
+    if qtype == QT.F16:
+        arr = (rng.standard_normal(shape) * std).astype(np.float16).view(np.uint8)
+    elif qtype == QT.BF16:
+        bits = (rng.standard_normal(shape) * std).astype(np.float32).view(np.uint32) >> 16
+        arr = bits.astype(np.uint16).view(np.uint8)
+    else:
+        arr = random_blocks(rng, qtype, shape, std)
+    return torch.from_numpy(np.ascontiguousarray(arr).reshape(shape[0], shape[1], -1))
+
+
+def make_weights(qtypes: tuple[QT, QT, QT], n_expert: int, n_embd: int, n_ff: int, activation: str = SILU,
+                 bias: bool = False, seed: int = 0) -> ExpertWeights:
+    rng = np.random.default_rng(seed)
+    shapes = ((n_expert, n_ff, n_embd), (n_expert, n_ff, n_embd), (n_expert, n_embd, n_ff))
+    stds = (n_embd ** -0.5, n_embd ** -0.5, n_ff ** -0.5)
+    tensors = []
+    for qtype, shape, std in zip(qtypes, shapes, stds):
+        b = torch.from_numpy(rng.standard_normal((n_expert, shape[1])).astype(np.float32) * 0.1) if bias else None
+        tensors.append(ExpertTensor(_random_raw(rng, qtype, shape, std), qtype, shape, b))
+    return ExpertWeights(*tensors, activation=activation)
+
+
+def weights_to(w: ExpertWeights, device) -> ExpertWeights:
+    def move(t: ExpertTensor) -> ExpertTensor:
+        return ExpertTensor(t.raw, t.qtype, t.shape, t.bias.to(device) if t.bias is not None else None)
+    return ExpertWeights(move(w.gate), move(w.up), move(w.down), activation=w.activation)
+
+
+class Case:
+    """A layer step: tokens x, top-k ids/weights, experts in permuted slots of slot buffers."""
+
+    def __init__(self, w: ExpertWeights, n_tok: int, k: int, device, seed: int = 0):
+        g = torch.Generator().manual_seed(seed)
+        n_expert, n_embd = w.n_expert, w.gate.shape[2]
+        self.w = weights_to(w, device)
+        self.x = (torch.randn(n_tok, n_embd, generator=g) * 2.0).to(device)
+        self.ids = torch.stack([torch.randperm(n_expert, generator=g)[:k] for _ in range(n_tok)]).to(device)
+        self.weights = torch.rand(n_tok, k, generator=g).to(device)
+        self.perm = torch.randperm(n_expert, generator=g)  # slot -> expert
+        slot_of = torch.empty_like(self.perm)
+        slot_of[self.perm] = torch.arange(n_expert)
+        self.buffers = [t.raw[self.perm].contiguous().to(device) for t in (w.gate, w.up, w.down)]
+        tok, pos = torch.nonzero(torch.ones_like(self.ids, dtype=torch.bool), as_tuple=True)
+        e = self.ids[tok, pos].cpu()
+        order = torch.argsort(slot_of[e], stable=True)  # group pairs by slot, as the hook does
+        tok, pos, e = tok.cpu()[order], pos.cpu()[order], e[order]
+        i32 = dict(dtype=torch.int32, device=device)
+        self.tok, self.pos = tok.to(**i32), pos.to(**i32)
+        self.slot, self.exp = slot_of[e].to(**i32), e.to(**i32)
+        self.device = device
+
+    def mats(self, e: int):
+        return tuple(dequantize(b[int(torch.nonzero(self.perm == e))], t.qtype, t.shape[1:])
+                     for b, t in zip(self.buffers, (self.w.gate, self.w.up, self.w.down)))
+
+    def reference(self):
+        """h per pair (gate/up + activation) and per_slot [k, T, D] from the torch path."""
+        w = self.w
+        hs, out = [], torch.zeros(self.ids.shape[1], *self.x.shape, device=self.device)
+        for t, j, e in zip(self.tok.tolist(), self.pos.tolist(), self.exp.tolist()):
+            gate, up, down = self.mats(e)
+            xr = self.x[t:t + 1]
+            g = round_activation(xr, w.gate.qtype) @ gate.T
+            u = round_activation(xr, w.up.qtype) @ up.T
+            if w.gate.bias is not None:
+                g, u = g + w.gate.bias[e], u + w.up.bias[e]
+            from engine.layers.moe import activate
+            hs.append(activate(w.activation, g, u)[0])
+            out[j, t] = expert_ffn(xr, gate, up, down, w, e)[0] * self.weights[t, j]
+        return torch.stack(hs), out
+
+    def down_reference(self, h: torch.Tensor) -> torch.Tensor:
+        """per_slot from a given h (so down is checked on exactly the kernel's h)."""
+        w = self.w
+        out = torch.zeros(self.ids.shape[1], *self.x.shape, device=self.device)
+        for p, (t, j, e) in enumerate(zip(self.tok.tolist(), self.pos.tolist(), self.exp.tolist())):
+            down = self.mats(e)[2]
+            y = round_activation(h[p:p + 1], w.down.qtype) @ down.T
+            if w.down.bias is not None:
+                y = y + w.down.bias[e]
+            out[j, t] = y[0] * self.weights[t, j]
+        return out
+
+
+def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
+    return ((got - want).abs().max() / want.abs().max().clamp_min(1e-30)).item()
+
+
+def check_case(case: Case, gate_up_cfg=None, down_cfg=None, tol: float = REL_TOL, whole: bool = True) -> dict:
+    w = case.w
+    h_ref, out_ref = case.reference()
+    xg = tk.round_rows(case.x, w.gate.qtype)
+    xu = tk.round_rows(case.x, w.up.qtype)
+    assert torch.equal(xg.values, round_activation(case.x, w.gate.qtype))
+    h, hr = tk.gate_up(xg, xu, case.buffers[0], case.buffers[1], w, case.tok, case.slot, case.exp, gate_up_cfg)
+    assert torch.isfinite(h).all()
+    err_h = rel_err(h, h_ref)
+    assert err_h < tol, f"gate/up + activation: relative error {err_h:.2e}"
+    # The last program of each pair rounded h for the down weights, bit-exactly.
+    assert torch.equal(hr.values, round_activation(h, w.down.qtype)), "h rounded in the kernel differs"
+    check_q8_k_parts(hr, w.down.qtype)
+    out = torch.zeros_like(out_ref)
+    tk.down(hr, case.buffers[2], w, case.tok, case.pos, case.slot, case.exp, case.weights, out, down_cfg)
+    err_d = rel_err(out, case.down_reference(h))
+    assert err_d < tol, f"down: relative error {err_d:.2e}"
+    # End to end: h's float order may move one rounding step of one activation value (a tie),
+    # so the whole path is held to a looser bound than each kernel on identical inputs.
+    err_all = rel_err(out, out_ref)
+    assert err_all < 1e-3, f"end to end: relative error {err_all:.2e}"
+    if not whole:
+        return {"h": err_h, "down": err_d, "all": err_all}
+    out2 = torch.zeros_like(out_ref)
+    tk.experts_forward(case.x, case.buffers, w, case.tok, case.pos, case.slot, case.exp, case.weights, out2,
+                       gate_up_cfg, down_cfg)
+    assert torch.equal(out, out2), "experts_forward differs from its parts"
+    return {"h": err_h, "down": err_d, "all": err_all}
+
+
+# ------------------------------------------------------------------------------ rounding
+
+def check_rounding(qtype: QT, x: torch.Tensor) -> None:
+    """round_rows is bit-identical to round_activation (rows of two strides)."""
+    rows = torch.stack([x, -x * 0.5])
+    wide = torch.zeros(2, x.numel() + 64, device=x.device)
+    wide[:, :x.numel()] = rows
+    for src in (rows, wide[:, :x.numel()]):
+        got = tk.round_rows(src, qtype)
+        want = round_activation(rows, qtype)
+        diff = (got.values != want).sum().item()
+        assert torch.equal(got.values, want), f"{qtype.name}: {diff} of {want.numel()} values differ"
+        assert (got.padded[:, x.numel():] == 0).all(), "rows are zero-padded to whole K steps"
+        check_q8_k_parts(got, qtype)
+
+
+def check_q8_k_parts(r, qtype: QT) -> None:
+    """Where the kernels take int8 activations (Q8_K for K-quants, Q8_0 for Q8_0 and MXFP4),
+    the quants times their scales are the rounded values."""
+    T, K = r.values.shape
+    if qtype in (QT.Q4_K, QT.Q5_K, QT.Q6_K):
+        d = r.scales[:, ::8].repeat_interleave(256, dim=1)
+    elif qtype in (QT.Q8_0, QT.MXFP4):
+        d = r.scales.repeat_interleave(32, dim=1)
+    else:
+        return
+    assert (r.padded[:, K:] == 0).all()
+    assert torch.equal((d * r.quants.float())[:, :K], r.values)
+
+
+def rounding_inputs(K: int, device, seed: int = 0) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(K, generator=g) * 3.0
+    ties = x.clone()
+    ties[::7] = 0.0
+    ties[5] = -ties.abs().max() * 1.5      # a negative largest value ...
+    ties[100] = ties[5].abs()              # ... tied in magnitude by a later positive one
+    ties[40:72] = 0.0                      # an all-zero block
+    halves = (torch.randint(-100, 100, (K,), generator=g).float() + 0.5) / 127.0  # many exact .5 quants
+    halves[::64] = 1.0
+    return [t.to(device) for t in (x, ties, halves)]
+
+
+# ------------------------------------------------------------------------------ interpreter tests
+
+SMALL = tk.TileConfig(128, 4)  # few programs: the interpreter's cost is per program and per op
+ROUND_TYPES = [QT.Q4_K, QT.Q5_K, QT.Q6_K, QT.Q8_0, QT.MXFP4, QT.F16, QT.BF16]
+
+
+@interp
+@pytest.mark.parametrize("qtype", ROUND_TYPES, ids=lambda t: t.name)
+def test_interpreter_rounding_is_bit_exact(qtype: QT) -> None:
+    K = 512 if qtype in (QT.Q4_K, QT.Q5_K, QT.Q6_K) else 352
+    for x in rounding_inputs(K, "cpu"):
+        check_rounding(qtype, x)
+
+
+# (gate, up, down) types and geometry (n_embd, n_ff): tails of K steps and of row tiles included.
+INTERP_CASES = {
+    "Q4_K": ((QT.Q4_K,) * 3, 512, 256),
+    "Q5_K": ((QT.Q5_K,) * 3, 256, 256),
+    "Q6_K": ((QT.Q6_K,) * 3, 256, 256),
+    "Q8_0": ((QT.Q8_0,) * 3, 352, 96),
+    "MXFP4": ((QT.MXFP4,) * 3, 288, 160),
+    "F16": ((QT.F16,) * 3, 288, 96),
+    "BF16": ((QT.BF16,) * 3, 288, 96),
+    "Q4_K-Q4_K-Q6_K": ((QT.Q4_K, QT.Q4_K, QT.Q6_K), 256, 256),
+    "Q4_K-Q5_K-Q8_0": ((QT.Q4_K, QT.Q5_K, QT.Q8_0), 256, 256),
+    "Q8_0-Q6_K-MXFP4": ((QT.Q8_0, QT.Q6_K, QT.MXFP4), 256, 256),
+}
+
+
+@interp
+@pytest.mark.parametrize("name", list(INTERP_CASES))
+def test_interpreter_kernels_match_reference(name: str) -> None:
+    qtypes, n_embd, n_ff = INTERP_CASES[name]
+    w = make_weights(qtypes, n_expert=6, n_embd=n_embd, n_ff=n_ff, seed=len(name))
+    # Where n_ff is 256, two programs share each pair's h (the last one to finish rounds it).
+    check_case(Case(w, n_tok=2, k=2, device="cpu", seed=1), SMALL, SMALL, whole=False)
+
+
+@interp
+def test_interpreter_gpt_oss_swiglu_with_biases() -> None:
+    w = make_weights((QT.MXFP4,) * 3, n_expert=5, n_embd=320, n_ff=192, activation=SWIGLU_OAI, bias=True, seed=3)
+    check_case(Case(w, n_tok=2, k=3, device="cpu", seed=2), SMALL, tk.TileConfig(128, 4), whole=False)
+
+
+@interp
+def test_interpreter_shared_experts_and_partial_tiles() -> None:
+    # 3 tokens x top-4 of 5 experts: most experts serve several pairs; 96 rows in tiles of 64.
+    w = make_weights((QT.Q8_0,) * 3, n_expert=5, n_embd=96, n_ff=64, seed=4)
+    check_case(Case(w, n_tok=3, k=4, device="cpu", seed=5), tk.TileConfig(64, 4), tk.TileConfig(64, 4))
+
+
+@pytest.fixture(scope="module")
+def aot_report():
+    """engine.quant.triton_aot run in a subprocess (the kernels here may be imported for the
+    interpreter, which cannot compile): every launch of every standard geometry, for sm_90."""
+    import json
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-m", "engine.quant.triton_aot", "--json"], capture_output=True,
+                          text=True, env=env, timeout=900)
+    if proc.returncode != 0 and ("ptxas" in proc.stderr or "backend" in proc.stderr.lower()):
+        pytest.skip(f"this Triton cannot compile for CUDA here: {proc.stderr.strip().splitlines()[-1]}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not tk.available(), reason="needs Triton")
+def test_kernels_compile_for_hopper_without_spills(aot_report) -> None:
+    """Every launch compiles for sm_90 (no GPU needed: Triton ships ptxas); the K loops move
+    nothing through shared memory, wait at no barrier and spill (next to) nothing."""
+    from engine.quant.triton_aot import STANDARD_GEOMETRIES
+
+    assert {r["geometry"] for r in aot_report} == set(STANDARD_GEOMETRIES)
+    for r in aot_report:
+        where = f"{r['geometry']} {r['kernel']}"
+        assert r["spill_ops"] <= 16 and r["loop_spill_ops"] <= 8, f"{where} spills: {r}"
+        if r["kernel"] == "round_x":
+            continue
+        assert len(r["loop_instructions"]) <= 1, f"{where}: one K loop expected, {r['loop_instructions']}"
+        assert r["loop_smem_or_barrier"] == 0, f"{where}: shared memory or barriers in the K loop: {r}"
+        if not r["loop_instructions"]:  # a short loop the compiler unrolled: barriers only at the end
+            assert r["bar_sync"] <= 2, f"{where}: {r['bar_sync']} barriers"
+
+
+def test_supports_types_and_activations() -> None:
+    w = make_weights((QT.Q4_K,) * 3, 2, 256, 256)
+    assert tk.supports(w) == tk.available()
+    w_q4_0 = ExpertWeights(w.gate, ExpertTensor(w.up.raw, QT.Q4_0, w.up.shape, None), w.down)
+    assert not tk.supports(w_q4_0)
+
+
+# ------------------------------------------------------------------------------ GPU tests
+
+GPU_TYPES = [QT.Q4_K, QT.Q5_K, QT.Q6_K, QT.Q8_0, QT.MXFP4, QT.F16, QT.BF16]
+
+
+def _needs_compiled():
+    if tk.INTERPRETED:
+        pytest.skip("kernels were imported in interpreter mode")
+
+
+@gpu
+@pytest.mark.parametrize("qtype", GPU_TYPES, ids=lambda t: t.name)
+def test_gpu_rounding_is_bit_exact(qtype: QT) -> None:
+    _needs_compiled()
+    K = 2048 if qtype in (QT.Q4_K, QT.Q5_K, QT.Q6_K) else 2880
+    for x in rounding_inputs(K, "cuda"):
+        check_rounding(qtype, x)
+
+
+GPU_CASES = {
+    # Qwen3-30B-A3B experts: n_embd 2048, n_ff 768, top-8, silu (16 experts suffice here)
+    **{f"qwen3-{t.name}": ((t,) * 3, 2048, 768, 16, 8, SILU, False) for t in GPU_TYPES},
+    "qwen3-Q4_K_M": ((QT.Q4_K, QT.Q4_K, QT.Q6_K), 2048, 768, 16, 8, SILU, False),
+    # gpt-oss-120b experts: 2880 x 2880 MXFP4, top-4, swiglu_oai with biases
+    "gpt-oss-MXFP4": ((QT.MXFP4,) * 3, 2880, 2880, 8, 4, SWIGLU_OAI, True),
+}
+
+
+@gpu
+@pytest.mark.parametrize("name", list(GPU_CASES))
+@pytest.mark.parametrize("n_tok", [1, 8])
+def test_gpu_kernels_match_reference(name: str, n_tok: int) -> None:
+    _needs_compiled()
+    qtypes, n_embd, n_ff, n_expert, k, act, bias = GPU_CASES[name]
+    w = make_weights(qtypes, n_expert=n_expert, n_embd=n_embd, n_ff=n_ff, activation=act, bias=bias, seed=n_tok)
+    errs = check_case(Case(w, n_tok=n_tok, k=k, device="cuda", seed=n_tok))
+    print(name, n_tok, {k_: f"{v:.1e}" for k_, v in errs.items()})
+
+
+OTHER_CONFIGS = [tk.TileConfig(8, 2), tk.TileConfig(16, 1), tk.TileConfig(64, 2, unroll=True),
+                 tk.TileConfig(128, 8, num_stages=3)]
+
+
+@gpu
+@pytest.mark.parametrize("cfg", OTHER_CONFIGS,
+                         ids=lambda c: f"bn{c.block_n}w{c.num_warps}u{int(c.unroll)}s{c.num_stages}")
+@pytest.mark.parametrize("qtypes", [(QT.Q4_K, QT.Q4_K, QT.Q6_K), (QT.MXFP4,) * 3], ids=["Q4_K_M", "MXFP4"])
+def test_gpu_other_tile_configs(cfg: tk.TileConfig, qtypes) -> None:
+    """Any tile configuration the benchmark sweeps computes the same thing."""
+    _needs_compiled()
+    w = make_weights(qtypes, n_expert=16, n_embd=2048, n_ff=768, seed=7)
+    check_case(Case(w, n_tok=2, k=8, device="cuda", seed=7), cfg, cfg)
+
+
+# ------------------------------------------------------------------------------ the hybrid hook
+
+def _hook_outputs(make_model, arch: str, qtype: QT, device: str, monkeypatch, mode: str) -> tuple:
+    """One layer step of HybridExperts (hits and uploads on the accelerator) under
+    MOESTUDIO_TRITON=mode, and the same step on the torch path."""
+    from engine.models import build_model
+    from engine.moe.hybrid import HybridExperts, HybridOptions
+
+    model = build_model(make_model(arch, qtype), device)
+    cfg = model.config
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(3, cfg.n_embd, generator=g).to(device)
+    ids = torch.stack([torch.randperm(cfg.n_expert, generator=g)[:cfg.n_expert_used] for _ in range(3)]).to(device)
+    weights = torch.rand(3, cfg.n_expert_used, generator=g).to(device)
+    outs = []
+    calls = []
+    forward = tk.experts_forward
+    monkeypatch.setattr(tk, "experts_forward", lambda *a, **kw: (calls.append(m), forward(*a, **kw)))
+    for m in (mode, "0"):
+        monkeypatch.setenv("MOESTUDIO_TRITON", m)
+        hybrid = HybridExperts(model.expert_weights, device,
+                               HybridOptions(slots_per_layer=cfg.n_expert // 2, miss_fraction=1.0, policy="off"))
+        try:
+            hybrid.prefill_residency([(layer, e) for layer in hybrid.layer_ids for e in range(cfg.n_expert // 2)])
+            layer = hybrid.layer_ids[0]
+            outs.append(hybrid(layer, x, ids, weights))
+            c = hybrid.counters
+            assert c.gpu_hit.sum() > 0 and c.uploaded.sum() > 0 and c.cpu_computed.sum() == 0
+        finally:
+            hybrid.close()
+    assert calls == [mode, mode], "hits and uploads: one Triton launch sequence each, none with MOESTUDIO_TRITON=0"
+    return tuple(outs)
+
+
+@interp
+@pytest.mark.parametrize("arch,qtype", [("qwen3moe", QT.Q4_K), ("gpt-oss", QT.MXFP4)])
+def test_interpreter_hybrid_hook_matches_torch_path(make_model, monkeypatch, arch, qtype) -> None:
+    for table in (tk.GATE_UP_CONFIG, tk.DOWN_CONFIG):  # one program per pair: the interpreter's fastest
+        monkeypatch.setitem(table, qtype, tk.TileConfig(256, 4))
+    got, want = _hook_outputs(make_model, arch, qtype, "cpu", monkeypatch, "force")
+    assert rel_err(got, want) < 1e-3, rel_err(got, want)
+
+
+@gpu
+@pytest.mark.parametrize("arch,qtype", [("qwen3moe", QT.Q4_K), ("gpt-oss", QT.MXFP4), ("llama", QT.Q6_K),
+                                        ("olmoe", QT.Q8_0)])
+def test_gpu_hybrid_hook_matches_torch_path(make_model, monkeypatch, arch, qtype) -> None:
+    _needs_compiled()
+    pytest.importorskip("llama_cpp", reason="the synthetic models and the CPU pool need llama-cpp-python's ggml")
+    got, want = _hook_outputs(make_model, arch, qtype, "cuda", monkeypatch, "1")
+    assert rel_err(got, want) < 1e-3, rel_err(got, want)
