@@ -19,8 +19,7 @@ from typing import Callable, Iterator
 from engine.baseline.llama_load import llama_cpp
 from engine.baseline.placement import cpu_moe_overrides, open_llama_with
 from engine.errors import UserError
-from engine.runtime.engine import ContextOverflow, DoneEvent, Engine, Event, Request, TokenEvent
-from engine.runtime.stops import StopMatcher, Utf8Decoder
+from engine.runtime.engine import Completion, ContextOverflow, Engine, Event, Request, TokenEvent
 from engine.runtime.telemetry import Telemetry
 from engine.runtime.tokenizer import Tokenizer
 
@@ -71,11 +70,10 @@ class LlamaEngine:
                 break
             reused += 1
         reused = min(reused, len(prompt) - 1)
-        stops, utf8 = StopMatcher(request.stop), Utf8Decoder()
+        completion = Completion(request.stop)
         t0 = time.perf_counter()
         t_first = t0
-        emitted: list[str] = []
-        reason, n_gen, stop_hit = "length", 0, False
+        reason, n_gen = "length", 0
         tokens = self.llm.generate(prompt, top_k=s.top_k, top_p=s.top_p, min_p=s.min_p, temp=s.temperature,
                                    repeat_penalty=s.repeat_penalty, frequency_penalty=s.frequency_penalty,
                                    presence_penalty=s.presence_penalty)
@@ -91,29 +89,15 @@ class LlamaEngine:
                 if self.tokenizer.is_eog(token) and not request.ignore_eos:
                     reason = "stop"
                     break
-                text, hit = stops.feed(utf8.feed(self.tokenizer.piece(token)))
-                emitted.append(text)
-                yield TokenEvent(token, text)
-                if hit:
-                    reason, stop_hit = "stop", True
+                yield TokenEvent(token, completion.feed(self.tokenizer.piece(token)))
+                if completion.stop_hit:
+                    reason = "stop"
                     break
                 if n_gen >= request.max_tokens or len(prompt) + n_gen >= self.n_ctx:
                     break
         finally:
             tokens.close()
-        if not stop_hit:
-            tail, hit = stops.feed(utf8.flush())
-            tail += "" if hit else stops.flush()
-            if tail:
-                emitted.append(tail)
-                yield TokenEvent(None, tail)
-        t_end = time.perf_counter()
-        prefill_s, decode_s = t_first - t0, t_end - t_first
-        done = DoneEvent(
-            finish_reason=reason, prompt_tokens=len(prompt), completion_tokens=n_gen, cached_tokens=reused,
-            ttft_s=prefill_s, prefill_tokens_per_s=(len(prompt) - reused) / prefill_s if prefill_s > 0 else 0.0,
-            decode_tokens_per_s=(n_gen - 1) / decode_s if n_gen > 1 and decode_s > 0 else 0.0,
-            text="".join(emitted))
-        self.telemetry.request_done(done.prompt_tokens, done.completion_tokens, done.ttft_s,
-                                    done.prefill_tokens_per_s, done.decode_tokens_per_s)
-        yield done
+        tail = completion.tail()
+        if tail:
+            yield TokenEvent(None, tail)
+        yield completion.done(self.telemetry, reason, len(prompt), n_gen, reused, t0, t_first)

@@ -80,6 +80,43 @@ class ContextOverflow(UserError):
     pass
 
 
+class Completion:
+    """The text side of one generation, shared by both engines: token bytes through UTF-8
+    decoding and stop-string matching, the held-back tail, and the closing DoneEvent."""
+
+    def __init__(self, stop: tuple[str, ...]):
+        self._stops, self._utf8 = StopMatcher(stop), Utf8Decoder()
+        self._pieces: list[str] = []
+        self.stop_hit = False
+
+    def feed(self, piece: bytes) -> str:
+        """The text that token bytes `piece` release now (sets stop_hit on a stop string)."""
+        text, self.stop_hit = self._stops.feed(self._utf8.feed(piece))
+        self._pieces.append(text)
+        return text
+
+    def tail(self) -> str:
+        """Text held back for a possible stop string or split character, once generation ends."""
+        if self.stop_hit:
+            return ""
+        tail, hit = self._stops.feed(self._utf8.flush())
+        tail += "" if hit else self._stops.flush()
+        self._pieces.append(tail)
+        return tail
+
+    def done(self, telemetry: Telemetry, reason: str, n_prompt: int, n_gen: int, reused: int,
+             t0: float, t_first: float) -> DoneEvent:
+        prefill_s, decode_s = t_first - t0, time.perf_counter() - t_first
+        done = DoneEvent(
+            finish_reason=reason, prompt_tokens=n_prompt, completion_tokens=n_gen, cached_tokens=reused,
+            ttft_s=prefill_s, prefill_tokens_per_s=(n_prompt - reused) / prefill_s if prefill_s > 0 else 0.0,
+            decode_tokens_per_s=(n_gen - 1) / decode_s if n_gen > 1 and decode_s > 0 else 0.0,
+            text="".join(self._pieces))
+        telemetry.request_done(done.prompt_tokens, done.completion_tokens, done.ttft_s,
+                               done.prefill_tokens_per_s, done.decode_tokens_per_s)
+        return done
+
+
 class Engine:
     def __init__(self, model, tokenizer: Tokenizer, config: EngineConfig):
         self.model, self.tokenizer, self.config = model, tokenizer, config
@@ -153,13 +190,12 @@ class Engine:
         if request.max_tokens < 1:
             raise UserError("max_tokens must be at least 1")
         sampler = Sampler(request.sampling, self.model.config.n_vocab)
-        stops, utf8 = StopMatcher(request.stop), Utf8Decoder()
+        completion = Completion(request.stop)
         t0 = time.perf_counter()
         logits, reused = self._prefill(prompt)
         t_first = time.perf_counter()
         history = list(prompt)
-        emitted: list[str] = []
-        reason, n_gen, stop_hit = "length", 0, False
+        reason, n_gen = "length", 0
         while n_gen < request.max_tokens:
             if cancel is not None and cancel.is_set():
                 reason = "cancelled"
@@ -171,29 +207,15 @@ class Engine:
             if self.tokenizer.is_eog(token) and not request.ignore_eos:
                 reason = "stop"
                 break
-            text, hit = stops.feed(utf8.feed(self.tokenizer.piece(token)))
-            emitted.append(text)
-            yield TokenEvent(token, text)
-            if hit:
-                reason, stop_hit = "stop", True
+            yield TokenEvent(token, completion.feed(self.tokenizer.piece(token)))
+            if completion.stop_hit:
+                reason = "stop"
                 break
             if len(history) >= self.n_ctx:
                 break
             logits = self.model.forward(torch.tensor([token]), self.cache, len(history) - 1)[-1]
             self._cached.append(token)
-        if not stop_hit:
-            tail, hit = stops.feed(utf8.flush())
-            tail += "" if hit else stops.flush()
-            if tail:
-                emitted.append(tail)
-                yield TokenEvent(None, tail)
-        t_end = time.perf_counter()
-        prefill_s, decode_s = t_first - t0, t_end - t_first
-        done = DoneEvent(
-            finish_reason=reason, prompt_tokens=len(prompt), completion_tokens=n_gen, cached_tokens=reused,
-            ttft_s=prefill_s, prefill_tokens_per_s=(len(prompt) - reused) / prefill_s if prefill_s > 0 else 0.0,
-            decode_tokens_per_s=(n_gen - 1) / decode_s if n_gen > 1 and decode_s > 0 else 0.0,
-            text="".join(emitted))
-        self.telemetry.request_done(done.prompt_tokens, done.completion_tokens, done.ttft_s,
-                                    done.prefill_tokens_per_s, done.decode_tokens_per_s)
-        yield done
+        tail = completion.tail()
+        if tail:
+            yield TokenEvent(None, tail)
+        yield completion.done(self.telemetry, reason, len(prompt), n_gen, reused, t0, t_first)
