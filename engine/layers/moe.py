@@ -50,7 +50,7 @@ class Router:
         else:
             raise ValueError(f"unknown gating {cfg.gating!r}")
         selection = probs + self.selection_bias if self.selection_bias is not None else probs
-        ids = torch.topk(selection, cfg.n_expert_used, dim=-1).indices
+        ids = self.select(selection)
         weights = torch.gather(probs, 1, ids)
         if cfg.gating == SOFTMAX_WEIGHT:
             weights = torch.softmax(weights, dim=-1)
@@ -59,6 +59,10 @@ class Router:
         if cfg.weights_scale not in (0.0, 1.0):
             weights = weights * cfg.weights_scale
         return ids, weights
+
+    def select(self, selection: torch.Tensor) -> torch.Tensor:
+        """ids [T, k] of the best-scoring experts (deepseek2's group-limited routing overrides this)."""
+        return torch.topk(selection, self.cfg.n_expert_used, dim=-1).indices
 
 
 def activate(kind: str, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:

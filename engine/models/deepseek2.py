@@ -21,7 +21,7 @@ from engine.errors import UserError
 from engine.gguf.reader import ModelFile
 from engine.layers.attention import KVCache, attend
 from engine.layers.linear import Linear, load_vector
-from engine.layers.moe import SIGMOID, SOFTMAX, SOFTMAX_WEIGHT, WEIGHT_SUM_MIN, Router, RouterConfig
+from engine.layers.moe import SIGMOID, SOFTMAX, SOFTMAX_WEIGHT, Router, RouterConfig
 from engine.layers.norm import rms_norm
 from engine.layers.rope import RopeConfig, apply_rope
 from engine.models.common import assemble, expert_weights, model_config, norm, router
@@ -105,30 +105,15 @@ class GroupLimitedRouter(Router):
         super().__init__(router.cfg, router.gate, router.selection_bias)
         self.n_group, self.n_group_used = n_group, n_group_used
 
-    def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        cfg = self.cfg
-        logits = self.gate(x)
-        if cfg.gating == SOFTMAX:
-            probs = torch.softmax(logits, dim=-1)
-        elif cfg.gating == SIGMOID:
-            probs = torch.sigmoid(logits)
-        else:
-            probs = logits
-        selection = probs + self.selection_bias if self.selection_bias is not None else probs
-        groups = selection.view(x.shape[0], self.n_group, -1)
+    def select(self, selection: torch.Tensor) -> torch.Tensor:
+        """Top-k among the experts of the n_group_used groups whose two best scores sum highest."""
+        n = selection.shape[0]
+        groups = selection.view(n, self.n_group, -1)
         group_scores = groups.topk(2, dim=-1).values.sum(dim=-1)
         keep = group_scores.topk(self.n_group_used, dim=-1).indices
-        kept = torch.zeros(group_scores.shape, dtype=torch.bool, device=x.device).scatter(1, keep, True)
-        masked = groups.masked_fill(~kept[..., None], float("-inf")).view(x.shape[0], -1)
-        ids = torch.topk(masked, cfg.n_expert_used, dim=-1).indices
-        weights = torch.gather(probs, 1, ids)
-        if cfg.gating == SOFTMAX_WEIGHT:
-            weights = torch.softmax(weights, dim=-1)
-        if cfg.norm_weights:
-            weights = weights / weights.sum(dim=-1, keepdim=True).clamp(min=WEIGHT_SUM_MIN)
-        if cfg.weights_scale not in (0.0, 1.0):
-            weights = weights * cfg.weights_scale
-        return ids, weights
+        kept = torch.zeros(group_scores.shape, dtype=torch.bool, device=selection.device).scatter(1, keep, True)
+        masked = groups.masked_fill(~kept[..., None], float("-inf")).view(n, -1)
+        return torch.topk(masked, self.cfg.n_expert_used, dim=-1).indices
 
 
 def kq_scale(rope: RopeConfig, yarn_log_mul: float, head_dim_k: int) -> float:
