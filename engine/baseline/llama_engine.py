@@ -18,8 +18,7 @@ from typing import Callable, Iterator
 
 from engine.baseline.llama_load import llama_cpp
 from engine.baseline.placement import cpu_moe_overrides, open_llama_with
-from engine.errors import UserError
-from engine.runtime.engine import Completion, ContextOverflow, Engine, Event, Request, TokenEvent
+from engine.runtime.engine import Completion, Engine, Event, Request, TokenEvent
 from engine.runtime.telemetry import Telemetry
 from engine.runtime.tokenizer import Tokenizer
 
@@ -46,20 +45,17 @@ class LlamaEngine:
         report("ready", 1.0)
         return engine
 
-    # The torch engine's: it only reads self.tokenizer, so both engines count prompts identically.
+    # The torch engine's: they only read self.tokenizer and self.n_ctx, so both engines count
+    # and refuse prompts identically.
     prompt_tokens = Engine.prompt_tokens
+    checked_prompt = Engine.checked_prompt
 
     def generate(self, request: Request, cancel: threading.Event | None = None) -> Iterator[Event]:
         with self._lock:
             yield from self._generate(request, cancel)
 
     def _generate(self, request: Request, cancel: threading.Event | None) -> Iterator[Event]:
-        prompt = self.prompt_tokens(request)
-        if len(prompt) >= self.n_ctx:
-            raise ContextOverflow(f"the prompt has {len(prompt)} tokens; the context holds {self.n_ctx} "
-                                  "(shorten the prompt or start the engine with a larger -c)")
-        if request.max_tokens < 1:
-            raise UserError("max_tokens must be at least 1")
+        prompt = self.checked_prompt(request)
         s = request.sampling
         L = llama_cpp()
         self.llm.set_seed(L.LLAMA_DEFAULT_SEED if s.seed is None else s.seed & 0xFFFFFFFF)

@@ -182,13 +182,18 @@ class Engine:
         with self._lock:
             yield from self._generate(request, cancel)
 
-    def _generate(self, request: Request, cancel: threading.Event | None) -> Iterator[Event]:
+    def checked_prompt(self, request: Request) -> list[int]:
+        """The request's prompt tokens, refused with a clear error if they cannot run."""
         prompt = self.prompt_tokens(request)
         if len(prompt) >= self.n_ctx:
             raise ContextOverflow(f"the prompt has {len(prompt)} tokens; the context holds {self.n_ctx} "
                                   "(shorten the prompt or start the engine with a larger -c)")
         if request.max_tokens < 1:
             raise UserError("max_tokens must be at least 1")
+        return prompt
+
+    def _generate(self, request: Request, cancel: threading.Event | None) -> Iterator[Event]:
+        prompt = self.checked_prompt(request)
         sampler = Sampler(request.sampling, self.model.config.n_vocab)
         completion = Completion(request.stop)
         t0 = time.perf_counter()
