@@ -82,11 +82,10 @@ class LlamaEngine:
                     break
                 n_gen += 1
                 self.telemetry.token_generated()
-                if self.tokenizer.is_eog(token) and not request.ignore_eos:
-                    reason = "stop"
-                    break
-                yield TokenEvent(token, completion.feed(self.tokenizer.piece(token)))
-                if completion.stop_hit:
+                event = completion.accept(token, self.tokenizer, request.ignore_eos)
+                if event is not None:
+                    yield event
+                if event is None or completion.stop_hit:
                     reason = "stop"
                     break
                 if n_gen >= request.max_tokens or len(prompt) + n_gen >= self.n_ctx:

@@ -89,6 +89,13 @@ class Completion:
         self._pieces: list[str] = []
         self.stop_hit = False
 
+    def accept(self, token: int, tokenizer: Tokenizer, ignore_eos: bool) -> TokenEvent | None:
+        """The event for a sampled token, or None when it ends generation (end-of-generation
+        token); after the event, `stop_hit` says whether a stop string ended it."""
+        if tokenizer.is_eog(token) and not ignore_eos:
+            return None
+        return TokenEvent(token, self.feed(tokenizer.piece(token)))
+
     def feed(self, piece: bytes) -> str:
         """The text that token bytes `piece` release now (sets stop_hit on a stop string)."""
         text, self.stop_hit = self._stops.feed(self._utf8.feed(piece))
@@ -209,11 +216,10 @@ class Engine:
             n_gen += 1
             self.telemetry.token_generated()
             history.append(token)
-            if self.tokenizer.is_eog(token) and not request.ignore_eos:
-                reason = "stop"
-                break
-            yield TokenEvent(token, completion.feed(self.tokenizer.piece(token)))
-            if completion.stop_hit:
+            event = completion.accept(token, self.tokenizer, request.ignore_eos)
+            if event is not None:
+                yield event
+            if event is None or completion.stop_hit:
                 reason = "stop"
                 break
             if len(history) >= self.n_ctx:

@@ -41,18 +41,7 @@ def manager(qtbot, app_paths):
         tasks.wait(2)
 
 
-def _port_free(port: int) -> bool:
-    """No listener on it (connections in TIME_WAIT do not count: servers bind with SO_REUSEADDR)."""
-    with socket.socket() as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind(("127.0.0.1", port))
-            return True
-        except OSError:
-            return False
-
-
-def test_starts_reports_progress_and_stops_cleanly(qtbot, manager):
+def test_starts_reports_progress_and_stops_cleanly(qtbot, manager, port_is_free):
     m = manager("ok")
     progress = []
     m.progressChanged.connect(lambda p, s: progress.append((p, s)))
@@ -62,7 +51,7 @@ def test_starts_reports_progress_and_stops_cleanly(qtbot, manager):
     pid, port = m.pid, m.port
     assert psutil.pid_exists(pid)
     m.shutdown()
-    assert m.state == State.STOPPED and not psutil.pid_exists(pid) and _port_free(port)
+    assert m.state == State.STOPPED and not psutil.pid_exists(pid) and port_is_free(port)
     assert "engine stopped" in m.logs.tail(5, ("app",))
     assert (m.paths.log / "engine.log").read_text().count("serving fake") >= 1
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import time
 from types import SimpleNamespace
 
@@ -46,16 +45,6 @@ def wait_until(cond, timeout: float = 30.0, what: str = "condition") -> None:
             raise AssertionError(f"timed out after {timeout} s waiting for {what}" + _diagnosis())
         app.processEvents(QEventLoop.AllEvents, 20)
         time.sleep(0.005)
-
-
-def port_free(port: int) -> bool:
-    with socket.socket() as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind(("127.0.0.1", port))
-            return True
-        except OSError:
-            return False
 
 
 @pytest.fixture(scope="module")
@@ -260,7 +249,7 @@ def test_killed_worker_is_restarted_and_partial_reply_kept(studio, qtbot):
     assert any(m.id == partial_id and m.status == "interrupted" for m in msgs)
 
 
-def test_quit_leaves_nothing_and_chats_survive(studio, qapp):
+def test_quit_leaves_nothing_and_chats_survive(studio, qapp, port_is_free):
     win = studio.win
     pid, port = win.engine.pid, win.engine.port
     conv_id = win.chat_ctl.current.id
@@ -268,7 +257,7 @@ def test_quit_leaves_nothing_and_chats_survive(studio, qapp):
     children_before = psutil.Process().children(recursive=True)
     win.close()
     studio.closed = True
-    assert not psutil.pid_exists(pid) and port_free(port)
+    assert not psutil.pid_exists(pid) and port_is_free(port)
     assert not [p for p in psutil.Process().children(recursive=True) if p.is_running() and p.status() != "zombie"], \
         children_before
     win2 = MainWindow(studio.paths, autostart=False)  # the app started again over the same data

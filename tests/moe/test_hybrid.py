@@ -45,6 +45,29 @@ def reference_runs(make_model, prompt_text):
     return runs
 
 
+def _sweep(model, tokens: list[int], resident: torch.Tensor, device: str, threads: int, label: str) -> None:
+    """Every cache size class x miss fraction (policies cycling): the all-resident argmax at
+    every decode step, and counters that add up to the selections."""
+    expected = resident.argmax(-1)
+    k = model.config.n_expert_used
+    for size_name, n_slots, fraction, policy in _cases(model.config.n_expert):
+        hybrid = HybridExperts(model.expert_weights, device, HybridOptions(
+            slots_per_layer=n_slots, miss_fraction=fraction, policy=policy, threads=threads))
+        model.experts = hybrid
+        try:
+            logits = decode_logits(model, tokens)
+        finally:
+            hybrid.close()
+        case = f"{label} cache={size_name} fraction={fraction} policy={policy}"
+        assert torch.equal(logits.argmax(-1), expected), case
+        # ggml's CPU kernels and the torch path round activations identically except at exact
+        # ties, where one quant step of one value moves logits by up to ~1e-2 (test_parity.py).
+        assert (logits - resident).abs().max().item() < 5e-2, case
+        c = hybrid.counters
+        selections = len(tokens) - 1  # prompt rows + one row per decode step
+        assert (c.gpu_hit + c.uploaded + c.cpu_computed == selections * k).all(), case
+
+
 def _cases(n_expert: int):
     sizes = {"none": 0, "one": 1, "half": n_expert // 2, "all": n_expert}
     policies = itertools.cycle(POLICIES)
@@ -55,26 +78,7 @@ def _cases(n_expert: int):
 def test_every_split_gives_the_all_resident_tokens(reference_runs, arch):
     path, tokens, resident_logits = reference_runs[arch]
     model = build_model(path)
-    n_expert, k = model.config.n_expert, model.config.n_expert_used
-    expected = resident_logits.argmax(-1)
-    for size_name, n_slots, fraction, policy in _cases(n_expert):
-        hybrid = HybridExperts(model.expert_weights, "cpu",
-                               HybridOptions(slots_per_layer=n_slots, miss_fraction=fraction, policy=policy, threads=2))
-        model.experts = hybrid
-        try:
-            logits = decode_logits(model, tokens)
-        finally:
-            hybrid.close()
-        case = f"{arch} cache={size_name} fraction={fraction} policy={policy}"
-        assert torch.equal(logits.argmax(-1), expected), case
-        # ggml's CPU kernels and the torch path round activations identically except at exact
-        # ties, where one quant step of one value moves logits by up to ~1e-2 (test_parity.py).
-        assert (logits - resident_logits).abs().max().item() < 5e-2, case
-        c = hybrid.counters
-        selections = len(tokens) - 1  # prompt rows + one row per decode step
-        assert (c.gpu_hit + c.uploaded + c.cpu_computed == selections * k).all(), case
-        if n_slots == 0 and fraction == 0.0:
-            assert c.gpu_hit.sum() == 0 and c.uploaded.sum() == 0
+    _sweep(model, tokens, resident_logits, "cpu", threads=2, label=arch)
 
 
 def test_a_slot_is_never_read_before_its_copy_lands(make_model, prompt_text, monkeypatch):
@@ -140,16 +144,4 @@ def test_every_split_on_cuda_gives_the_all_resident_tokens(make_model, prompt_te
     resident = decode_logits(model, tokens)
     expected = resident.argmax(-1)
     assert torch.equal(expected.cpu(), torch.tensor(tokens[N_PROMPT:]))
-    for size_name, n_slots, fraction, policy in _cases(model.config.n_expert):
-        hybrid = HybridExperts(model.expert_weights, "cuda",
-                               HybridOptions(slots_per_layer=n_slots, miss_fraction=fraction, policy=policy, threads=4))
-        model.experts = hybrid
-        try:
-            logits = decode_logits(model, tokens)
-        finally:
-            hybrid.close()
-        case = f"cuda {arch} cache={size_name} fraction={fraction} policy={policy}"
-        assert torch.equal(logits.argmax(-1), expected), case
-        assert (logits - resident).abs().max().item() < 5e-2, case
-        c = hybrid.counters
-        assert (c.gpu_hit + c.uploaded + c.cpu_computed == (len(tokens) - 1) * model.config.n_expert_used).all(), case
+    _sweep(model, tokens, resident, "cuda", threads=4, label=f"cuda {arch}")
