@@ -88,9 +88,15 @@ def engine_run(model, tokens: list[int]) -> tuple[np.ndarray, np.ndarray]:
 def validate(path: str | Path, prompt: str, n_prompt: int = 64, n_generate: int = 64,
              device: str = "cpu") -> Validation:
     from engine.baseline.oracle import run_reference
+    from engine.gguf.check import open_model
     from engine.models import build_model
     from engine.runtime.tokenizer import tokenize_text
+    from engine.server.loader import unsupported_reason
 
+    # Checked by this engine's bounded reader before llama.cpp (tokenizer, reference) sees the file.
+    problem = unsupported_reason(open_model(path))
+    if problem:
+        raise UserError(f"cannot validate {path}: {problem}")
     tokens = tokenize_text(path, prompt)[:n_prompt]
     if len(tokens) < 4:
         raise UserError("the prompt is too short: give at least a sentence of text")
@@ -112,18 +118,16 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from engine.gguf.reader import GGUFError
-
     if args.prompt_file:
-        text = args.prompt_file.read_text(encoding="utf-8", errors="replace")
+        try:
+            text = args.prompt_file.read_text(encoding="utf-8", errors="replace")
+        except OSError as e:
+            raise UserError(f"cannot read --prompt-file {args.prompt_file}: {e.strerror or e}") from None
     else:
         from engine.synth.corpus import stdlib_text
 
         text = stdlib_text(max_chars=args.tokens * 8)
-    try:
-        v = validate(args.model, text, args.tokens, args.generate, args.device)
-    except GGUFError as e:
-        raise UserError(str(e)) from None
+    v = validate(args.model, text, args.tokens, args.generate, args.device)  # GGUFError is a UserError
     if args.json:
         print(json.dumps(asdict(v), indent=2))
     else:

@@ -20,6 +20,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from engine.baseline.llama_load import open_llama
+    from engine.gguf.check import open_model
 
     model = args.model
     if model is None:
@@ -28,6 +29,7 @@ def run(args: argparse.Namespace) -> int:
         print("MoE Studio — terminal preview (the desktop app comes later).", file=sys.stderr)
         print("Preparing the demo model (random weights: its replies are gibberish)…", file=sys.stderr)
         model = demo_model_path()
+    open_model(model, require_moe=False)  # the bounded checks first: llama.cpp aborts on some corrupt files
     llm = open_llama(model, n_ctx=args.ctx, n_threads=args.threads)
     print(f"Model: {model}\nType a message; Ctrl-D quits.", file=sys.stderr)
     history: list[dict[str, str]] = []

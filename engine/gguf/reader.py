@@ -7,7 +7,10 @@ The header is parsed here rather than by gguf-py's GGUFReader, which builds one 
 per array element: it took 14 s to open a file with a 150k-entry vocabulary (this parser:
 0.07 s), and it trusts every length in the file, so a corrupt array length makes it loop
 past the end of the map instead of failing. Every count, length and tensor extent is checked
-against the file size here before it is used.
+against the file size here before it is used, so a header can make this parser allocate no more
+than a small multiple of the header's own size (tests/reliability/test_gguf_fuzz.py runs it under
+an address-space cap). torch is imported only by `torch_raw`, so reading headers (the planner, the
+checks in check.py) needs no torch.
 """
 from __future__ import annotations
 
@@ -16,17 +19,22 @@ import struct
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
 from gguf import GGML_QUANT_SIZES, GGUF_DEFAULT_ALIGNMENT, GGUFValueType as VT
 from gguf import GGMLQuantizationType as QT
+
+from engine.errors import UserError
+
+if TYPE_CHECKING:
+    import torch
 
 MAX_TENSORS = 1_000_000
 MAX_KV = 1_000_000
 MAX_ARRAY_LEN = 1 << 26  # real vocabularies hold ~10^5-10^6 entries
 MAX_DIMS = 4  # GGML_MAX_DIMS
+MAX_NAME = 64  # GGML_MAX_NAME, with the terminating NUL: llama.cpp refuses longer tensor names
 # Decoding these to Python lists costs time and memory that only the tokenizer needs.
 LAZY_KEYS = frozenset({"tokenizer.ggml.tokens", "tokenizer.ggml.merges",
                        "tokenizer.ggml.token_type", "tokenizer.ggml.scores"})
@@ -38,8 +46,8 @@ _SCALARS = {vt: struct.Struct("<" + code) for vt, code in [
 _REQUIRED = object()
 
 
-class GGUFError(ValueError):
-    pass
+class GGUFError(UserError, ValueError):
+    """A file that is not a sound GGUF model: a user error (another file fixes it), shown as one line."""
 
 
 @dataclass(frozen=True)
@@ -49,6 +57,18 @@ class TensorInfo:
     shape: tuple[int, ...]  # numpy order: ggml's ne reversed, last axis = row
     n_bytes: int
     offset: int  # absolute, in the file
+
+
+class _TensorTable(dict):
+    """name -> TensorInfo; looking up a missing tensor raises GGUFError naming it, so a builder
+    that indexes a tensor an incomplete file lacks fails with that message, not a bare KeyError."""
+
+    def __init__(self, path: Path) -> None:
+        super().__init__()
+        self.path = path
+
+    def __missing__(self, name: str) -> TensorInfo:
+        raise GGUFError(f"{self.path}: no tensor named {name!r}; the model file is incomplete")
 
 
 @dataclass(frozen=True)
@@ -133,21 +153,23 @@ class _Cursor:
             raise self.fail(problem)
         self.pos = pos
 
-    def decode(self, array: _Array, what: str) -> list[Any]:
-        """The items of an array that value() has already bounds-checked."""
+    def decode(self, array: _Array, what: str, raw: bool = False) -> list[Any]:
+        """The items of an array that value() has already bounds-checked; `raw`: strings as bytes."""
         if array.itype in _SCALARS:
             dtype = np.dtype(_SCALARS[array.itype].format)
             return np.frombuffer(self.buf, dtype, array.count, array.start).tolist()
         out, pos, length = [], array.start, _SCALARS[VT.UINT64].unpack_from
         for _ in range(array.count):
             n = length(self.buf, pos)[0]
-            out.append(self.text(pos + 8, n, what))
+            out.append(bytes(self.buf[pos + 8:pos + 8 + n]) if raw else self.text(pos + 8, n, what))
             pos += 8 + n
         return out
 
 
 def _tensor_info(cur: _Cursor, index: int) -> tuple[str, QT, tuple[int, ...], int, int]:
     name = cur.string(f"name of tensor #{index}")
+    if len(name.encode()) >= MAX_NAME:
+        raise cur.fail(f"tensor #{index} has a name of {len(name.encode())} bytes (ggml's limit is {MAX_NAME - 1})")
     n_dims = cur.u32(f"dimension count of {name!r}")
     if n_dims > MAX_DIMS:
         raise cur.fail(f"tensor {name!r} has {n_dims} dimensions (at most {MAX_DIMS})")
@@ -172,7 +194,7 @@ def _read_header(cur: _Cursor) -> tuple[dict[str, Any], dict[str, _Array], dict[
         raise cur.fail(f"not a GGUF file (starts with {magic!r}, expected b'GGUF')")
     cur.pos = 4
     version = cur.u32("version")
-    if version & 0xFFFF == 0:
+    if version and version & 0xFFFF == 0:  # a small version number read in the wrong byte order
         raise cur.fail("big-endian GGUF files are not supported")
     if version not in (2, 3):
         raise cur.fail(f"unsupported GGUF version {version} (supported: 2 and 3)")
@@ -196,7 +218,7 @@ def _read_header(cur: _Cursor) -> tuple[dict[str, Any], dict[str, _Array], dict[
         raise cur.fail(f"general.alignment {alignment!r} is not a power of two")
     infos = [_tensor_info(cur, i) for i in range(n_tensors)]
     data_start = -(-cur.pos // alignment) * alignment
-    tensors: dict[str, TensorInfo] = {}
+    tensors: dict[str, TensorInfo] = _TensorTable(cur.path)
     for name, qtype, shape, n_bytes, offset in infos:
         if name in tensors:
             raise cur.fail(f"tensor {name!r} appears twice")
@@ -207,6 +229,13 @@ def _read_header(cur: _Cursor) -> tuple[dict[str, Any], dict[str, _Array], dict[
             raise cur.fail(f"tensor {name!r}: data ends at byte {end}, past the end of the file "
                            f"({cur.size} bytes); the file is truncated or corrupt")
         tensors[name] = TensorInfo(name, qtype, shape, n_bytes, data_start + offset)
+    # No two tensors share bytes: a count or an offset that is off still lands inside the file, and
+    # then shows as a tensor that reads another's data (no writer aliases tensors).
+    extents = sorted((t.offset, t.offset + t.n_bytes, t.name) for t in tensors.values() if t.n_bytes)
+    for (_, end, first), (start, _, second) in zip(extents, extents[1:]):
+        if start < end:
+            raise cur.fail(f"tensors {first!r} and {second!r} overlap in the file (at byte {start}); "
+                           "the tensor table is corrupt")
     return metadata, lazy, tensors
 
 
@@ -241,6 +270,14 @@ class ModelFile:
             return self._cursor.decode(self._lazy[key], repr(key))
         return self.metadata.get(key, default)
 
+    def raw_strings(self, key: str) -> list[bytes] | None:
+        """The items of a tokenizer string array (LAZY_KEYS) as undecoded bytes, as llama.cpp takes
+        them; None if the file has no such array of strings."""
+        array = self._lazy.get(key)
+        if array is None or array.itype != VT.STRING:
+            return None
+        return self._cursor.decode(array, repr(key), raw=True)
+
     def require(self, key: str) -> Any:
         value = self.get(key, _REQUIRED)
         if value is _REQUIRED:
@@ -254,10 +291,7 @@ class ModelFile:
 
     def raw(self, name: str) -> np.ndarray:
         """The tensor's bytes as a read-only uint8 view of the map, shaped (*shape[:-1], row bytes)."""
-        try:
-            info = self.tensors[name]
-        except KeyError:
-            raise GGUFError(f"{self.path}: no tensor named {name!r}") from None
+        info = self.tensors[name]  # GGUFError naming it if missing
         data = self._data[info.offset:info.offset + info.n_bytes]
         if not info.shape:
             return data
@@ -267,6 +301,8 @@ class ModelFile:
     def torch_raw(self, name: str) -> torch.Tensor:
         """`raw(name)` as a uint8 tensor sharing the map. Read-only memory: writing to it
         crashes the process, so clone() before modifying."""
+        import torch
+
         with warnings.catch_warnings():
             # torch warns that the array is not writable; that is the point of a read-only map.
             warnings.filterwarnings("ignore", message="The given NumPy array is not writable")

@@ -216,6 +216,9 @@ def read_profile(path: str | os.PathLike[str]) -> ExpertProfile:
     try:
         with open(path, "rb") as f:
             magic = f.read(4)
+    except FileNotFoundError:
+        # Not "no such file": the app's crash classifier takes those words for a missing model.
+        raise UserError(f"expert profile {path} does not exist") from None
     except OSError as e:
         raise UserError(f"cannot read profile {path}: {e.strerror}") from None
     if magic == STRP_MAGIC:
@@ -250,19 +253,46 @@ def profile_format(path: str | os.PathLike[str], slots: int | None = None) -> st
 
 
 def save_profile(profile: ExpertProfile, path: str | os.PathLike[str], slots: int | None = None) -> None:
-    """Writes GGUF or STRP by the file's suffix; `slots` (STRP only) caps the ranked entries."""
+    """Writes GGUF or STRP by the file's suffix; `slots` (STRP only) caps the ranked entries.
+
+    Atomic: the profile goes to a ".partial" file beside `path`, is flushed to the disk, and then
+    renamed over `path`, so a full disk, a crash or a power cut leaves the previous file whole."""
     path = Path(path)
     fmt = profile_format(path, slots)
     partial = path.with_name(path.name + ".partial")
     try:
+        partial.unlink(missing_ok=True)  # a stale one from a killed run; never write through a link
         if fmt == "strp":
             write_strp(profile, partial, slots)
         else:
             write_gguf(profile, partial)
+        fd = os.open(partial, os.O_RDWR)  # writable: Windows cannot flush a read-only handle
+        try:
+            os.fsync(fd)  # the data is on the disk before the rename makes it the profile
+        finally:
+            os.close(fd)
         os.replace(partial, path)
-    except OSError as e:
+        _fsync_dir(path.parent)
+    except BaseException as e:  # a full disk, or Ctrl-C mid-write: no half-written file left behind
         partial.unlink(missing_ok=True)
-        raise UserError(f"cannot write {path}: {e.strerror}") from None
+        if isinstance(e, OSError):
+            raise UserError(f"cannot write {path}: {e.strerror or e}") from None
+        raise
+
+
+def _fsync_dir(directory: Path) -> None:
+    """Makes a rename in `directory` durable; some filesystems cannot fsync a directory (then the rename
+    is as durable as they make it)."""
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
 
 
 # ---- GGUF ---------------------------------------------------------------------------------------
@@ -326,7 +356,7 @@ def read_gguf(path: Path) -> ExpertProfile:
     version = mf.get("moe.profile.version")
     if version is None:
         raise fail("a GGUF file but not an expert profile (no moe.profile.version)")
-    if version != PROFILE_VERSION:
+    if type(version) is not int or version != PROFILE_VERSION:  # 1.0 or True is not the u32 1
         raise fail(f"expert profile version {version!r} is not supported (this reader knows {PROFILE_VERSION})")
     n_layer, n_expert = get("moe.profile.source.n_layer", int), get("moe.profile.source.n_expert", int)
     moe_layers = tuple(get("moe.profile.source.moe_layers", list, (int,)))
@@ -466,10 +496,18 @@ def load_corpus(path: str | os.PathLike[str]) -> Corpus:
     """Reads and checks a corpus file; every problem is a UserError that names it."""
     path = Path(path)
     try:
-        doc = json.loads(path.read_text(encoding="utf-8"))
+        text = path.read_text(encoding="utf-8")
     except OSError as e:
-        raise UserError(f"cannot read corpus {path}: {e.strerror}") from None
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise UserError(f"cannot read corpus {path}: {e.strerror or e}") from None
+    except UnicodeDecodeError as e:
+        raise UserError(f"corpus {path} is not valid JSON: {e}") from None
+    if not text.strip():
+        raise UserError(f"corpus {path} is empty: it must be a JSON object with version, weights and requests")
+    try:
+        doc = json.loads(text)
+    except RecursionError:
+        raise UserError(f"corpus {path} is not a corpus: its JSON is nested too deeply") from None
+    except ValueError as e:  # JSONDecodeError, and integers past Python's digit limit
         raise UserError(f"corpus {path} is not valid JSON: {e}") from None
     return parse_corpus(doc, path.parent, str(path))
 
@@ -531,7 +569,7 @@ def _parse_request(r: object, i: int, weights: dict, base: Path, fail: Callable[
             raise fail(f"{where}: empty prompt (every message is blank)")
         return CorpusRequest(family, max_tokens, messages=messages)
     if "prompt_file" in r:
-        if not isinstance(r["prompt_file"], str):
+        if not isinstance(r["prompt_file"], str) or "\0" in r["prompt_file"]:
             raise fail(f"{where}: prompt_file must be a path")
         file = base / r["prompt_file"]
         try:

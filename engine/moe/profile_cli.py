@@ -40,28 +40,19 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _open_model(path: Path):
-    from engine.gguf.reader import GGUFError, ModelFile
+    from engine.gguf.check import open_model
 
-    if not path.is_file():
-        raise UserError(f"no such model file: {path}")
-    try:
-        return ModelFile.open(path)
-    except GGUFError as e:
-        raise UserError(str(e)) from None
+    return open_model(path)
 
 
 def _collect(args: argparse.Namespace) -> int:
-    from engine.gguf.reader import GGUFError
     from engine.moe.profile import ModelIdentity, collect_profile, load_corpus, profile_format, save_profile
     from engine.runtime.engine import Engine, EngineConfig
 
     profile_format(args.output, args.slots)  # refuse a bad output before hours of generation
     corpus = load_corpus(args.corpus)
     identity = ModelIdentity.of(_open_model(args.model))
-    try:
-        engine = Engine.load(args.model, EngineConfig(device=args.device, n_ctx=args.ctx))
-    except GGUFError as e:
-        raise UserError(str(e)) from None
+    engine = Engine.load(args.model, EngineConfig(device=args.device, n_ctx=args.ctx))
 
     def progress(done: int, total: int, family: str) -> None:
         print(f"profile: {done}/{total} requests done ({family})", file=sys.stderr, flush=True)

@@ -74,12 +74,14 @@ def _kv_values_per_token(mf: Any, n_layer: int, n_head: int) -> int:
 
 
 def read_geometry(path: str | Path) -> Geometry:
-    # Imported here: the reader pulls in torch, and the GUI imports this module to re-price plans.
+    # Imported here: the GUI imports this module to re-price plans, which reads no file.
+    from engine.gguf.check import check_model
     from engine.gguf.reader import GGUFError, ModelFile
 
     path = Path(path)
     try:
         mf = ModelFile.open(path)
+        check_model(mf, require_moe=False)  # types and ranges of what is read below; MoE-ness is refused below
         n_layer = int(mf.arch_key("block_count"))
         n_head = int(mf.arch_key("attention.head_count"))
         n_expert = int(mf.arch_key("expert_count", 0) or 0)

@@ -84,9 +84,9 @@ class Tokenizer:
         def token_text(t: int) -> str:
             return self.piece_special(t).decode("utf-8", errors="replace") if t >= 0 else ""
 
-        fmt = Jinja2ChatFormatter(self.chat_template or CHATML, eos_token=token_text(self.eos),
-                                  bos_token=token_text(self.bos), add_generation_prompt=add_generation_prompt)
-        try:
+        try:  # compiling the template (in the constructor) fails on a corrupt one as rendering does
+            fmt = Jinja2ChatFormatter(self.chat_template or CHATML, eos_token=token_text(self.eos),
+                                      bos_token=token_text(self.bos), add_generation_prompt=add_generation_prompt)
             return fmt(messages=messages).prompt
         except Exception as e:  # a template error is the model file's problem: say which
             raise UserError(f"the chat template of {self.path.name} failed to render: {e}") from None

@@ -68,13 +68,19 @@ def bind(host: str, port: int) -> socket.socket:
 def run(args: argparse.Namespace) -> int:
     import uvicorn
 
+    from engine.gguf.check import open_model
     from engine.server.app import build_app
 
     cfg = from_args(args)
     if not cfg.model:
         raise UserError("which model? give MODEL.gguf, or `model` in --config/--preset")
-    if not Path(cfg.model).is_file():
-        raise UserError(f"no such model file: {cfg.model}")
+    # A file that is not a usable model is refused here, before listening, in one line the app's
+    # crash classifier reads as a bad model (the header check takes milliseconds).
+    model = open_model(cfg.model, require_moe=cfg.engine != "llamacpp")
+    if cfg.moe_expert_profile and cfg.engine != "llamacpp":
+        from engine.moe.profile import load_profile
+
+        load_profile(cfg.moe_expert_profile, model)  # one for another model: refused now, not after the load
     if not is_loopback(cfg.host) and not cfg.api_key:
         raise UserError(f"refusing to listen on {cfg.host} without an API key: anyone on the network could use "
                         "it. Set --api-key (or MOESTUDIO_API_KEY), or keep the default --host 127.0.0.1")

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any, Callable
 from engine.config import Config
 from engine.errors import UserError
 
-if TYPE_CHECKING:  # the reader imports torch: the server listens before paying for that
+if TYPE_CHECKING:
     from engine.gguf.reader import ModelFile
 
 log = logging.getLogger("moestudio.server")
@@ -35,19 +35,19 @@ def unsupported_reason(mf: ModelFile) -> str | None:
     bad = sorted({t.qtype.name for t in mf.tensors.values() if t.qtype not in SUPPORTED_TYPES})
     if bad:
         return f"quantization type(s) {', '.join(bad)} are not supported by the MoE Studio engine"
+    per_layer = [s for s in ("attention.head_count", "attention.head_count_kv") if isinstance(mf.arch_key(s, 0), list)]
+    if per_layer:
+        return f"per-layer {mf.arch}.{per_layer[0]} is not supported by the MoE Studio engine"
     return None
 
 
 def choose_engine(path: str | Path, requested: str) -> tuple[str, str]:
     """(kind, reason). `auto` prefers the MoE Studio engine; `hybrid` on an unsupported model fails."""
-    from engine.gguf.reader import GGUFError, ModelFile
+    from engine.gguf.check import open_model
 
     if requested == "llamacpp":
         return "llamacpp", "chosen with --engine llamacpp"
-    try:
-        mf = ModelFile.open(path)
-    except (GGUFError, OSError) as e:
-        raise UserError(f"cannot read the model: {e}") from None
+    mf = open_model(path)
     problem = unsupported_reason(mf)
     if requested == "hybrid":
         if problem:
@@ -108,5 +108,10 @@ def load_engine(cfg: Config, progress: Progress) -> Loaded:
     progress("choosing the engine", 0.0)
     kind, reason = choose_engine(cfg.model, cfg.engine)
     log.info("engine: %s (%s)", kind, reason)
-    engine = _hybrid(cfg, progress) if kind == "hybrid" else _llamacpp(cfg, progress)
+    from engine.gguf.reader import GGUFError
+
+    try:
+        engine = _hybrid(cfg, progress) if kind == "hybrid" else _llamacpp(cfg, progress)
+    except GGUFError as e:  # e.g. a tensor the builder needs is missing: the file, not the server, is at fault
+        raise UserError(f"cannot read the model: {e}") from None
     return Loaded(engine, kind, reason)

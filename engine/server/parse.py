@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from typing import TYPE_CHECKING, Any
 
 from starlette.requests import Request as HttpRequest
@@ -20,6 +21,7 @@ MAX_BODY_BYTES = 4 << 20
 MAX_TOKENS_LIMIT = 1 << 24  # beyond any context length: a bigger value is a client bug
 MAX_STOPS = 16
 _MISSING = object()
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
 
 
 async def read_json(request: HttpRequest) -> dict[str, Any]:
@@ -38,10 +40,20 @@ async def read_json(request: HttpRequest) -> dict[str, Any]:
         raise ApiError(400, f"the request body is not valid UTF-8 (byte {e.start})") from None
     try:
         body = json.loads(text)
-    except json.JSONDecodeError as e:
+    except RecursionError:
+        raise ApiError(400, "the request body is not valid JSON: it is nested too deeply") from None
+    except ValueError as e:  # JSONDecodeError, and integers past Python's digit limit
         raise ApiError(400, f"the request body is not valid JSON: {e}") from None
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
+    # A \ud800-\udfff escape that is not half of a pair parses to a string no UTF-8 encoder takes
+    # (the tokenizer's included); the exact check is a re-encode, paid only when such an escape is there.
+    if _SURROGATE_ESCAPE.search(text):
+        try:
+            json.dumps(body, ensure_ascii=False).encode("utf-8")
+        except UnicodeEncodeError:
+            raise ApiError(400, "the request body is not valid JSON text: it escapes a lone UTF-16 surrogate "
+                           "(\\ud800-\\udfff without its pair)") from None
     return body
 
 
