@@ -9,7 +9,9 @@ and kills it if it does not exit.
 
 No orphans even if the app itself is killed: the worker is started through a three-line
 launcher that asks Linux to send it SIGTERM when its parent dies (PR_SET_PDEATHSIG) before it
-runs `engine.cli serve`; that is the same as `python -m engine.cli serve ...` otherwise.
+runs `engine.cli serve`; that is the same as `python -m engine.cli serve ...` otherwise. In the
+bundle, `sys.executable` is the frozen `moestudio`, which runs `-c CODE` as python does
+(packaging/moestudio_entry.py), so the same command works there.
 """
 from __future__ import annotations
 

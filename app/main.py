@@ -14,7 +14,7 @@ import sys
 import traceback
 from pathlib import Path
 
-from PySide6.QtCore import QTimer, QUrl
+from PySide6.QtCore import Qt, QTimer, QUrl
 from PySide6.QtGui import QAction, QDesktopServices, QGuiApplication, QIcon, QKeySequence
 from PySide6.QtWidgets import (QApplication, QLabel, QMainWindow, QMessageBox, QProgressBar, QPushButton,
                                QTabWidget)
@@ -26,6 +26,7 @@ from app.chat.controller import ChatController
 from app.chat.widgets import ChatWidget
 from app.dashboard.streamer import StatsStreamer
 from app.dashboard.widgets import DashboardWidget
+from app.desktop_entry import APP_ID, ICON_SVG
 from app.dialogs import CrashDialog, ErrorDialog
 from app.engine_manager import EngineManager, LaunchSpec, default_command
 from app.logs import APP_LOG, setup_logging
@@ -65,9 +66,8 @@ class MainWindow(QMainWindow):
         self._closing = False
 
         self.setWindowTitle("MoE Studio")
-        icon = Path(__file__).resolve().parent.parent / "resources" / "moestudio.svg"
-        if icon.is_file():
-            self.setWindowIcon(QIcon(str(icon)))
+        if ICON_SVG.is_file():
+            self.setWindowIcon(QIcon(str(ICON_SVG)))
         self.resize(1280, 820)
         self.tabs = QTabWidget()
         self.chat = ChatWidget(self.chat_ctl)
@@ -166,6 +166,14 @@ class MainWindow(QMainWindow):
     def _about(self) -> None:
         QMessageBox.about(self, "About MoE Studio", "MoE Studio runs Mixture-of-Experts models bigger than your GPU.\n"
                           f"Data: {self.paths.data}\nConfig: {self.paths.config}\nLogs: {self.paths.log}")
+
+    def bring_to_front(self) -> None:
+        """Another launch asked for this window (app/single_instance.py). Wayland compositors may
+        only flash it in the task bar instead of focusing it: they do not let a program take focus."""
+        self.setWindowState(self.windowState() & ~Qt.WindowMinimized)  # keeps maximized/full screen
+        self.show()
+        self.raise_()
+        self.activateWindow()
 
     def _new_chat(self) -> None:
         self.tabs.setCurrentWidget(self.chat)
@@ -335,8 +343,11 @@ XCB_LIBS = {"xcb-cursor": "libxcb-cursor0", "xcb-icccm": "libxcb-icccm4", "xcb-k
 def missing_x11_libraries(find=None) -> list[str]:
     """Debian package names of the X11 libraries Qt's xcb plugin needs and this system lacks.
     Without them Qt aborts with "could not load the Qt platform plugin xcb", which tells a
-    person nothing; checked only when X11 (not Wayland, not a chosen platform) will be used."""
-    if not sys.platform.startswith("linux") or os.environ.get("QT_QPA_PLATFORM") or os.environ.get("WAYLAND_DISPLAY"):
+    person nothing; checked only when X11 (not Wayland, not a chosen platform) will be used, and
+    not in the bundle, which carries its own copies (PyInstaller collects the xcb plugin's
+    libraries) that the system's library search would not see."""
+    if (not sys.platform.startswith("linux") or getattr(sys, "frozen", False)
+            or os.environ.get("QT_QPA_PLATFORM") or os.environ.get("WAYLAND_DISPLAY")):
         return []
     if find is None:
         from ctypes.util import find_library as find
@@ -353,10 +364,12 @@ def main(argv: list[str] | None = None) -> int:
         print("moestudio: the desktop app needs X11 libraries that are not installed: " + ", ".join(missing) +
               f"\n  Debian/Ubuntu: sudo apt install {' '.join(missing)}", file=sys.stderr)
         return 2
-    QGuiApplication.setApplicationName("moestudio")
+    # The window's WM_CLASS (X11) and app id (Wayland) come from these two; they must equal the
+    # desktop entry's name (app/desktop_entry.py) for the shell to show the window under its icon.
+    QGuiApplication.setApplicationName(APP_ID)
     QGuiApplication.setApplicationDisplayName("MoE Studio")
     QGuiApplication.setOrganizationName("moestudio")
-    QGuiApplication.setDesktopFileName("moestudio")
+    QGuiApplication.setDesktopFileName(APP_ID)
     app = QApplication.instance() or QApplication([sys.argv[0]] + list(argv or []))
     instance = SingleInstance()
     if instance.notify_running():
@@ -371,9 +384,23 @@ def main(argv: list[str] | None = None) -> int:
         dlg = ErrorDialog("MoE Studio could not start", str(e), traceback.format_exc())
         dlg.exec()
         return 1
+    # Test-only: tests/reliability/test_app_kill.py needs the real app, started as users start it, to
+    # be streaming a reply into its database when it is SIGKILLed; this sends one message into the
+    # current chat the first time the engine is ready. Unset (always, outside that test), it does nothing.
+    if test_message := os.environ.get("MOESTUDIO_TEST_SEND"):
+        win.engine.ready.connect(lambda _health: win.chat_ctl.send(test_message), Qt.SingleShotConnection)
     app.styleHints().colorSchemeChanged.connect(lambda _s: win.dashboard.apply_palette())
-    instance.activated.connect(lambda: (win.showNormal(), win.raise_(), win.activateWindow()))
+    instance.activated.connect(win.bring_to_front)
     win.show()
+    if os.environ.get("MOESTUDIO_EXIT_AFTER_SHOW"):
+        # Smoke start (tests/app/test_desktop.py launches the desktop entry's Exec line with it,
+        # packaging/build_bundle.sh times the bundle's start by this line): quit as soon as the
+        # window is up, the way File > Quit does.
+        def exit_after_show() -> None:
+            print("moestudio: main window shown; quitting (MOESTUDIO_EXIT_AFTER_SHOW)", file=sys.stderr, flush=True)
+            win.close()
+            app.quit()
+        QTimer.singleShot(0, exit_after_show)
     return app.exec()
 
 

@@ -8,6 +8,7 @@ from engine.errors import UserError
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from app import desktop_entry
     from engine import validate
     from engine.baseline import chat as chat_cli
     from engine.bench import cli as bench_cli
@@ -29,6 +30,7 @@ def build_parser() -> argparse.ArgumentParser:
     plan_cli.register(sub)
     profile_cli.register(sub)
     bench_cli.register(sub)
+    desktop_entry.register(sub)
     return parser
 
 

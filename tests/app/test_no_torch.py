@@ -9,7 +9,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 PURE = ["app.paths", "app.credentials", "app.worker_state", "app.log_buffer", "app.logs", "app.api_client",
-        "app.store", "app.settings", "app.chat.session", "app.chat.markdown", "app.dashboard.series"]
+        "app.store", "app.settings", "app.chat.session", "app.chat.markdown", "app.dashboard.series",
+        "app.desktop_entry"]  # install-desktop runs before any Qt GUI and must stay cheap
 
 
 def _modules() -> list[str]:

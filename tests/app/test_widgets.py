@@ -166,3 +166,5 @@ def test_missing_x11_libraries_are_named(monkeypatch):
         pytest.skip("Linux only")
     assert missing_x11_libraries(lambda lib: None if lib == "xcb-cursor" else "lib.so") == ["libxcb-cursor0"]
     assert missing_x11_libraries(lambda lib: "lib.so") == []
+    monkeypatch.setattr(sys, "frozen", True, raising=False)  # the bundle brings its own
+    assert missing_x11_libraries(lambda lib: None) == []
