@@ -7,9 +7,18 @@ import stat
 from pathlib import Path
 
 
+def _private_folder(folder: Path) -> None:
+    """The key's folder (the app's config folder) is this user's only: it also holds presets, which may
+    carry a key of their own, and nobody else needs to list it. AppPaths.ensure() creates it with the
+    umask's mode (usually 0755), so it is tightened here, where the secret is written."""
+    folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+    if stat.S_IMODE(folder.stat().st_mode) & 0o077:
+        os.chmod(folder, 0o700)
+
+
 def load_or_create_api_key(path: Path) -> str:
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
+    _private_folder(path.parent)
     try:
         key = path.read_text(encoding="utf-8").strip()
         if key:
@@ -20,11 +29,11 @@ def load_or_create_api_key(path: Path) -> str:
         pass
     key = secrets.token_urlsafe(32)
     tmp = path.with_name(path.name + ".new")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    tmp.unlink(missing_ok=True)  # a leftover could have any mode: O_EXCL makes a fresh 0600 file
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     try:
         os.write(fd, key.encode())
     finally:
         os.close(fd)
-    os.chmod(tmp, 0o600)
     os.replace(tmp, path)
     return key

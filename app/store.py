@@ -1,7 +1,7 @@
 """Chats in SQLite (WAL) under the platformdirs data dir. No Qt.
 
 Crash safety: every change is its own committed transaction; a streaming reply is written as it
-grows (the chat controller checkpoints it every 250 ms), with status "streaming" until it
+grows (the chat controller checkpoints it every 100 ms), with status "streaming" until it
 ends. A database opened after a crash turns leftover "streaming" rows into "interrupted":
 the text that was shown is there, and the chat says the reply was cut off.
 

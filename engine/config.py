@@ -221,7 +221,14 @@ def write_toml(path: str | os.PathLike[str], cfg: Config) -> Path:
     changed = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)
                if getattr(cfg, f.name) != getattr(default, f.name)}
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(to_toml(changed), encoding="utf-8")
+    # A file holding an API key (`serve --save-preset` with MOESTUDIO_API_KEY set writes one) is a
+    # secret: this user's only, like the app's own key file. An existing file keeps its mode on open,
+    # so it is tightened (while still empty) before the key is written.
+    with os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600 if cfg.api_key else 0o666),
+                   "w", encoding="utf-8") as f:
+        if cfg.api_key:
+            os.chmod(path, 0o600)
+        f.write(to_toml(changed))
     return path
 
 

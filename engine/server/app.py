@@ -10,7 +10,7 @@ from typing import Awaitable, Callable
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
-from starlette.requests import Request as HttpRequest
+from starlette.requests import ClientDisconnect, Request as HttpRequest
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
@@ -45,6 +45,9 @@ def guarded(handler: Handler, api_key: str | None) -> Handler:
             return await handler(http)
         except ApiError as e:
             return error_response(api, e)
+        except ClientDisconnect:  # gone before its body was read (killed, timed out): not a server fault,
+            # so no traceback in the log; nobody receives this answer
+            return error_response(api, ApiError(400, "the client closed the request"))
         except Exception:
             log.exception("%s %s failed", http.method, http.url.path)
             return error_response(api, ApiError(500, "internal server error (see the server log)"))

@@ -235,7 +235,8 @@ def test_killed_worker_is_restarted_and_partial_reply_kept(studio, qtbot):
     assert will_restart and "SIGKILL" in crash.summary
     kept = ctl.store.message(partial_id)
     assert kept.status == "interrupted" and len(kept.content) > 10
-    assert win.chat.message_widgets()[-1].status_label.text()  # the reply says it was cut off
+    assert "interrupted" in win.chat.message_widgets()[-1].status_label.text()  # the reply says it was cut off
+    assert "Restarting automatically" in win.statusBar().currentMessage()  # and the window says what happens
     wait_until(lambda: win.engine.state == State.READY, 90, "the automatic restart")
     assert win.engine.pid != old_pid and not psutil.pid_exists(old_pid)
     seen = win.dashboard.series.snapshots

@@ -59,21 +59,22 @@ def moestudio(*args: str, env: dict | None = None, timeout: float = 120) -> subp
 
 
 def start_server(model: Path, *args: str, env: dict | None = None) -> Server:
-    """Starts a server on a free port and waits until /health says ok or error (recording what it said)."""
+    """Starts a server on a free port and waits until /health says ok or error (recording what it said).
+    `log` holds stdout and stderr together: everything the server wrote, e.g. to check that no key is logged."""
     proc = subprocess.Popen([sys.executable, "-m", "engine.cli", "serve", str(model), "--port", "0", *args],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env={**os.environ, **(env or {})})
     log: list[str] = []
     deadline = time.monotonic() + START_TIMEOUT_S
     match = None
     while match is None:
-        line = proc.stderr.readline()
+        line = proc.stdout.readline()
         if not line:
             raise AssertionError(f"server exited ({proc.wait()}) before listening:\n{''.join(log)}")
         log.append(line)
         match = re.search(r"at http://([\d.]+):(\d+)", line)
         assert time.monotonic() < deadline, "".join(log)
-    threading.Thread(target=lambda: log.extend(iter(proc.stderr.readline, "")), daemon=True).start()
+    threading.Thread(target=lambda: log.extend(iter(proc.stdout.readline, "")), daemon=True).start()
     server = Server(proc, match.group(1), int(match.group(2)), log)
     while True:
         status, body = server.request("GET", "/health")
