@@ -19,11 +19,16 @@ class KVCache:
         self.v = [torch.zeros(n_ctx, n_head_kv, head_dim_v, device=device) for _ in range(n_layer)]
         self.length = 0  # positions filled; set by the model after each forward
 
-    def store(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Writes k, v [T, ...] at start..start+T and returns the filled prefix of the layer."""
-        end = start + k.shape[0]
-        if end > self.n_ctx:
-            raise ValueError(f"context full: {end} tokens exceed the context length {self.n_ctx}")
+    def store(self, layer: int, start: int | None, k: torch.Tensor, v: torch.Tensor,
+              positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Writes k, v [T, ...] at `positions` (start..start+T) and returns the filled prefix of
+        the layer. With start None (a CUDA graph, where the host does not know the position)
+        returns the whole cache: `attend` masks what lies past the positions."""
+        if start is None:
+            self.k[layer].index_copy_(0, positions, k)
+            self.v[layer].index_copy_(0, positions, v)
+            return self.k[layer], self.v[layer]
+        end = start + k.shape[0]  # DecoderModel.forward checked it against n_ctx
         self.k[layer][start:end] = k
         self.v[layer][start:end] = v
         return self.k[layer][:end], self.v[layer][:end]
@@ -33,9 +38,9 @@ class KVCache:
         self.length = min(self.length, length)
 
 
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, scale: float,
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, scale: float,
            window: int = 0, sinks: torch.Tensor | None = None) -> torch.Tensor:
-    """q [T, H, dk] at positions start..; k [S, Hkv, dk], v [S, Hkv, dv] for positions 0..S-1.
+    """q [T, H, dk] at `positions` [T]; k [S, Hkv, dk], v [S, Hkv, dv] for positions 0..S-1.
 
     Returns [T, H * dv].
     """
@@ -44,7 +49,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, scale:
     k = k.repeat_interleave(group, dim=1) if group > 1 else k
     v = v.repeat_interleave(group, dim=1) if group > 1 else v
     scores = torch.einsum("thd,shd->hts", q, k) * scale
-    q_pos = torch.arange(start, start + n_tok, device=q.device)[:, None]
+    q_pos = positions[:, None]
     k_pos = torch.arange(k.shape[0], device=q.device)[None, :]
     hidden = k_pos > q_pos
     if window:

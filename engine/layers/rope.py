@@ -4,9 +4,12 @@ Two pairings: NORMAL rotates adjacent values (2i, 2i+1), NEOX rotates (i, i + n_
 YaRN blends interpolated and extrapolated angles per dimension and scales cos/sin by
 `attn_factor` (and 1 + 0.1 ln(1/freq_scale) when ext_factor is not 0). Angles are built
 by repeated float32 multiplication, like ggml's cache, so they agree to the last bits.
+cos/sin are tabulated once per context length on the device and looked up by a position
+tensor there, so a decode step needs no host work (and can be replayed as a CUDA graph).
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -31,12 +34,13 @@ def _corr_dim(n_dims: int, n_ctx_orig: int, n_rot: float, base: float) -> float:
     return n_dims * math.log(n_ctx_orig / (n_rot * 2 * math.pi)) / (2 * math.log(base))
 
 
-def _cos_sin(cfg: RopeConfig, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin, [T, n_rot/2] float32 on CPU."""
+@functools.lru_cache(maxsize=16)
+def rope_table(cfg: RopeConfig, n_positions: int, device: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin for positions 0..n_positions-1, [n_positions, n_rot/2] float32 on `device`."""
     half = cfg.n_rot // 2
     theta_scale = np.float32(cfg.freq_base) ** np.float32(-2.0 / cfg.n_rot)
-    steps = np.empty((positions.numel(), half), np.float32)
-    steps[:, 0] = positions.cpu().numpy().astype(np.float32)
+    steps = np.empty((n_positions, half), np.float32)
+    steps[:, 0] = np.arange(n_positions, dtype=np.float32)
     steps[:, 1:] = theta_scale
     theta_extrap = np.cumprod(steps, axis=1, dtype=np.float32)
     theta = np.float32(cfg.freq_scale) * theta_extrap
@@ -49,12 +53,13 @@ def _cos_sin(cfg: RopeConfig, positions: torch.Tensor) -> tuple[torch.Tensor, to
         ramp_mix = (1 - np.clip(y, 0, 1)).astype(np.float32) * np.float32(cfg.ext_factor)
         theta = theta * (1 - ramp_mix) + theta_extrap * ramp_mix
         mscale = np.float32(mscale * (1.0 + 0.1 * math.log(1.0 / cfg.freq_scale)))
-    return torch.from_numpy(np.cos(theta) * mscale), torch.from_numpy(np.sin(theta) * mscale)
+    return (torch.from_numpy(np.cos(theta) * mscale).to(device), torch.from_numpy(np.sin(theta) * mscale).to(device))
 
 
-def apply_rope(x: torch.Tensor, positions: torch.Tensor, cfg: RopeConfig) -> torch.Tensor:
-    """Rotates x [T, n_heads, head_dim] at `positions` [T]; dims past n_rot pass through."""
-    cos, sin = (t.to(x.device)[:, None, :] for t in _cos_sin(cfg, positions))
+def apply_rope(x: torch.Tensor, positions: torch.Tensor, cfg: RopeConfig, n_ctx: int) -> torch.Tensor:
+    """Rotates x [T, n_heads, head_dim] at `positions` [T] (on x's device, each < n_ctx); dims
+    past n_rot pass through."""
+    cos, sin = (t[positions][:, None, :] for t in rope_table(cfg, n_ctx, str(x.device)))
     rot, rest = x[..., :cfg.n_rot], x[..., cfg.n_rot:]
     if cfg.neox:
         a, b = rot[..., :cfg.n_rot // 2], rot[..., cfg.n_rot // 2:]

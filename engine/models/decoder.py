@@ -7,7 +7,7 @@ replace the reference executor without touching the model.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Protocol
 
 import torch
@@ -39,7 +39,9 @@ class ModelConfig:
 
 class Attention(Protocol):
     def __call__(self, x: torch.Tensor, positions: torch.Tensor, cache: KVCache, layer: int,
-                 start: int) -> torch.Tensor: ...
+                 start: int | None) -> torch.Tensor:
+        """`positions` [T] on the device; `start` their first as a host int, or None inside a
+        CUDA graph (the whole cache is attended, masked by position)."""
 
 
 class DenseFFN:
@@ -98,6 +100,7 @@ class DecoderModel:
     experts: Experts
     source: ModelFile
     device: torch.device | str = "cpu"
+    _graphs: object | None = field(default=None, repr=False)  # DecodeGraphs of the last cache decoded
 
     def new_cache(self, n_ctx: int) -> KVCache:
         c = self.config
@@ -107,12 +110,32 @@ class DecoderModel:
     def forward(self, tokens: torch.Tensor, cache: KVCache, start: int | None = None) -> torch.Tensor:
         """Logits [T, n_vocab] for `tokens` [T] placed at positions start.. (default: cache end)."""
         start = cache.length if start is None else start
-        positions = torch.arange(start, start + tokens.numel())
+        end = start + tokens.numel()
+        if end > cache.n_ctx:
+            raise ValueError(f"context full: {end} tokens exceed the context length {cache.n_ctx}")
+        if tokens.numel() == 1 and decode_graphs_enabled(self.device):
+            return self._decode_graphs(cache).step(tokens, start)
+        positions = torch.arange(start, end, device=self.device)
         eps = self.config.rms_eps
         h = self.embed(tokens)
         for i, block in enumerate(self.blocks):
             h = h + block.attention(rms_norm(h, block.attn_norm, eps), positions, cache, i, start)
             x = rms_norm(h, block.ffn_norm, eps)
             h = h + (block.ffn(x, self.experts) if isinstance(block.ffn, MoEFFN) else block.ffn(x))
-        cache.length = start + tokens.numel()
+        cache.length = end
         return self.output(rms_norm(h, self.output_norm, eps))
+
+    def _decode_graphs(self, cache: KVCache):
+        from engine.models.decode_graphs import DecodeGraphs
+
+        if self._graphs is None or self._graphs.cache is not cache:
+            self._graphs = None  # free the old graphs' memory before capturing new ones
+            self._graphs = DecodeGraphs(self, cache)
+        return self._graphs
+
+
+def decode_graphs_enabled(device: torch.device | str) -> bool:
+    """One-token steps replay CUDA graphs on CUDA devices unless MOESTUDIO_CUDA_GRAPHS=0."""
+    import os
+
+    return torch.device(device).type == "cuda" and os.environ.get("MOESTUDIO_CUDA_GRAPHS", "1") != "0"

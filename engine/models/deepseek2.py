@@ -79,20 +79,21 @@ class MLAttention:
         self.rope, self.eps, self.scale = rope, eps, scale
 
     def __call__(self, x: torch.Tensor, positions: torch.Tensor, cache: KVCache, layer: int,
-                 start: int) -> torch.Tensor:
+                 start: int | None) -> torch.Tensor:
         n = x.shape[0]
         if self.q_a is not None:
             q = self.q(rms_norm(self.q_a(x), self.q_a_norm, self.eps))
         else:
             q = self.q(x)
         q = q.view(n, self.n_head, self.head_dim)
-        q_nope, q_pe = q[..., :self.nope], apply_rope(q[..., self.nope:], positions, self.rope)
+        q_nope, q_pe = q[..., :self.nope], apply_rope(q[..., self.nope:], positions, self.rope, cache.n_ctx)
         kv = self.kv_a(x)
         c = rms_norm(kv[:, :self.kv_lora], self.kv_a_norm, self.eps)
-        k_pe = apply_rope(kv[:, None, self.kv_lora:], positions, self.rope)  # [T, 1, rope]
+        k_pe = apply_rope(kv[:, None, self.kv_lora:], positions, self.rope, cache.n_ctx)  # [T, 1, rope]
         q_cat = torch.cat([self.k_b(q_nope), q_pe], dim=-1)  # [T, H, kv_lora + rope]
-        keys, values = cache.store(layer, start, torch.cat([c[:, None, :], k_pe], dim=-1), c[:, None, :])
-        latent = attend(q_cat, keys, values, start, self.scale).view(n, self.n_head, self.kv_lora)
+        keys, values = cache.store(layer, start, torch.cat([c[:, None, :], k_pe], dim=-1), c[:, None, :],
+                                     positions)
+        latent = attend(q_cat, keys, values, positions, self.scale).view(n, self.n_head, self.kv_lora)
         return self.o(self.v_b(latent).reshape(n, -1))
 
 

@@ -31,7 +31,7 @@ class GQAttention:
         self.scale = scale if scale is not None else head_dim ** -0.5
 
     def __call__(self, x: torch.Tensor, positions: torch.Tensor, cache: KVCache, layer: int,
-                 start: int) -> torch.Tensor:
+                 start: int | None) -> torch.Tensor:
         n = x.shape[0]
         q, k, v = self.q(x), self.k(x), self.v(x)
         if self.qk_norm == QK_NORM_FULL:
@@ -41,6 +41,6 @@ class GQAttention:
         v = v.view(n, self.n_head_kv, self.head_dim)
         if self.qk_norm == QK_NORM_HEAD:
             q, k = rms_norm(q, self.q_norm, self.eps), rms_norm(k, self.k_norm, self.eps)
-        q, k = apply_rope(q, positions, self.rope), apply_rope(k, positions, self.rope)
-        keys, values = cache.store(layer, start, k, v)
-        return self.o(attend(q, keys, values, start, self.scale, self.window, self.sinks))
+        q, k = apply_rope(q, positions, self.rope, cache.n_ctx), apply_rope(k, positions, self.rope, cache.n_ctx)
+        keys, values = cache.store(layer, start, k, v, positions)
+        return self.o(attend(q, keys, values, positions, self.scale, self.window, self.sinks))

@@ -23,6 +23,7 @@ from engine.moe.copier import Copier
 from engine.moe.cpu_pool import CpuExpertPool
 from engine.moe.policy import AdaptParams, Policy
 from engine.moe.slots import HostExperts, LayerSlots
+from engine.moe.step_graph import ExpertStepGraph
 from engine.runtime.telemetry import CacheCounters, Telemetry
 
 FRACTION_STEPS = 256  # the miss fraction's resolution
@@ -49,6 +50,7 @@ class _Layer:
     def __init__(self, w: ExpertWeights, slots: LayerSlots, policy: Policy):
         self.w, self.slots, self.policy = w, slots, policy
         self.upload_credit = 0.0
+        self.step_graph: ExpertStepGraph | None = None  # one-token steps on CUDA (step_graph.py)
 
 
 class HybridExperts:
@@ -123,6 +125,10 @@ class HybridExperts:
         slots = L.slots
         ids_host = ids.cpu().numpy()  # the one wait on the accelerator in this layer step
         experts, rows, hits, uploads, cpu = self._split(L, ids_host)
+        if self._one_token_graph_applies(L, x, weights):
+            total = self._one_token_step(layer, L, x, ids_host, weights, hits, uploads, cpu)
+            self._account(layer, L, experts, rows, hits, uploads, cpu)
+            return total
 
         k = ids_host.shape[1]
         per_slot = torch.zeros(k, *x.shape, dtype=x.dtype, device=x.device)
@@ -154,6 +160,33 @@ class HybridExperts:
 
         self._account(layer, L, experts, rows, hits, uploads, cpu)
         return total
+
+    def _one_token_graph_applies(self, L: _Layer, x: torch.Tensor, weights: torch.Tensor) -> bool:
+        return (x.shape[0] == 1 and self.device.type == "cuda" and not self._triton_broken
+                and L.slots.n_slots + L.slots.n_staging > 0 and weights.dtype == torch.float32
+                and x.is_contiguous() and weights.is_contiguous() and _use_triton(L.w, x, weights.shape[1]))
+
+    def _one_token_step(self, layer: int, L: _Layer, x: torch.Tensor, ids_host: np.ndarray, weights: torch.Tensor,
+                        hits: np.ndarray, uploads: np.ndarray, cpu: np.ndarray) -> torch.Tensor:
+        """A decode step through two graph replays (step_graph.py); the CPU pool's rows go in between."""
+        g = L.step_graph
+        if g is None or not g.matches(x, weights):
+            g = L.step_graph = ExpertStepGraph(L.slots.buffers, L.w, x, weights)
+        chosen = ids_host[0]
+        future = None
+        if cpu.size:
+            on_cpu = np.nonzero(np.isin(chosen, cpu))[0]
+            future = self.pool.submit(layer, x.cpu().numpy(), np.zeros(len(on_cpu), np.int32),
+                                      chosen[on_cpu].astype(np.int32))
+        slot_of = np.zeros(L.w.n_expert, np.int32)  # slot 0 for CPU experts: computed, then overwritten
+        slot_of[hits] = L.slots.resident[hits]
+        if uploads.size:
+            slot_of[uploads] = L.slots.stage(uploads.tolist())
+        g.compute(chosen, slot_of[chosen])
+        if future is not None:
+            g.put(on_cpu, torch.from_numpy(future.result()).to(x.device))
+            self.counters.cpu_busy_s = self.pool.busy_seconds
+        return g.combine()
 
     def _run_on_accelerator(self, L: _Layer, slot: int, e: int, x: torch.Tensor, ids: torch.Tensor,
                             weights: torch.Tensor, per_slot: torch.Tensor) -> None:
