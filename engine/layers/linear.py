@@ -4,6 +4,10 @@ The engine's numerical contract: before a weight of type W is applied, the activ
 rounded to W's vec_dot_type (engine/quant/activation.py), exactly as ggml's CPU matmul and
 the CPU expert pool do. The product itself is float32. So dense layers, GPU experts and CPU
 experts all agree with llama.cpp up to float32 summation order.
+
+On CUDA a quantized weight stays in its GGUF bytes (a VRAM budget is not spent on float32
+copies, 3.8x the size of Q8_0): a few rows (decode) go through the Triton kernel that reads
+the blocks directly, more rows (prefill) decode the weight for the one product.
 """
 from __future__ import annotations
 
@@ -22,9 +26,13 @@ class Linear:
                  device: torch.device | str):
         self.qtype = qtype
         self.shape = shape
-        # Dense weights are small next to the experts: they are decoded once, on the device.
-        self.weight = dequantize(raw.to(device), qtype, shape)
         self.bias = bias
+        self.raw: torch.Tensor | None = None
+        self.weight: torch.Tensor | None = None
+        if _kernel_applies(qtype, device):
+            self.raw = raw.to(device).reshape(1, shape[0], -1)
+        else:
+            self.weight = dequantize(raw.to(device), qtype, shape)
 
     @classmethod
     def load(cls, mf: ModelFile, name: str, device: torch.device | str, bias: str | None = None) -> "Linear":
@@ -37,8 +45,29 @@ class Linear:
         return cls(mf.torch_raw(info.name), info.qtype, info.shape, b, device)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        y = round_activation(x, self.qtype) @ self.weight.T
+        if self.raw is None:
+            y = round_activation(x, self.qtype) @ self.weight.T
+        elif x.shape[0] <= DENSE_MAX_ROWS and x.dtype == torch.float32:
+            from engine.quant.triton_kernels import dense
+
+            y = dense(x if x.stride(-1) == 1 else x.contiguous(), self.raw, self.qtype, self.shape[0])
+        else:
+            y = round_activation(x, self.qtype) @ dequantize(self.raw[0], self.qtype, self.shape).T
         return y + self.bias if self.bias is not None else y
+
+
+DENSE_MAX_ROWS = 8  # engine/quant/triton_kernels.dense: rows it takes before decoding pays off
+
+
+def _kernel_applies(qtype: QT, device: torch.device | str) -> bool:
+    """Quantized weights stay quantized on CUDA when the Triton kernels can read them."""
+    import os
+
+    if torch.device(device).type != "cuda" or qtype == QT.F32 or os.environ.get("MOESTUDIO_TRITON", "1") == "0":
+        return False
+    from engine.quant import triton_kernels as tk
+
+    return tk.dense_supported(qtype)
 
 
 def load_vector(mf: ModelFile, name: str, device: torch.device | str) -> torch.Tensor:

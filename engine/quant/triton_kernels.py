@@ -790,3 +790,31 @@ def experts_forward(x: torch.Tensor, buffers, w, pair_tok: torch.Tensor, pair_po
     xu = xg if _vt(w.up.qtype) == _vt(w.gate.qtype) else round_rows(x, w.up.qtype)
     _, hr = gate_up(xg, xu, buffers[0], buffers[1], w, pair_tok, pair_slot, pair_exp, gate_up_cfg)
     down(hr, buffers[2], w, pair_tok, pair_pos, pair_slot, pair_exp, weights, out, down_cfg)
+
+
+
+def dense_supported(qtype: QT) -> bool:
+    return triton is not None and qtype in KERNEL_TYPES
+
+
+@functools.lru_cache(maxsize=None)
+def _dense_pairs(rows: int, device: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pair tables for a dense product: pair p is row p (tok p, top-k position 0, slot 0)."""
+    return (torch.arange(rows, dtype=torch.int32, device=device),
+            torch.zeros(rows, dtype=torch.int32, device=device))
+
+
+def dense(x: torch.Tensor, raw: torch.Tensor, qtype: QT, n_out: int) -> torch.Tensor:
+    """round(x) @ W.T for x [T, K] float32 and a dense weight W [n_out, K] kept as its GGUF rows
+    raw [1, n_out, row_bytes]: the down kernel with one slot and one pair per row."""
+    T, K = x.shape
+    out = torch.empty((1, T, n_out), dtype=torch.float32, device=x.device)
+    hr = round_rows(x, qtype)
+    tok, zero = _dense_pairs(T, str(x.device))
+    cfg = DOWN_CONFIG[qtype]
+    _down_kernel[(T, triton.cdiv(n_out, cfg.block_n))](
+        hr.padded, hr.quants, hr.scales, raw, raw.stride(0), raw.stride(1), hr.padded, hr.padded, 0,
+        out, out.stride(0), out.stride(1), tok, zero, zero, zero, n_out,
+        K=K, QD=int(qtype), HAS_BIAS=False, WEIGHTED=False, BLOCK_N=cfg.block_n, UNROLL=cfg.unroll,
+        INTERP=INTERPRETED, REV=reversed_ties(), **_launch_opts(cfg))
+    return out[0]

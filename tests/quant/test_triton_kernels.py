@@ -398,3 +398,33 @@ def test_gpu_hybrid_hook_matches_torch_path(make_model, monkeypatch, arch, qtype
     pytest.importorskip("llama_cpp", reason="the synthetic models and the CPU pool need llama-cpp-python's ggml")
     got, want = _hook_outputs(make_model, arch, qtype, "cuda", monkeypatch, "1")
     assert rel_err(got, want) < 1e-3, rel_err(got, want)
+
+
+# ------------------------------------------------------------------------------ dense weights
+
+def check_dense(qtype: QT, n_out: int, K: int, rows: int, device: str, cfg: tk.TileConfig | None = None) -> None:
+    """tk.dense (a dense weight read in its GGUF bytes) against round_activation(x) @ dequantize(W).T."""
+    rng = np.random.default_rng(int(qtype) + n_out)
+    raw = _random_raw(rng, qtype, (1, n_out, K), K ** -0.5).to(device)
+    x = torch.from_numpy(rng.standard_normal((rows, K)).astype(np.float32)).to(device)
+    want = round_activation(x, qtype) @ dequantize(raw[0], qtype, (n_out, K)).T
+    got = tk.dense(x, raw, qtype, n_out)
+    assert got.shape == want.shape
+    assert rel_err(got, want) < REL_TOL, (qtype.name, rel_err(got, want))
+
+
+@interp
+@pytest.mark.parametrize("qtype", [QT.Q8_0, QT.Q4_K, QT.F16], ids=lambda t: t.name)
+def test_interpreter_dense_matches_reference(monkeypatch, qtype: QT) -> None:
+    monkeypatch.setitem(tk.DOWN_CONFIG, qtype, SMALL)
+    check_dense(qtype, n_out=160, K=256, rows=2, device="cpu")
+
+
+@gpu
+@pytest.mark.parametrize("qtype", [QT.Q8_0, QT.Q4_K, QT.Q6_K, QT.F16, QT.BF16], ids=lambda t: t.name)
+@pytest.mark.parametrize("rows", [1, 8])
+def test_gpu_dense_matches_reference(qtype: QT, rows: int) -> None:
+    _needs_compiled()
+    # Qwen3-30B-A3B's attention q (4096 x 2048) and a head-like shape with a partial row tile.
+    check_dense(qtype, n_out=4096, K=2048, rows=rows, device="cuda")
+    check_dense(qtype, n_out=30016 + 8, K=2048, rows=rows, device="cuda")
