@@ -30,7 +30,6 @@ ENGINES = ("auto", "hybrid", "llamacpp")
 # so that reading a config does not import torch.
 POLICIES = ("off", "occurrence", "occurrence-sync", "lru", "lfru")
 LOAD_MODES = ("mmap", "none")
-DEFAULT_MISS_FRACTION = 0.17  # DESIGN.md: the share of distinct misses uploaded to the GPU
 API_KEY_ENV = "MOESTUDIO_API_KEY"  # a key in the environment stays out of `ps` listings
 
 
@@ -64,9 +63,10 @@ class Config:
                             "or in MiB (moe_expert_cache_mib), not both")
 
     @property
-    def miss_fraction(self) -> float:
+    def miss_fraction(self) -> float | None:
+        """None for auto: the engine measures uploads against the CPU pool (engine/moe/tune.py)."""
         f = self.moe_gpu_miss_fraction
-        return DEFAULT_MISS_FRACTION if f == "auto" else float(f)
+        return None if f == "auto" else float(f)
 
     def public(self) -> dict[str, Any]:
         """The settings as JSON-able values, the API key masked (for /health, logs and the GUI)."""
@@ -148,11 +148,12 @@ FIELDS: dict[str, tuple[Callable[[Any], Any], str | None, str]] = {
                               "expert slots per layer on the GPU: N, all, or auto (from the memory plan)"),
     "moe_expert_cache_mib": (_int(0), None, "expert cache size in MiB, split over the layers"),
     "moe_gpu_miss_fraction": (_fraction, None, "share of expert misses uploaded to the GPU instead of "
-                              f"computed on the CPU: auto ({DEFAULT_MISS_FRACTION}) or 0..1"),
+                              "computed on the CPU: auto (measured at load) or 0..1"),
     "moe_profile_adapt": (_choice(POLICIES), None, "expert cache policy (default: occurrence)"),
     "moe_expert_profile": (_text, None, "expert profile (GGUF or STRP) to fill the cache from"),
     "vram_budget_mib": (_int(1), None, "use at most this much VRAM (MiB), e.g. to emulate a smaller GPU"),
-    "load_mode": (_choice(LOAD_MODES), None, "mmap (default): weights stay memory-mapped; none: read into RAM"),
+    "load_mode": (_choice(LOAD_MODES), None, "mmap (default): weights stay memory-mapped; none: experts also copied "
+                  "into pinned RAM at load (faster uploads, a second copy in RAM)"),
     "prefill_chunk": (_int(1), None, "prompt tokens per forward pass (default: 512)"),
     "n_cpu_moe": (_word_or_int(("auto",)), None, "llamacpp engine on a GPU build: keep the experts of the "
                   "first N layers on the CPU (auto: from the memory plan)"),

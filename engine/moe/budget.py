@@ -10,12 +10,13 @@ HEADROOM_BYTES = 1 << 30  # left free on the GPU for the allocator, graphs and o
 
 def slots_per_layer(*, cache_size: str | int | None, cache_mib: float | None, expert_bytes: int,
                     n_expert: int, n_layers: int, device: torch.device, vram_budget_mib: float | None = None,
-                    used_bytes: int = 0) -> int:
+                    used_bytes: int = 0, staging_per_layer: int = 0) -> int:
     """`cache_size` is N, "all" or "auto" (default); `cache_mib` splits M MiB across the layers.
 
     auto: on CUDA, what is free (or what --vram-budget-mib leaves after `used_bytes` of dense
-    weights and KV cache) minus headroom. Without a GPU, no slots: every expert then runs in
-    ggml's CPU pool straight from the quantized bytes, which beats decoding them for torch.
+    weights and KV cache) minus headroom and the layers' staging slots. Without a GPU, no
+    slots: every expert then runs in ggml's CPU pool straight from the quantized bytes, which
+    beats decoding them for torch.
     """
     if cache_size not in (None, "auto") and cache_mib is not None:
         raise UserError("give the expert cache as a slot count or as MiB, not both")
@@ -38,4 +39,5 @@ def slots_per_layer(*, cache_size: str | int | None, cache_mib: float | None, ex
         budget = int(vram_budget_mib * 2**20)
         free = min(free, budget - used_bytes)
         headroom = min(headroom, budget // 8)  # an emulated small GPU keeps a proportionate reserve
-    return max(0, min(n_expert, (free - headroom) // (expert_bytes * n_layers)))
+    per_layer = (free - headroom) // (expert_bytes * n_layers) - staging_per_layer
+    return max(0, min(n_expert, per_layer))

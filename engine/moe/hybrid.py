@@ -13,6 +13,7 @@ One MoE layer step (DESIGN.md, "the hot path"):
 """
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 
 import numpy as np
@@ -37,6 +38,7 @@ class HybridOptions:
     adapt: AdaptParams = AdaptParams()
     threads: int = 2
     load_mode: str = "mmap"
+    top_k: int = 0  # experts per token; sizes the staging slots (0: as many as the fraction of all experts)
     copy_delay_s: float = 0.0  # tests: slow every copy down
 
     def __post_init__(self) -> None:
@@ -71,8 +73,7 @@ class HybridExperts:
         self.layers: dict[int, _Layer] = {}
         for layer, w in expert_weights.items():
             n_slots = min(options.slots_per_layer, w.n_expert)
-            # Staging for one step's uploads: up to every distinct miss when the fraction is 1.
-            n_staging = 0 if n_slots == w.n_expert else -(-self.step_fraction * w.n_expert // FRACTION_STEPS)
+            n_staging = 0 if n_slots == w.n_expert else staging_slots(options.miss_fraction, w.n_expert, options.top_k)
             slots = LayerSlots(w, n_slots, n_staging, self.device, HostExperts(w, options.load_mode, pin), self.copier)
             self.layers[layer] = _Layer(w, slots, Policy(options.policy, w.n_expert, n_slots, options.adapt))
         self.counters = CacheCounters(self.layer_ids, k_max, min(options.slots_per_layer, k_max))
@@ -219,8 +220,6 @@ class HybridExperts:
                                    meta_t[3], weights.float().contiguous(), per_slot)
                 return
             except Exception as e:  # a kernel that does not build here: say so once, keep running on torch
-                import warnings
-
                 warnings.warn(f"Triton expert kernels unavailable ({type(e).__name__}: {e}); using the torch "
                               f"path (MOESTUDIO_TRITON=0 silences this)", RuntimeWarning, stacklevel=2)
                 self._triton_broken = True
@@ -255,6 +254,14 @@ class HybridExperts:
         self.pool.close()
 
 
+def staging_slots(miss_fraction: float, n_expert: int, top_k: int) -> int:
+    """Staging slots per layer for one step's uploads: the fraction of a decode step's top-k
+    (rounded up), so a step of many tokens (prefill) uploads at most that many experts and
+    computes its other misses on the CPU; with top_k 0, the fraction of every expert."""
+    step_fraction = round(miss_fraction * FRACTION_STEPS)
+    return -(-step_fraction * (top_k or n_expert) // FRACTION_STEPS)
+
+
 TRITON_MAX_PAIRS = 64  # decode (1-8 tokens x top-k); larger batches take the torch path
 
 
@@ -274,7 +281,10 @@ def _use_triton(w: ExpertWeights, x: torch.Tensor, n_pairs: int) -> bool:
 
 
 def attach_hybrid(model, config) -> HybridExperts:
-    """Replaces `model.experts` with a HybridExperts sized from `config` (an EngineConfig)."""
+    """Replaces `model.experts` with a HybridExperts sized from `config` (an EngineConfig).
+
+    If the slots do not fit after all (another program took GPU memory, the allocator's
+    fragmentation), the cache shrinks by a quarter until they do, and a warning says so."""
     from engine.moe.budget import slots_per_layer
 
     device = torch.device(config.device)
@@ -284,17 +294,45 @@ def attach_hybrid(model, config) -> HybridExperts:
     c = model.config
     kv_bytes = 4 * c.n_layer * config.n_ctx * c.n_head_kv * (c.head_dim_k + c.head_dim_v)  # float32 cache
     used = (torch.cuda.memory_allocated(device) if device.type == "cuda" else 0) + kv_bytes
+    pool = CpuExpertPool(ws, config.threads or 2)
+    # Without a GPU an "upload" would only copy RAM to RAM: every miss goes to the CPU pool.
+    fraction, tuning = 0.0, None
+    if device.type == "cuda":
+        fraction = config.miss_fraction
+        if fraction is None:  # auto
+            from engine.moe.tune import measure_miss_fraction
+
+            layer = min(ws)
+            tuning = measure_miss_fraction(layer, ws[layer], device, pool, config.load_mode)
+            fraction = round(tuning["fraction"] * FRACTION_STEPS) / FRACTION_STEPS
+    staging = staging_slots(fraction, any_w.n_expert, c.n_expert_used)
     n_slots = slots_per_layer(cache_size=config.expert_cache_size, cache_mib=config.expert_cache_mib,
                               expert_bytes=expert_bytes, n_expert=any_w.n_expert, n_layers=len(ws), device=device,
-                              vram_budget_mib=config.vram_budget_mib, used_bytes=used)
-    # Without a GPU an "upload" would only copy RAM to RAM: every miss goes to the CPU pool.
-    fraction = config.miss_fraction if device.type == "cuda" else 0.0
-    options = HybridOptions(slots_per_layer=n_slots, miss_fraction=fraction, policy=config.policy,
-                            threads=config.threads or 2, load_mode=config.load_mode)
-    hybrid = HybridExperts(ws, device, options)
+                              vram_budget_mib=config.vram_budget_mib, used_bytes=used, staging_per_layer=staging)
+    while True:
+        options = HybridOptions(slots_per_layer=n_slots, miss_fraction=fraction, policy=config.policy,
+                                threads=config.threads or 2, load_mode=config.load_mode, top_k=c.n_expert_used)
+        try:
+            hybrid = HybridExperts(ws, device, options, pool)
+            break
+        except torch.OutOfMemoryError:
+            if n_slots == 0:
+                pool.close()
+                raise
+            smaller = n_slots * 3 // 4
+            warnings.warn(f"out of GPU memory with {n_slots} expert slots per layer; shrinking the expert "
+                          f"cache to {smaller} (set --moe-expert-cache-size or --vram-budget-mib lower to "
+                          f"silence this)", RuntimeWarning, stacklevel=2)
+            n_slots = smaller
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+    hybrid.counters.miss_fraction = fraction
+    hybrid.counters.miss_fraction_tuning = tuning
     if config.expert_profile:
         from engine.moe.profile import load_profile
 
         hybrid.prefill_residency(load_profile(config.expert_profile, model.source).ranking())
+    elif n_slots >= any_w.n_expert:  # every expert fits: load them all now, not on first use
+        hybrid.prefill_residency([(layer, e) for layer in sorted(ws) for e in range(ws[layer].n_expert)])
     model.experts = hybrid
     return hybrid

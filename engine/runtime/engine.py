@@ -38,7 +38,7 @@ class EngineConfig:
     experts: str = "hybrid"
     expert_cache_size: str | int | None = "auto"  # N, "all", "auto"
     expert_cache_mib: float | None = None
-    miss_fraction: float = 0.17
+    miss_fraction: float | None = None  # None: measured at load (engine/moe/tune.py)
     policy: str = "occurrence"
     expert_profile: str | None = None
     load_mode: str = "mmap"

@@ -34,6 +34,8 @@ class CacheCounters:
     residency: np.ndarray = field(init=False)  # slot index or -1 [layers, experts]
     bytes_uploaded: int = 0
     cpu_busy_s: float = 0.0
+    miss_fraction: float = 0.0  # the share of misses uploaded (measured when auto)
+    miss_fraction_tuning: dict | None = None  # upload_s, cpu_s per expert, when measured
 
     def __post_init__(self) -> None:
         n = len(self.layers)
@@ -108,6 +110,8 @@ class Telemetry:
                     "swaps": c.swaps.tolist(),
                     "bytes_uploaded": c.bytes_uploaded,
                     "cpu_busy_s": c.cpu_busy_s,
+                    "miss_fraction": c.miss_fraction,
+                    "miss_fraction_tuning": c.miss_fraction_tuning,
                     "residency": c.residency.tolist(),
                     "heat": np.round(c.heat, 3).tolist(),
                 }

@@ -40,7 +40,7 @@ def test_flags_are_parsed_and_typed():
     assert (cfg.model, cfg.ctx, cfg.threads, cfg.moe_expert_cache_size) == ("m.gguf", 8192, 6, "all")
     assert cfg.miss_fraction == 0.25 and cfg.moe_profile_adapt == "lru" and cfg.vram_budget_mib == 8000
     assert parse("m", "--moe-expert-cache-size", "12").moe_expert_cache_size == 12
-    assert parse("m").miss_fraction == config.DEFAULT_MISS_FRACTION
+    assert parse("m").miss_fraction is None  # auto: measured at load (engine/moe/tune.py)
 
 
 @pytest.mark.parametrize("argv, message", [

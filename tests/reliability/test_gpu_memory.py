@@ -1,0 +1,59 @@
+"""Out of GPU memory while the expert cache is allocated: the engine shrinks the cache and
+says so, instead of dying. In CI the allocation failure is injected (LayerSlots raising
+torch.OutOfMemoryError above a slot count, as torch does on CUDA); on the device a small
+--vram-budget-mib is honoured for real."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.moe import slots as slots_module
+from engine.runtime.engine import Engine, EngineConfig, Request
+
+
+def test_cache_shrinks_when_slot_allocation_runs_out_of_memory(make_model, monkeypatch):
+    path = make_model("qwen3moe")
+    real_init = slots_module.LayerSlots.__init__
+    fits = 3  # slots per layer this "GPU" can hold
+
+    def allocate(self, w, n_slots, n_staging, device, host, copier):
+        if n_slots + n_staging > fits:
+            raise torch.OutOfMemoryError(f"CUDA out of memory (injected: {n_slots + n_staging} slots)")
+        real_init(self, w, n_slots, n_staging, device, host, copier)
+
+    monkeypatch.setattr(slots_module.LayerSlots, "__init__", allocate)
+    with pytest.warns(RuntimeWarning, match=r"out of GPU memory with 8 expert slots per layer; shrinking") as record:
+        engine = Engine.load(path, EngineConfig(expert_cache_size="all", n_ctx=256))
+    shrinks = [str(w.message) for w in record if "shrinking" in str(w.message)]
+    assert [s.split("cache to ")[1].split(" ")[0] for s in shrinks] == ["6", "4", "3"]
+    try:
+        assert engine.telemetry.cache.slots_per_layer == 3
+        events = list(engine.generate(Request(prompt="def main():", max_tokens=8, ignore_eos=True)))
+        assert events[-1].completion_tokens == 8
+    finally:
+        engine.model.experts.close()
+
+
+def test_no_memory_at_all_is_an_error_not_a_loop(make_model, monkeypatch):
+    path = make_model("qwen3moe")
+
+    def allocate(self, *args):
+        raise torch.OutOfMemoryError("CUDA out of memory (injected)")
+
+    monkeypatch.setattr(slots_module.LayerSlots, "__init__", allocate)
+    with pytest.warns(RuntimeWarning, match="shrinking"), pytest.raises(torch.OutOfMemoryError):
+        Engine.load(path, EngineConfig(expert_cache_size=2, n_ctx=256))
+
+
+@pytest.mark.gpu
+def test_small_vram_budget_is_honoured_on_cuda(make_model):
+    """The slots of a budgeted engine stay inside --vram-budget-mib (dense weights, KV, staging)."""
+    path = make_model("qwen3moe")
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    engine = Engine.load(path, EngineConfig(device="cuda", n_ctx=256, vram_budget_mib=32))
+    try:
+        list(engine.generate(Request(prompt="def main():", max_tokens=8, ignore_eos=True)))
+        assert torch.cuda.max_memory_allocated() - base <= 32 * 2**20
+    finally:
+        engine.model.experts.close()
