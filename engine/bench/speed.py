@@ -3,6 +3,7 @@
 Same GGUF, same token stream, same VRAM budget. Decode is teacher-forced on real text (every
 engine routes the same tokens), prefill runs a fixed prompt. Configurations:
   hybrid        this engine with its defaults at the budget
+  hybrid-pinned the same with --load-mode none (experts copied to pinned RAM at load)
   resident      this engine with every expert on the GPU (budget ignored)
   llama-split   llama.cpp with the fewest --n-cpu-moe layers whose GPU bytes fit the budget
   llama-gpu     llama.cpp with every expert on the GPU (budget ignored)
@@ -27,15 +28,20 @@ import torch
 MiB = 2**20
 
 
-def measure_bandwidths(device: torch.device) -> dict[str, float]:
-    """GB/s of a host memory read (numpy sum over 1 GiB) and of a device-to-device copy."""
-    host = np.ones(2**28, np.float32)
-    host.sum()
-    t = time.perf_counter()
-    for _ in range(3):
-        host.sum()
-    ram = 3 * host.nbytes / (time.perf_counter() - t) / 1e9
-    out = {"ram_read_gbs_one_thread": ram}
+def measure_bandwidths(device: torch.device, threads: int) -> dict[str, float]:
+    """GB/s of a host memory read (numpy sums over 2 GiB, on `threads` threads, as the CPU pool
+    reads), of a pinned host-to-device copy, and of a device-to-device copy."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    host = np.ones(2**29, np.float32)
+    chunks = np.array_split(host, threads)
+    with ThreadPoolExecutor(threads) as ex:
+        list(ex.map(np.sum, chunks))
+        t = time.perf_counter()
+        for _ in range(3):
+            list(ex.map(np.sum, chunks))  # numpy releases the GIL while it sums
+        ram = 3 * host.nbytes / (time.perf_counter() - t) / 1e9
+    out = {"ram_read_gbs": ram, "ram_threads": threads}
     if device.type == "cuda":
         a = torch.empty(2**30, dtype=torch.uint8, device=device)
         b = torch.empty_like(a)
@@ -46,7 +52,15 @@ def measure_bandwidths(device: torch.device) -> dict[str, float]:
             b.copy_(a)
         torch.cuda.synchronize(device)
         out["hbm_gbs"] = 10 * 2 * a.numel() / (time.perf_counter() - t) / 1e9
-        del a, b
+        pinned = torch.empty(2**28, dtype=torch.uint8).pin_memory()
+        b[:pinned.numel()].copy_(pinned, non_blocking=True)
+        torch.cuda.synchronize(device)
+        t = time.perf_counter()
+        for _ in range(5):
+            b[:pinned.numel()].copy_(pinned, non_blocking=True)
+        torch.cuda.synchronize(device)
+        out["h2d_pinned_gbs"] = 5 * pinned.numel() / (time.perf_counter() - t) / 1e9
+        del a, b, pinned
     return out
 
 
@@ -65,17 +79,19 @@ def _geometry(path: Path) -> dict[str, int]:
 
 
 def run_engine(path: Path, prompt: list[int], stream: list[int], *, device: str, budget_mib: float | None,
-               cache: str, threads: int) -> dict:
+               cache: str, threads: int, load_mode: str = "mmap") -> dict:
     from engine.runtime.engine import Engine, EngineConfig
 
     dev = torch.device(device)
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats(dev)
     engine = Engine.load(path, EngineConfig(device=device, n_ctx=len(prompt) + len(stream) + 8, threads=threads,
-                                            expert_cache_size=cache, vram_budget_mib=budget_mib))
+                                            expert_cache_size=cache, vram_budget_mib=budget_mib,
+                                            load_mode=load_mode))
     model, kv = engine.model, engine.cache
     sync = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else (lambda: None)
-    model.forward(torch.tensor(prompt[:8]), kv, 0)  # warm-up: kernels, pools, graphs
+    model.forward(torch.tensor(prompt[:8]), kv, 0)  # warm-up: kernels, pools...
+    model.forward(torch.tensor(prompt[8:9]), kv, 8)  # ...and the decode graphs' capture
     sync()
     t0 = time.perf_counter()
     model.forward(torch.tensor(prompt), kv, 0)
@@ -94,12 +110,20 @@ def run_engine(path: Path, prompt: list[int], stream: list[int], *, device: str,
            "decode_tokens_per_s": len(stream) / decode_s,
            "peak_vram_mib": torch.cuda.max_memory_allocated(dev) / MiB if dev.type == "cuda" else None}
     if c is not None:
+        out["miss_fraction"] = c.miss_fraction
+        out["miss_fraction_tuning"] = c.miss_fraction_tuning
         hit, up, cpu, moved = (a - b for a, b in zip((c.gpu_hit.sum(), c.uploaded.sum(), c.cpu_computed.sum(),
                                                       c.bytes_uploaded), before))
         total = hit + up + cpu
         out.update(slots_per_layer=c.slots_per_layer, gpu_hit=hit / total, uploaded=up / total, cpu=cpu / total,
                    pcie_mb_per_s=moved / decode_s / 1e6, uploaded_bytes_per_token=moved / len(stream))
     model.experts.close() if hasattr(model.experts, "close") else None
+    del engine, model, kv
+    if dev.type == "cuda":
+        import gc
+
+        gc.collect()
+        torch.cuda.empty_cache()  # the next run's auto-sizing must not see this one's memory
     return out
 
 
@@ -130,7 +154,13 @@ def fitting_split(geo: dict[str, int], budget_mib: float, kv_mib: float, workspa
     return max(0, geo["n_moe_layers"] - on_gpu) + (geo["first_moe_layer"] if on_gpu < geo["n_moe_layers"] else 0)
 
 
-def bench(path: Path, budget_mib: float, *, device: str, threads: int, n_prompt: int, n_decode: int) -> dict:
+RUNS = ("hybrid", "hybrid-pinned", "resident", "llama-split", "llama-gpu")
+
+
+def bench(path: Path, budget_mib: float, *, device: str, threads: int, n_prompt: int, n_decode: int,
+          runs: tuple[str, ...] = RUNS, result: dict | None = None) -> dict:
+    """Adds `runs` to `result` (a new one by default). A run that fails is recorded with its
+    error and the others go on: one broken configuration must not cost the whole sweep."""
     from engine.runtime.tokenizer import tokenize_text
     from engine.synth.corpus import stdlib_text
 
@@ -138,16 +168,28 @@ def bench(path: Path, budget_mib: float, *, device: str, threads: int, n_prompt:
     prompt, stream = tokens[:n_prompt], tokens[n_prompt:n_prompt + n_decode]
     geo = _geometry(path)
     dev = torch.device(device)
-    result = {"model": path.name, "budget_mib": budget_mib, "geometry": geo, "bandwidth": measure_bandwidths(dev),
-              "tokens": {"prompt": len(prompt), "decode": len(stream)}, "runs": {}}
-    runs = result["runs"]
-    runs["hybrid"] = run_engine(path, prompt, stream, device=device, budget_mib=budget_mib, cache="auto",
-                                threads=threads)
-    runs["resident"] = run_engine(path, prompt, stream, device=device, budget_mib=None, cache="all", threads=threads)
-    if dev.type == "cuda":
-        split = fitting_split(geo, budget_mib, kv_mib=64)
-        runs["llama-split"] = run_llama(path, prompt, stream, n_cpu_moe=split, threads=threads)
-        runs["llama-gpu"] = run_llama(path, prompt, stream, n_cpu_moe=0, threads=threads)
+    if result is None:
+        result = {"model": path.name, "budget_mib": budget_mib, "geometry": geo,
+                  "bandwidth": measure_bandwidths(dev, threads),
+                  "tokens": {"prompt": len(prompt), "decode": len(stream)}, "runs": {}}
+    split = fitting_split(geo, budget_mib, kv_mib=64)
+    todo = {
+        "hybrid": lambda: run_engine(path, prompt, stream, device=device, budget_mib=budget_mib, cache="auto",
+                                     threads=threads),
+        "hybrid-pinned": lambda: run_engine(path, prompt, stream, device=device, budget_mib=budget_mib,
+                                            cache="auto", threads=threads, load_mode="none"),
+        "resident": lambda: run_engine(path, prompt, stream, device=device, budget_mib=None, cache="all",
+                                       threads=threads),
+        "llama-split": lambda: run_llama(path, prompt, stream, n_cpu_moe=split, threads=threads),
+        "llama-gpu": lambda: run_llama(path, prompt, stream, n_cpu_moe=0, threads=threads),
+    }
+    for name in runs:
+        if name.startswith("llama") and dev.type != "cuda":
+            continue
+        try:
+            result["runs"][name] = todo[name]()
+        except Exception as e:  # noqa: BLE001 - recorded in the result, the sweep goes on
+            result["runs"][name] = {"error": f"{type(e).__name__}: {str(e)[-1500:]}"}
     _bounds(result)
     return result
 
@@ -155,9 +197,11 @@ def bench(path: Path, budget_mib: float, *, device: str, threads: int, n_prompt:
 def _bounds(result: dict) -> None:
     """Adds bytes per token and the share of the bandwidth bound reached to each run."""
     geo, bw = result["geometry"], result["bandwidth"]
-    ram, hbm = bw["ram_read_gbs_one_thread"] * 1e9, bw.get("hbm_gbs", bw["ram_read_gbs_one_thread"]) * 1e9
+    ram, hbm = bw["ram_read_gbs"] * 1e9, bw.get("hbm_gbs", bw["ram_read_gbs"]) * 1e9
     per_token_experts = geo["n_moe_layers"] * geo["k"] * geo["expert_bytes"]
     for name, run in result["runs"].items():
+        if "error" in run:
+            continue
         if "cpu" in run:
             host = per_token_experts * (run["cpu"] + run["uploaded"])
         elif "n_cpu_moe" in run:
