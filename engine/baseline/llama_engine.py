@@ -30,7 +30,7 @@ class LlamaEngine:
         self._lock = threading.Lock()
 
     @classmethod
-    def load(cls, path: str | Path, *, n_ctx: int, threads: int | None, load_mode: str = "mmap",
+    def load(cls, path: str | Path, *, n_ctx: int, threads: int | None, load_mode: str = "auto",
              n_cpu_moe: int = 0, progress: Callable[[str, float], None] | None = None) -> LlamaEngine:
         """`n_cpu_moe` applies only on a GPU build; on a CPU build everything is on the CPU anyway."""
         report = progress or (lambda stage, fraction: None)
@@ -39,7 +39,7 @@ class LlamaEngine:
         report("loading the model into llama.cpp", 0.0)
         llm = open_llama_with(path, overrides=overrides, progress=lambda f: report("loading the model into llama.cpp", 0.9 * f),
                               n_ctx=n_ctx, n_batch=512, n_threads=threads, n_threads_batch=threads,
-                              n_gpu_layers=-1 if gpu else 0, use_mmap=load_mode == "mmap")
+                              n_gpu_layers=-1 if gpu else 0, use_mmap=load_mode != "none")
         report("loading tokenizer", 0.9)
         engine = cls(llm, Tokenizer(path))
         report("ready", 1.0)

@@ -2,7 +2,8 @@
 
 Each scenario is a factory geometry with a routing setting at VRAM budgets; every budget runs
 this engine (hybrid at the budget, and all-resident) and llama.cpp (the best --n-cpu-moe split
-that fits, and all experts on the GPU) on the same file and token stream (engine/bench/speed.py).
+that fits, and all experts on the GPU) on the same file and token stream (engine/bench/speed.py);
+the first scenario also runs the hybrid with --load-mode mmap.
 
 Phases, so the slow parts can overlap on the device: `write` (the models, in parallel
 processes), `engine`, `llama` (needs a CUDA llama-cpp-python, MOESTUDIO_LLAMA_SITE), `report`
@@ -94,7 +95,7 @@ def run(args: argparse.Namespace) -> int:
                 budget = emulated_budget_mib(path, s.geometry, gib) if s.layers else gib * 1024
                 wanted = tuple(r for r in runs if i == 0 or r in ("hybrid", "llama-split"))  # budget-free runs once
                 if phase == "engine" and s is scenarios[0] and i == 0:
-                    wanted += ("hybrid-pinned",)  # --load-mode none against mmap, once
+                    wanted += ("hybrid-mmap",)  # the memory map against the default's pinned copies, once
                 res = bench(path, budget, device=args.device, threads=args.threads, n_prompt=args.prompt_tokens,
                             n_decode=args.decode_tokens, runs=wanted, result=results.get(key))
                 res["scenario"] = {"label": s.label, "geometry": s.geometry, "routing": s.routing, "budget_gib": gib,

@@ -3,7 +3,7 @@
 Same GGUF, same token stream, same VRAM budget. Decode is teacher-forced on real text (every
 engine routes the same tokens), prefill runs a fixed prompt. Configurations:
   hybrid        this engine with its defaults at the budget
-  hybrid-pinned the same with --load-mode none (experts copied to pinned RAM at load)
+  hybrid-mmap   the same with --load-mode mmap (experts read from the memory map, not pinned RAM)
   resident      this engine with every expert on the GPU (budget ignored)
   llama-split   llama.cpp with the fewest --n-cpu-moe layers whose GPU bytes fit the budget
   llama-gpu     llama.cpp with every expert on the GPU (budget ignored)
@@ -79,7 +79,7 @@ def _geometry(path: Path) -> dict[str, int]:
 
 
 def run_engine(path: Path, prompt: list[int], stream: list[int], *, device: str, budget_mib: float | None,
-               cache: str, threads: int, load_mode: str = "mmap") -> dict:
+               cache: str, threads: int, load_mode: str = "auto") -> dict:
     from engine.runtime.engine import Engine, EngineConfig
 
     dev = torch.device(device)
@@ -110,6 +110,7 @@ def run_engine(path: Path, prompt: list[int], stream: list[int], *, device: str,
            "decode_tokens_per_s": len(stream) / decode_s,
            "peak_vram_mib": torch.cuda.max_memory_allocated(dev) / MiB if dev.type == "cuda" else None}
     if c is not None:
+        out["load_mode"] = c.load_mode
         out["miss_fraction"] = c.miss_fraction
         out["miss_fraction_tuning"] = c.miss_fraction_tuning
         hit, up, cpu, moved = (a - b for a, b in zip((c.gpu_hit.sum(), c.uploaded.sum(), c.cpu_computed.sum(),
@@ -154,7 +155,7 @@ def fitting_split(geo: dict[str, int], budget_mib: float, kv_mib: float, workspa
     return max(0, geo["n_moe_layers"] - on_gpu) + (geo["first_moe_layer"] if on_gpu < geo["n_moe_layers"] else 0)
 
 
-RUNS = ("hybrid", "hybrid-pinned", "resident", "llama-split", "llama-gpu")
+RUNS = ("hybrid", "hybrid-mmap", "resident", "llama-split", "llama-gpu")
 
 
 def bench(path: Path, budget_mib: float, *, device: str, threads: int, n_prompt: int, n_decode: int,
@@ -176,8 +177,8 @@ def bench(path: Path, budget_mib: float, *, device: str, threads: int, n_prompt:
     todo = {
         "hybrid": lambda: run_engine(path, prompt, stream, device=device, budget_mib=budget_mib, cache="auto",
                                      threads=threads),
-        "hybrid-pinned": lambda: run_engine(path, prompt, stream, device=device, budget_mib=budget_mib,
-                                            cache="auto", threads=threads, load_mode="none"),
+        "hybrid-mmap": lambda: run_engine(path, prompt, stream, device=device, budget_mib=budget_mib,
+                                          cache="auto", threads=threads, load_mode="mmap"),
         "resident": lambda: run_engine(path, prompt, stream, device=device, budget_mib=None, cache="all",
                                        threads=threads),
         "llama-split": lambda: run_llama(path, prompt, stream, n_cpu_moe=split, threads=threads),

@@ -23,7 +23,7 @@ from engine.layers.moe import ExpertWeights, expert_ffn
 from engine.moe.copier import Copier
 from engine.moe.cpu_pool import CpuExpertPool
 from engine.moe.policy import AdaptParams, Policy
-from engine.moe.slots import HostExperts, LayerSlots
+from engine.moe.slots import LayerSlots, resident_copies, resolve_load_mode
 from engine.moe.step_graph import ExpertStepGraph
 from engine.runtime.telemetry import CacheCounters, Telemetry
 
@@ -37,7 +37,6 @@ class HybridOptions:
     policy: str = "occurrence"
     adapt: AdaptParams = AdaptParams()
     threads: int = 2
-    load_mode: str = "mmap"
     top_k: int = 0  # experts per token; sizes the staging slots (0: as many as the fraction of all experts)
     copy_delay_s: float = 0.0  # tests: slow every copy down
 
@@ -68,13 +67,12 @@ class HybridExperts:
         self.pool = pool if pool is not None else CpuExpertPool(expert_weights, options.threads)
         self.layer_ids = sorted(expert_weights)
         self.index = {layer: i for i, layer in enumerate(self.layer_ids)}
-        pin = self.device.type == "cuda"
         k_max = max(w.n_expert for w in expert_weights.values())
         self.layers: dict[int, _Layer] = {}
         for layer, w in expert_weights.items():
             n_slots = min(options.slots_per_layer, w.n_expert)
             n_staging = 0 if n_slots == w.n_expert else staging_slots(options.miss_fraction, w.n_expert, options.top_k)
-            slots = LayerSlots(w, n_slots, n_staging, self.device, HostExperts(w, options.load_mode, pin), self.copier)
+            slots = LayerSlots(w, n_slots, n_staging, self.device, self.copier)
             self.layers[layer] = _Layer(w, slots, Policy(options.policy, w.n_expert, n_slots, options.adapt))
         self.counters = CacheCounters(self.layer_ids, k_max, min(options.slots_per_layer, k_max))
 
@@ -289,6 +287,9 @@ def attach_hybrid(model, config) -> HybridExperts:
 
     device = torch.device(config.device)
     ws = model.expert_weights
+    load_mode = resolve_load_mode(config.load_mode, ws, device)
+    if load_mode == "none":
+        ws = model.expert_weights = resident_copies(ws, pin=device.type == "cuda")
     any_w = next(iter(ws.values()))
     expert_bytes = sum(t.expert_bytes for t in (any_w.gate, any_w.up, any_w.down))
     c = model.config
@@ -303,7 +304,7 @@ def attach_hybrid(model, config) -> HybridExperts:
             from engine.moe.tune import measure_miss_fraction
 
             layer = min(ws)
-            tuning = measure_miss_fraction(layer, ws[layer], device, pool, config.load_mode)
+            tuning = measure_miss_fraction(layer, ws[layer], device, pool)
             fraction = round(tuning["fraction"] * FRACTION_STEPS) / FRACTION_STEPS
     staging = staging_slots(fraction, any_w.n_expert, c.n_expert_used)
     n_slots = slots_per_layer(cache_size=config.expert_cache_size, cache_mib=config.expert_cache_mib,
@@ -311,7 +312,7 @@ def attach_hybrid(model, config) -> HybridExperts:
                               vram_budget_mib=config.vram_budget_mib, used_bytes=used, staging_per_layer=staging)
     while True:
         options = HybridOptions(slots_per_layer=n_slots, miss_fraction=fraction, policy=config.policy,
-                                threads=config.threads or 2, load_mode=config.load_mode, top_k=c.n_expert_used)
+                                threads=config.threads or 2, top_k=c.n_expert_used)
         try:
             hybrid = HybridExperts(ws, device, options, pool)
             break
@@ -326,6 +327,7 @@ def attach_hybrid(model, config) -> HybridExperts:
             n_slots = smaller
             if device.type == "cuda":
                 torch.cuda.empty_cache()
+    hybrid.counters.load_mode = load_mode
     hybrid.counters.miss_fraction = fraction
     hybrid.counters.miss_fraction_tuning = tuning
     if config.expert_profile:

@@ -7,38 +7,51 @@ map point at it again. Staging slots after the resident ones receive this step's
 """
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import torch
 
-from engine.layers.moe import ExpertWeights
+from engine.config import LOAD_MODES
+from engine.layers.moe import ExpertTensor, ExpertWeights
 from engine.moe.copier import Copier, Copy
 from engine.quant.dequant import dequantize
 
+PIN_SHARE_OF_FREE_RAM = 0.5  # auto pins the experts only when they take at most this share
 
-class HostExperts:
-    """Where uploads read expert bytes from: the memory-mapped file, or a resident RAM copy.
 
-    `load_mode="mmap"` reads the mapped GGUF pages (the OS may evict them under memory
-    pressure); `"none"` copies every expert into RAM at start (pinned when CUDA is used) so
-    uploads are true asynchronous DMA and nothing is read from disk while generating.
-    """
+def resolve_load_mode(load_mode: str, expert_weights: dict[int, ExpertWeights], device: torch.device) -> str:
+    """auto: `none` on a GPU when the experts fit in half the free RAM (pinned memory cannot be
+    swapped out, so it must leave the rest of the machine room), else `mmap`."""
+    if load_mode not in LOAD_MODES:
+        raise ValueError(f"load mode must be one of {', '.join(LOAD_MODES)}, not {load_mode!r}")
+    if load_mode != "auto":
+        return load_mode
+    if device.type != "cuda":
+        return "mmap"  # no uploads to speed up
+    import psutil
 
-    def __init__(self, w: ExpertWeights, load_mode: str, pin: bool):
-        if load_mode not in ("mmap", "none"):
-            raise ValueError(f"load mode must be mmap or none, not {load_mode!r}")
-        self.tensors = [t.raw for t in (w.gate, w.up, w.down)]
-        if load_mode == "none":
-            self.tensors = [t.clone().pin_memory() if pin else t.clone() for t in self.tensors]
+    size = sum(t.raw.numel() for w in expert_weights.values() for t in (w.gate, w.up, w.down))
+    return "none" if size <= PIN_SHARE_OF_FREE_RAM * psutil.virtual_memory().available else "mmap"
 
-    def expert(self, e: int) -> list[torch.Tensor]:
-        return [t[e] for t in self.tensors]
+
+def resident_copies(expert_weights: dict[int, ExpertWeights], pin: bool) -> dict[int, ExpertWeights]:
+    """`--load-mode none`: the experts copied out of the memory map into RAM (pinned when `pin`,
+    so uploads are asynchronous DMA). The CPU pool and the uploads then read the copies, so the
+    mapped pages go cold and the OS can drop them: the experts take RAM once."""
+    def copy(t: ExpertTensor) -> ExpertTensor:
+        ram = torch.empty(t.raw.shape, dtype=t.raw.dtype, pin_memory=pin)  # no second transient copy
+        ram.copy_(t.raw)
+        return dataclasses.replace(t, raw=ram)
+
+    return {layer: dataclasses.replace(w, gate=copy(w.gate), up=copy(w.up), down=copy(w.down))
+            for layer, w in expert_weights.items()}
 
 
 class LayerSlots:
-    def __init__(self, w: ExpertWeights, n_slots: int, n_staging: int, device: torch.device,
-                 host: HostExperts, copier: Copier):
+    def __init__(self, w: ExpertWeights, n_slots: int, n_staging: int, device: torch.device, copier: Copier):
         self.w, self.n_slots, self.n_staging, self.device = w, n_slots, n_staging, device
-        self.host, self.copier = host, copier
+        self.copier = copier
         n = n_slots + n_staging
         self.buffers = [torch.empty((n, *t.raw.shape[1:]), dtype=torch.uint8, device=device)
                         for t in (w.gate, w.up, w.down)]
@@ -71,16 +84,20 @@ class LayerSlots:
         if old >= 0 and self.resident[old] == slot:
             self.resident[old] = -1
         self.slot_expert[slot] = expert
-        handle = self.copier.copy(list(zip(self.host.expert(expert), (b[slot] for b in self.buffers))))
+        handle = self.copier.copy(list(zip(self.host_expert(expert), (b[slot] for b in self.buffers))))
         self.pending.append((slot, expert, handle))
         return handle
 
     def stage(self, experts: list[int]) -> list[int]:
         """Copies `experts` into the staging slots for this step; returns their slot indices."""
         slots = list(range(self.n_slots, self.n_slots + len(experts)))
-        pairs = [pair for e, s in zip(experts, slots) for pair in zip(self.host.expert(e), (b[s] for b in self.buffers))]
+        pairs = [pair for e, s in zip(experts, slots) for pair in zip(self.host_expert(e), (b[s] for b in self.buffers))]
         self.copier.wait(self.copier.copy(pairs))
         return slots
+
+    def host_expert(self, e: int) -> list[torch.Tensor]:
+        """Expert e's gate, up and down bytes in host memory (the map, or the RAM copies)."""
+        return [t.raw[e] for t in (self.w.gate, self.w.up, self.w.down)]
 
     def free_slot(self) -> int | None:
         free = np.nonzero(self.slot_expert < 0)[0]

@@ -20,15 +20,13 @@ from engine.moe.cpu_pool import CpuExpertPool
 SAMPLES = 4  # experts timed each way (distinct ones: first-touch costs included, as in decode)
 
 
-def measure_miss_fraction(layer: int, w: ExpertWeights, device: torch.device, pool: CpuExpertPool,
-                          load_mode: str) -> dict[str, float]:
-    """Times uploads and CPU computations of single experts; returns the times and the fraction."""
+def measure_miss_fraction(layer: int, w: ExpertWeights, device: torch.device, pool: CpuExpertPool) -> dict[str, float]:
+    """Times uploads and CPU computations of single experts of `w` (from the memory the engine
+    reads: the map, or the pinned copies of --load-mode none); returns the times and the fraction."""
     tensors = [t.raw for t in (w.gate, w.up, w.down)]
     experts = np.linspace(0, w.n_expert - 1, 2 * SAMPLES).astype(np.int64)
     dst = [torch.empty(t.shape[1:], dtype=torch.uint8, device=device) for t in tensors]
     sources = [[t[e] for t in tensors] for e in experts[:SAMPLES]]
-    if load_mode == "none":  # the engine uploads from pinned copies then
-        sources = [[s.clone().pin_memory() for s in src] for src in sources]
     torch.cuda.synchronize(device)
     start = time.perf_counter()
     for src in sources:

@@ -41,7 +41,7 @@ class EngineConfig:
     miss_fraction: float | None = None  # None: measured at load (engine/moe/tune.py)
     policy: str = "occurrence"
     expert_profile: str | None = None
-    load_mode: str = "mmap"
+    load_mode: str = "auto"  # mmap, none or auto (engine/moe/slots.resolve_load_mode)
     vram_budget_mib: float | None = None
 
 

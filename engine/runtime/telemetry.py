@@ -34,6 +34,7 @@ class CacheCounters:
     residency: np.ndarray = field(init=False)  # slot index or -1 [layers, experts]
     bytes_uploaded: int = 0
     cpu_busy_s: float = 0.0
+    load_mode: str = "mmap"  # where uploads and the CPU pool read experts: the map, or RAM copies ("none")
     miss_fraction: float = 0.0  # the share of misses uploaded (measured when auto)
     miss_fraction_tuning: dict | None = None  # upload_s, cpu_s per expert, when measured
 
@@ -110,6 +111,7 @@ class Telemetry:
                     "swaps": c.swaps.tolist(),
                     "bytes_uploaded": c.bytes_uploaded,
                     "cpu_busy_s": c.cpu_busy_s,
+                    "load_mode": c.load_mode,
                     "miss_fraction": c.miss_fraction,
                     "miss_fraction_tuning": c.miss_fraction_tuning,
                     "residency": c.residency.tolist(),

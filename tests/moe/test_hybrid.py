@@ -145,3 +145,25 @@ def test_every_split_on_cuda_gives_the_all_resident_tokens(make_model, prompt_te
     expected = resident.argmax(-1)
     assert torch.equal(expected.cpu(), torch.tensor(tokens[N_PROMPT:]))
     _sweep(model, tokens, resident, "cuda", threads=4, label=f"cuda {arch}")
+
+
+def test_load_mode_none_reads_ram_copies_and_gives_the_same_tokens(make_model, prompt_text):
+    """--load-mode none: the CPU pool and the uploads read RAM copies of the experts (not the
+    memory map), and generation is unchanged; auto means mmap without a GPU."""
+    from engine.layers.sampler import SamplingParams
+    from engine.runtime.engine import Engine, EngineConfig, Request
+
+    path = make_model("qwen3moe")
+    out = {}
+    for mode in ("auto", "none"):
+        engine = Engine.load(path, EngineConfig(n_ctx=256, load_mode=mode))
+        try:
+            mapped = engine.model.source.torch_raw("blk.0.ffn_gate_exps.weight").data_ptr()
+            assert (engine.model.expert_weights[0].gate.raw.data_ptr() == mapped) == (mode == "auto")
+            assert engine.telemetry.cache.load_mode == ("mmap" if mode == "auto" else "none")
+            events = list(engine.generate(Request(prompt=prompt_text[:200], max_tokens=24, ignore_eos=True,
+                                                  sampling=SamplingParams(temperature=0.0))))
+            out[mode] = [e.token for e in events[:-1] if e.token is not None]
+        finally:
+            engine.model.experts.close()
+    assert out["none"] == out["auto"] and len(out["auto"]) == 24
