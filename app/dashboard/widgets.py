@@ -252,6 +252,10 @@ class DashboardWidget(QWidget):
             lines.append(f"hit rate since start {hit:.1f}%")
             lines.append(f"swaps {sum(cache['swaps'])}, uploaded {cache['bytes_uploaded'] / 1e6:.1f} MB")
             lines.append(f"CPU expert pool busy {cache['cpu_busy_s']:.2f} s")
+            if "miss_fraction" in cache:  # engines from before these fields existed do not send them
+                how = " (measured)" if cache.get("miss_fraction_tuning") else ""
+                lines.append(f"misses uploaded {cache['miss_fraction']:.0%}{how}; experts read from "
+                             f"{'pinned RAM' if cache.get('load_mode') == 'none' else 'the mapped file'}")
         else:
             lines.append("no expert cache in this engine")
         self.summary.setText("<br>".join(lines))

@@ -81,6 +81,8 @@ class SnapshotCollector:
             return
         yield GaugeMetricFamily("moestudio_expert_slots_per_layer", "expert cache slots per MoE layer",
                                 value=cache["slots_per_layer"])
+        yield GaugeMetricFamily("moestudio_gpu_miss_fraction", "share of expert misses uploaded to the GPU "
+                                "(measured at load with --moe-gpu-miss-fraction auto)", value=cache["miss_fraction"])
         for key, doc in (("gpu_hit", "experts served from a resident slot"), ("uploaded", "experts uploaded on a miss"),
                          ("cpu_computed", "experts computed by the CPU pool"), ("swaps", "residency changes")):
             family = CounterMetricFamily(f"moestudio_expert_{key}", doc, labels=["layer"])

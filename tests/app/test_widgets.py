@@ -119,6 +119,23 @@ def test_dashboard_without_expert_cache_says_so(qtbot):
     assert "no expert cache" in d.summary.text()
 
 
+def test_dashboard_summary_reports_the_measured_miss_split(qtbot):
+    d = DashboardWidget()
+    qtbot.addWidget(d)
+    d.show()
+    cache = {"layers": [0, 1], "n_expert": 4, "slots_per_layer": 2, "gpu_hit": [6, 5], "uploaded": [1, 1],
+             "cpu_computed": [1, 2], "swaps": [0, 1], "bytes_uploaded": 2_000_000, "cpu_busy_s": 0.5,
+             "residency": [[0, 1, -1, -1], [-1, 0, 1, -1]], "heat": [[1.0, 0.5, 0.0, 0.2]] * 2,
+             "load_mode": "none", "miss_fraction": 0.2421875,
+             "miss_fraction_tuning": {"upload_s": 8e-5, "cpu_s": 1.4e-4, "fraction": 0.64}}
+    d.ingest({"schema": 1, "time": 100.0, "engine": "hybrid", "model": "m", "requests": 1,
+              "decode_tokens_per_s_now": 5.0, "last_request": {}, "ram_used_bytes": 1 << 30,
+              "gpu_memory_used_bytes": 1 << 29, "cache": cache, "cpu_percent": 50.0})
+    d.redraw()
+    assert "misses uploaded 24% (measured); experts read from pinned RAM" in d.summary.text()
+    assert "hit rate since start 68.8%" in d.summary.text()
+
+
 def test_error_dialogs_copy_details(qtbot):
     d = ErrorDialog("Bad thing", "it broke", "Traceback ...\nValueError: x")
     qtbot.addWidget(d)

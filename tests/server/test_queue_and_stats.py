@@ -86,6 +86,7 @@ def test_stats_snapshot(server):
     assert status == 200 and snap["engine"] == "hybrid" and snap["requests"] >= 1
     cache = snap["cache"]
     assert len(cache["gpu_hit"]) == len(cache["layers"]) and len(cache["residency"][0]) == cache["n_expert"]
+    assert (cache["load_mode"], cache["miss_fraction"], cache["miss_fraction_tuning"]) == ("mmap", 0.0, None)
 
 
 def test_metrics_parse_with_prometheus_client(server):
@@ -97,3 +98,4 @@ def test_metrics_parse_with_prometheus_client(server):
     assert families["moestudio_engine_info"].samples[0].labels["engine"] == "hybrid"
     hits = families["moestudio_expert_gpu_hit"].samples
     assert {s.labels["layer"] for s in hits} == {"0", "1"}
+    assert families["moestudio_gpu_miss_fraction"].samples[0].value == 0.0  # no GPU here: every miss on the CPU
