@@ -25,7 +25,8 @@ def policy_hit_rates(model_path: str | Path, tokens: list[int], prefill: int, sl
     model = build_model(model_path)
     out = {}
     for policy in policies:
-        hybrid = HybridExperts(model.expert_weights, "cpu", HybridOptions(slots, miss_fraction, policy, threads=1))
+        hybrid = HybridExperts(model.expert_weights, "cpu", HybridOptions(
+            slots, miss_fraction, policy, threads=1, top_k=model.config.n_expert_used))  # staging as the engine sizes it
         try:
             c = hybrid.counters
             for i, layer in enumerate(ref.moe_layers):

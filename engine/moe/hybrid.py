@@ -108,7 +108,9 @@ class HybridExperts:
         misses = misses[np.argsort(-L.policy.counts[misses], kind="stable")]  # upload the hottest
         L.upload_credit += len(misses) * self.step_fraction / FRACTION_STEPS
         n_up = min(int(L.upload_credit + 1e-9), len(misses), L.slots.n_staging)
-        L.upload_credit -= n_up
+        # What staging could not take is dropped, not owed: a long prefill step must not make the
+        # following decode steps upload every miss. The remainder below one carries (resolution).
+        L.upload_credit = min(L.upload_credit - n_up, 1.0)
         return experts, rows, hits, misses[:n_up], misses[n_up:]
 
     def replay(self, layer: int, ids_host: np.ndarray) -> None:

@@ -167,3 +167,22 @@ def test_load_mode_none_reads_ram_copies_and_gives_the_same_tokens(make_model, p
         finally:
             engine.model.experts.close()
     assert out["none"] == out["auto"] and len(out["auto"]) == 24
+
+
+def test_uploads_after_a_long_prefill_step_stay_at_the_miss_fraction(make_model):
+    """A prefill step's misses beyond the staging slots are computed on the CPU, not owed to the
+    decode steps after it: those upload the fraction of their own misses (+ at most one)."""
+    model = build_model(make_model("qwen3moe"))
+    hybrid = HybridExperts(model.expert_weights, "cpu", HybridOptions(
+        slots_per_layer=1, miss_fraction=0.5, policy="off", threads=1, top_k=2))
+    try:
+        hybrid.prefill_residency([(0, 0)])  # expert 0 resident, static ("off")
+        assert hybrid.layers[0].slots.n_staging == 1
+        hybrid.replay(0, np.arange(16).reshape(8, 2) % 8)  # prefill: 7 distinct misses, 1 staging slot
+        c = hybrid.counters
+        before = c.uploaded[0]
+        for e in range(1, 9):  # decode: expert 0 hits, one miss per step
+            hybrid.replay(0, np.array([[0, 1 + e % 7]]))
+        assert c.uploaded[0] - before <= 1 + 0.5 * 8, c.uploaded[0] - before
+    finally:
+        hybrid.close()
