@@ -72,3 +72,18 @@ def _isolated_user_dirs(tmp_path_factory):
             os.environ.pop(k, None)
         else:
             os.environ[k] = v
+
+
+@pytest.fixture(scope="session")
+def tiny(make_model) -> Path:
+    """The tiny qwen3moe (2 layers, 8 experts, top-2): the default model of most tests."""
+    return make_model("qwen3moe")
+
+
+@pytest.fixture(scope="session")
+def identity(tiny):
+    """The expert-profile identity (engine/moe/profile.ModelIdentity) of `tiny`."""
+    from engine.gguf.reader import ModelFile
+    from engine.moe.profile import ModelIdentity
+
+    return ModelIdentity.of(ModelFile.open(tiny))

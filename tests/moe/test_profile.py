@@ -24,16 +24,6 @@ K = 2  # the tiny models route each token to 2 of 8 experts
 
 
 @pytest.fixture(scope="module")
-def tiny(make_model) -> Path:
-    return make_model("qwen3moe")
-
-
-@pytest.fixture(scope="module")
-def identity(tiny) -> ModelIdentity:
-    return ModelIdentity.of(ModelFile.open(tiny))
-
-
-@pytest.fixture(scope="module")
 def texts() -> list[str]:
     paragraphs = stdlib_text(max_chars=6000).split("\n\n")
     return [p[:400] for p in paragraphs if len(p) > 200][:4]

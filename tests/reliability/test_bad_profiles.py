@@ -25,22 +25,11 @@ from gguf import GGUFWriter
 
 from app.worker_state import Cause, classify_crash
 from engine.errors import UserError
-from engine.gguf.reader import ModelFile
 from engine.moe.profile import ExpertProfile, ModelIdentity, Workload, load_corpus, load_profile, save_profile
 from tests.server.conftest import start_server
 
 ROOT = Path(__file__).resolve().parents[2]
 FLIPS = 400
-
-
-@pytest.fixture(scope="module")
-def tiny(make_model) -> Path:
-    return make_model("qwen3moe")
-
-
-@pytest.fixture(scope="module")
-def identity(tiny) -> ModelIdentity:
-    return ModelIdentity.of(ModelFile.open(tiny))
 
 
 @pytest.fixture(scope="module")

@@ -35,11 +35,6 @@ CHAT = "/v1/chat/completions"
 MSG = "/v1/messages"
 
 
-@pytest.fixture(scope="module")
-def tiny(make_model) -> Path:
-    return make_model("qwen3moe")
-
-
 def _replies(server) -> tuple[str, str]:
     body = {"model": "m", "messages": [{"role": "user", "content": "Tell me about the sea."}], "max_tokens": 12,
             "temperature": 0}

@@ -175,11 +175,6 @@ class Gguf:
 
 
 @pytest.fixture(scope="module")
-def tiny(make_model) -> Path:
-    return make_model(ARCH)
-
-
-@pytest.fixture(scope="module")
 def parts(tiny) -> Gguf:
     return Gguf.parse(tiny)
 
