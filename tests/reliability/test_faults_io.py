@@ -25,9 +25,8 @@ import pytest
 
 from app.worker_state import Cause, classify_crash
 from engine.errors import UserError
-from engine.gguf.reader import ModelFile
 from engine.moe import profile as profile_module
-from engine.moe.profile import ExpertProfile, ModelIdentity, read_profile, save_profile
+from engine.moe.profile import ExpertProfile, read_profile, save_profile
 from tests.server.conftest import moestudio, start_server
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -90,9 +89,8 @@ def test_the_model_file_deleted_or_replaced_while_served(tiny, tmp_path, engine)
 # ---- a full disk while a profile is saved ------------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def profiles(tiny) -> tuple[ExpertProfile, ExpertProfile]:
+def profiles(identity) -> tuple[ExpertProfile, ExpertProfile]:
     """Two different profiles of the tiny model: the one already on disk, and the one being saved."""
-    identity = ModelIdentity.of(ModelFile.open(tiny))
     rng = np.random.default_rng(3)
     shape = (len(identity.moe_layers), identity.n_expert)
     return (ExpertProfile(identity, rng.random(shape), rng.integers(0, 50, shape)),
