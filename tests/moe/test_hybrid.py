@@ -8,6 +8,7 @@ step by step must pick the same argmax token at every step as the all-resident e
 from __future__ import annotations
 
 import itertools
+import time
 
 import numpy as np
 import pytest
@@ -100,7 +101,19 @@ def test_a_slot_is_never_read_before_its_copy_lands(make_model, prompt_text, mon
             return original(slot)
 
         monkeypatch.setattr(slots, "weights", checked)
-    model.experts = hybrid
+    steps = {layer: itertools.count() for layer in hybrid.layers}
+
+    def paced(layer, x, ids, weights):
+        # Every other step lets the slow copies land first, so hits happen however fast this
+        # machine decodes; the steps in between run while copies are still in flight.
+        if next(steps[layer]) % 2:
+            deadline = time.monotonic() + 10
+            while hybrid.layers[layer].slots.pending and time.monotonic() < deadline:
+                hybrid.layers[layer].slots.refresh()
+                time.sleep(0.002)
+        return hybrid(layer, x, ids, weights)
+
+    model.experts = paced
     try:
         logits = decode_logits(model, tokens)
     finally:
