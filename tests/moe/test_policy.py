@@ -1,0 +1,101 @@
+"""The residency policies' decisions, step by step, on hand-made observations.
+
+A small world: 8 experts, 3 slots. `apply` plays the executor's part: a refill takes the slot out
+of the residency map and (copies landing at once here) puts the new expert in.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from engine.moe.policy import AdaptParams, Policy
+
+N_EXPERT, N_SLOTS = 8, 3
+
+
+class World:
+    def __init__(self, name: str, params: AdaptParams = AdaptParams()):
+        self.policy = Policy(name, N_EXPERT, N_SLOTS, params)
+        self.slot_expert = np.full(N_SLOTS, -1, np.int32)
+        self.resident = np.full(N_EXPERT, -1, np.int32)
+        self.in_flight: set[int] = set()
+
+    def step(self, *experts: int, rows: list[int] | None = None, land: bool = True) -> list[tuple[int, int]]:
+        ids = np.array(sorted(experts))
+        refills = self.policy.refills(ids, np.array(rows or [1] * len(ids)), self.slot_expert, self.resident,
+                                      self.in_flight)
+        for slot, expert in refills:
+            old = self.slot_expert[slot]
+            if old >= 0:
+                self.resident[old] = -1
+            self.slot_expert[slot] = expert
+            if land:
+                self.resident[expert] = slot
+            else:
+                self.in_flight.add(expert)
+        return refills
+
+    def holds(self) -> set[int]:
+        return {int(e) for e in self.slot_expert if e >= 0}
+
+
+@pytest.mark.parametrize("name", ["off", "occurrence", "occurrence-sync", "lru", "lfru"])
+def test_every_policy_first_fills_empty_slots_hottest_first(name):
+    w = World(name)
+    assert w.step(1, 2, 5, rows=[1, 3, 2]) == [(0, 2), (1, 5), (2, 1)]
+    assert w.holds() == {1, 2, 5}
+
+
+def test_off_never_refills_a_full_cache():
+    w = World("off")
+    w.step(0, 1, 2)
+    assert all(w.step(5, 6, 7) == [] for _ in range(10))
+    assert w.holds() == {0, 1, 2}
+
+
+def test_an_expert_in_flight_is_not_asked_for_twice():
+    w = World("lru")
+    assert w.step(4, land=False) == [(0, 4)]
+    assert w.step(4) == []
+
+
+def test_lru_evicts_the_least_recently_used_but_never_one_this_step_used():
+    w = World("lru")
+    w.step(0, 1, 2)  # fills slots 0, 1, 2
+    w.step(1, 2)
+    assert w.step(2, 5) == [(0, 5)]  # 0 is the least recently used
+    # every resident expert was used this step: the miss waits
+    assert w.step(5, 1, 2, 6) == []
+    assert w.holds() == {5, 1, 2}
+
+
+def test_lru_does_not_evict_a_slot_whose_copy_is_in_flight():
+    w = World("lru")
+    w.step(0, 1)
+    w.step(2, land=False)  # slot 2 holds 2, still in flight
+    assert w.step(6) == [(0, 6)]
+    assert w.step(7) == [(1, 7)]
+    assert w.step(3) == [(0, 3)]
+    assert w.slot_expert[2] == 2  # untouched while its copy is in flight
+
+
+def test_lfru_admits_a_miss_only_if_it_is_at_least_as_frequent_as_the_victim():
+    w = World("lfru")
+    w.step(0, 1, 2, rows=[5, 5, 5])
+    assert w.step(7) == []  # one use against five
+    for _ in range(8):
+        w.step(7, rows=[4])
+    assert (7 in w.holds()) and len(w.holds()) == 3
+
+
+def test_occurrence_updates_every_few_steps_and_needs_a_margin():
+    params = AdaptParams(every=4, decay=1.0, swaps=1, margin=1.5, min_count=2.0)
+    w = World("occurrence", params)
+    w.step(0, 1, 2)  # step 1: fill
+    w.step(0, 1, 2)  # step 2
+    assert w.step(7) == []  # step 3: not an update step
+    assert w.step(7) == []  # step 4: 7 counts 2, the coldest resident 2: short of the margin
+    for _ in range(3):
+        w.step(7)  # steps 5-7
+    assert w.step(7) == [(0, 7)]  # step 8: 7 counts 6 against 2 + 1.5; one swap per update
+    assert w.holds() == {7, 1, 2}
