@@ -3,8 +3,9 @@
 On CUDA a copy runs on a side stream after the compute stream's work that was enqueued
 before it (an evicted slot may still be read by kernels already in flight), and completion is
 a CUDA event. When the accelerator role is played by CPU tensors (CI, CPU-only machines),
-a worker thread does the copy and completion is its future; `delay_s` slows every copy down
-so tests can prove that nothing reads a slot before its copy has landed.
+a copy is done at once, unless `delay_s` is set: then a worker thread does it that much later
+and completion is its future, so tests can prove that nothing reads a slot before its copy
+has landed.
 """
 from __future__ import annotations
 
@@ -27,6 +28,10 @@ class Copy:
         return self.event.query() if self.event is not None else self.future.done()
 
 
+_DONE: Future = Future()
+_DONE.set_result(None)
+
+
 class Copier:
     def __init__(self, device: torch.device, delay_s: float = 0.0):
         self.device = device
@@ -34,10 +39,11 @@ class Copier:
         self.bytes_copied = 0
         self._lock = threading.Lock()
         self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
-        self._pool = None if self._stream is not None else ThreadPoolExecutor(1, thread_name_prefix="expert-copy")
+        self._pool = (ThreadPoolExecutor(1, thread_name_prefix="expert-copy")
+                      if delay_s and self._stream is None else None)
 
     def copy(self, pairs: Pairs) -> Copy:
-        """Starts copying each pair; returns at once."""
+        """Starts copying each pair and returns (a CPU copy without a delay is done by then)."""
         with self._lock:
             self.bytes_copied += sum(src.numel() * src.element_size() for src, _ in pairs)
         if self._stream is not None:
@@ -48,7 +54,10 @@ class Copier:
                 event = torch.cuda.Event()
                 event.record(self._stream)
             return Copy(event=event)
-        return Copy(future=self._pool.submit(self._copy_on_host, pairs))
+        if self._pool is not None:
+            return Copy(future=self._pool.submit(self._copy_on_host, pairs))
+        self._copy_on_host(pairs)
+        return Copy(future=_DONE)
 
     def wait(self, handle: Copy) -> None:
         """Orders later compute after `handle` (on CUDA without blocking the host)."""

@@ -85,7 +85,7 @@ class HybridExperts:
                 continue
             slot = L.slots.free_slot()
             if slot is not None:
-                self.copier.wait(L.slots.load(slot, expert))
+                self.copier.wait(L.slots.load([(slot, expert)]))
         for L in self.layers.values():
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
@@ -99,9 +99,11 @@ class HybridExperts:
 
     # --- one layer step ------------------------------------------------------------------------
     def _split(self, L: _Layer, ids_host: np.ndarray):
-        """Distinct experts of a step, their row counts, and which are hits, uploads, CPU misses."""
+        """Rows per expert of a step (all experts), its distinct experts, and which of them are
+        hits, uploads and CPU misses."""
         L.slots.refresh()
-        experts, rows = np.unique(ids_host, return_counts=True)
+        rows_of = np.bincount(ids_host.ravel(), minlength=L.w.n_expert)
+        experts = np.flatnonzero(rows_of)
         where = L.slots.resident[experts]
         hits = experts[where >= 0]
         misses = experts[where < 0]
@@ -111,31 +113,31 @@ class HybridExperts:
         # What staging could not take is dropped, not owed: a long prefill step must not make the
         # following decode steps upload every miss. The remainder below one carries (resolution).
         L.upload_credit = min(L.upload_credit - n_up, 1.0)
-        return experts, rows, hits, misses[:n_up], misses[n_up:]
+        return rows_of, experts, hits, misses[:n_up], misses[n_up:]
 
     def replay(self, layer: int, ids_host: np.ndarray) -> None:
         """Takes a layer step's residency decisions and counters without computing experts:
         hit rates of a policy over a recorded routing trace (engine/bench/hitrate.py)."""
         L = self.layers[layer]
-        experts, rows, hits, uploads, cpu = self._split(L, ids_host)
+        rows_of, experts, hits, uploads, cpu = self._split(L, ids_host)
         L.slots.stage(uploads.tolist())
-        self._account(layer, L, experts, rows, hits, uploads, cpu)
+        self._account(layer, L, rows_of, experts, hits, uploads, cpu)
 
     def __call__(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         L = self.layers[layer]
         slots = L.slots
         ids_host = ids.cpu().numpy()  # the one wait on the accelerator in this layer step
-        experts, rows, hits, uploads, cpu = self._split(L, ids_host)
+        rows_of, experts, hits, uploads, cpu = self._split(L, ids_host)
         if self._one_token_graph_applies(L, x, weights):
             total = self._one_token_step(layer, L, x, ids_host, weights, hits, uploads, cpu)
-            self._account(layer, L, experts, rows, hits, uploads, cpu)
+            self._account(layer, L, rows_of, experts, hits, uploads, cpu)
             return total
 
         k = ids_host.shape[1]
         per_slot = torch.zeros(k, *x.shape, dtype=x.dtype, device=x.device)
         futures = []
         if cpu.size:
-            tok, pos = np.nonzero(np.isin(ids_host, cpu))
+            tok, pos = np.nonzero(_member(L.w.n_expert, cpu)[ids_host])
             x_host = x.float().cpu().numpy()
             pair_experts = ids_host[tok, pos].astype(np.int32)
             pair_rows = tok.astype(np.int32)
@@ -159,7 +161,7 @@ class HybridExperts:
         for j in range(1, k):
             total = total + per_slot[j]
 
-        self._account(layer, L, experts, rows, hits, uploads, cpu)
+        self._account(layer, L, rows_of, experts, hits, uploads, cpu)
         return total
 
     def _one_token_graph_applies(self, L: _Layer, x: torch.Tensor, weights: torch.Tensor) -> bool:
@@ -176,7 +178,7 @@ class HybridExperts:
         chosen = ids_host[0]
         future = None
         if cpu.size:
-            on_cpu = np.nonzero(np.isin(chosen, cpu))[0]
+            on_cpu = np.flatnonzero(_member(L.w.n_expert, cpu)[chosen])
             future = self.pool.submit(layer, x.cpu().numpy(), np.zeros(len(on_cpu), np.int32),
                                       chosen[on_cpu].astype(np.int32))
         slot_of = np.zeros(L.w.n_expert, np.int32)  # slot 0 for CPU experts: computed, then overwritten
@@ -204,7 +206,7 @@ class HybridExperts:
         sequence over all of them when the kernels apply, else the torch path expert by expert."""
         if not experts:
             return
-        if not self._triton_broken and _use_triton(L.w, x, int(np.isin(ids_host, experts).sum())):
+        if not self._triton_broken and _use_triton(L.w, x, int(_member(L.w.n_expert, experts)[ids_host].sum())):
             from engine.quant import triton_kernels as tk
 
             slot_of = np.full(L.w.n_expert, -1, np.int32)
@@ -226,18 +228,18 @@ class HybridExperts:
         for e, slot in zip(experts, slots):
             self._run_on_accelerator(L, slot, e, x, ids, weights, per_slot)
 
-    def _account(self, layer: int, L: _Layer, experts: np.ndarray, rows: np.ndarray, hits: np.ndarray,
+    def _account(self, layer: int, L: _Layer, rows_of: np.ndarray, experts: np.ndarray, hits: np.ndarray,
                  uploads: np.ndarray, cpu: np.ndarray) -> None:
         c, i = self.counters, self.index[layer]
-        count = dict(zip(experts.tolist(), rows.tolist()))
-        c.gpu_hit[i] += sum(count[e] for e in hits.tolist())
-        c.uploaded[i] += sum(count[e] for e in uploads.tolist())
-        c.cpu_computed[i] += sum(count[e] for e in cpu.tolist())
+        c.gpu_hit[i] += rows_of[hits].sum()
+        c.uploaded[i] += rows_of[uploads].sum()
+        c.cpu_computed[i] += rows_of[cpu].sum()
         c.heat[i] *= Telemetry.HEAT_DECAY
-        c.heat[i, experts] += rows
-        refills = L.policy.refills(experts, rows, L.slots.slot_expert, L.slots.resident, L.slots.in_flight())
-        for slot, expert in refills:
-            handle = L.slots.load(slot, expert)
+        c.heat[i] += rows_of
+        refills = L.policy.refills(experts, rows_of[experts], L.slots.slot_expert, L.slots.resident,
+                                   L.slots.in_flight())
+        if refills:
+            handle = L.slots.load(refills)
             if L.policy.synchronous:
                 self.copier.wait(handle)
         if L.policy.synchronous:
@@ -260,6 +262,13 @@ def staging_slots(miss_fraction: float, n_expert: int, top_k: int) -> int:
     computes its other misses on the CPU; with top_k 0, the fraction of every expert."""
     step_fraction = round(miss_fraction * FRACTION_STEPS)
     return -(-step_fraction * (top_k or n_expert) // FRACTION_STEPS)
+
+
+def _member(n_expert: int, experts: np.ndarray) -> np.ndarray:
+    """A lookup table: True at `experts` (np.isin costs ~10x more on a handful of ids)."""
+    table = np.zeros(n_expert, bool)
+    table[experts] = True
+    return table
 
 
 TRITON_MAX_PAIRS = 64  # decode (1-8 tokens x top-k); larger batches take the torch path

@@ -42,6 +42,7 @@ class Policy:
         self.counts = np.zeros(n_expert, np.float64)  # decayed access counts
         self.last_use = np.zeros(n_expert, np.int64)
         self.step = 0
+        self._step_decay = params.decay ** (1 / params.every)  # occurrence's half-life, per step
 
     @property
     def synchronous(self) -> bool:
@@ -51,22 +52,26 @@ class Policy:
                 resident: np.ndarray, in_flight: set[int]) -> list[tuple[int, int]]:
         """(slot, expert) refills after a step that routed rows[i] rows to experts[i]."""
         self.step += 1
-        p = self.params
         if self.name in ("lru", "lfru"):
-            self.counts *= p.decay ** (1 / p.every)  # the same half-life per step as occurrence's updates
+            self.counts *= self._step_decay
         self.counts[experts] += rows
         self.last_use[experts] = self.step
-        missed = [int(e) for e in experts[np.argsort(-self.counts[experts], kind="stable")]
-                  if resident[e] < 0 and e not in in_flight]
-        out: list[tuple[int, int]] = []
-        free = [int(s) for s in np.nonzero(slot_expert < 0)[0]]
-        while missed and free:
-            out.append((free.pop(0), missed.pop(0)))
+        missed = experts[resident[experts] < 0]
+        if not missed.size:
+            return []
+        missed = [e for e in missed[np.argsort(-self.counts[missed], kind="stable")].tolist() if e not in in_flight]
+        free = np.flatnonzero(slot_expert < 0).tolist()
+        out = list(zip(free, missed))
+        missed = missed[len(out):]
         if self.name == "off" or not missed or self.n_slots == 0:
             return out
         if self.name in ("occurrence", "occurrence-sync"):
             return out + self._occurrence(missed, slot_expert, resident)
-        return out + self._replace(missed[:p.swaps], slot_expert, resident, busy={s for s, _ in out})
+        return out + self._replace(missed[:self.params.swaps], slot_expert, resident, busy=[s for s, _ in out])
+
+    def _landed(self, slot_expert: np.ndarray, resident: np.ndarray) -> np.ndarray:
+        """Slots whose expert has landed (a slot in flight cannot be evicted)."""
+        return np.flatnonzero((slot_expert >= 0) & (resident[slot_expert] == np.arange(self.n_slots)))
 
     def _occurrence(self, missed: list[int], slot_expert: np.ndarray, resident: np.ndarray) -> list[tuple[int, int]]:
         p = self.params
@@ -74,8 +79,8 @@ class Policy:
             return []
         self.counts *= p.decay
         candidates = [e for e in missed if self.counts[e] >= p.min_count]
-        victims = sorted((s for s in range(self.n_slots) if slot_expert[s] >= 0 and resident[slot_expert[s]] == s),
-                         key=lambda s: self.counts[slot_expert[s]])
+        landed = self._landed(slot_expert, resident)
+        victims = landed[np.argsort(self.counts[slot_expert[landed]], kind="stable")].tolist()
         out = []
         for e, s in zip(candidates, victims):
             if len(out) == p.swaps or self.counts[e] < self.counts[slot_expert[s]] + p.margin:
@@ -84,15 +89,17 @@ class Policy:
         return out
 
     def _replace(self, missed: list[int], slot_expert: np.ndarray, resident: np.ndarray,
-                 busy: set[int]) -> list[tuple[int, int]]:
-        landed = [s for s in range(self.n_slots)
-                  if s not in busy and slot_expert[s] >= 0 and resident[slot_expert[s]] == s]
+                 busy: list[int]) -> list[tuple[int, int]]:
+        landed = self._landed(slot_expert, resident)
+        if busy:
+            landed = landed[~np.isin(landed, busy)]
+        used = self.last_use[slot_expert[landed]]
         if self.name == "lru":
-            order = sorted(landed, key=lambda s: self.last_use[slot_expert[s]])
+            order = landed[np.argsort(used, kind="stable")]
         else:
-            order = sorted(landed, key=lambda s: (self.counts[slot_expert[s]], self.last_use[slot_expert[s]]))
+            order = landed[np.lexsort((used, self.counts[slot_expert[landed]]))]
         out = []
-        for e, s in zip(missed, order):
+        for e, s in zip(missed, order.tolist()):
             if self.last_use[slot_expert[s]] == self.step:
                 break  # never evict an expert this very step used
             if self.name == "lfru" and self.counts[e] < self.counts[slot_expert[s]]:

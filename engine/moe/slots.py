@@ -58,6 +58,10 @@ class LayerSlots:
         self.resident = np.full(w.n_expert, -1, np.int32)  # expert -> slot, landed copies only
         self.slot_expert = np.full(n_slots, -1, np.int32)  # slot -> expert, landed or in flight
         self.pending: list[tuple[int, int, Copy]] = []  # (slot, expert, copy)
+        # Per-expert and per-slot views made once: indexing a tensor costs microseconds of host
+        # time, and every decode step copies experts.
+        self._host_views = [t.raw.unbind(0) for t in (w.gate, w.up, w.down)]
+        self._slot_views = [b.unbind(0) for b in self.buffers]
 
     @property
     def expert_bytes(self) -> int:
@@ -78,26 +82,32 @@ class LayerSlots:
     def in_flight(self) -> set[int]:
         return {expert for _, expert, _ in self.pending}
 
-    def load(self, slot: int, expert: int) -> Copy:
-        """Refills `slot` with `expert`: unpublishes the old expert now, publishes the new on landing."""
-        old = self.slot_expert[slot]
-        if old >= 0 and self.resident[old] == slot:
-            self.resident[old] = -1
-        self.slot_expert[slot] = expert
-        handle = self.copier.copy(list(zip(self.host_expert(expert), (b[slot] for b in self.buffers))))
-        self.pending.append((slot, expert, handle))
+    def load(self, refills: list[tuple[int, int]]) -> Copy:
+        """Refills each (slot, expert) in one copy: unpublishes the old experts now, publishes the
+        new ones when the copy lands."""
+        pairs = []
+        for slot, expert in refills:
+            old = self.slot_expert[slot]
+            if old >= 0 and self.resident[old] == slot:
+                self.resident[old] = -1
+            self.slot_expert[slot] = expert
+            pairs += self._copy_pairs(expert, slot)
+        handle = self.copier.copy(pairs)
+        self.pending += [(slot, expert, handle) for slot, expert in refills]
         return handle
 
     def stage(self, experts: list[int]) -> list[int]:
         """Copies `experts` into the staging slots for this step; returns their slot indices."""
+        if not experts:
+            return []
         slots = list(range(self.n_slots, self.n_slots + len(experts)))
-        pairs = [pair for e, s in zip(experts, slots) for pair in zip(self.host_expert(e), (b[s] for b in self.buffers))]
+        pairs = [pair for e, s in zip(experts, slots) for pair in self._copy_pairs(e, s)]
         self.copier.wait(self.copier.copy(pairs))
         return slots
 
-    def host_expert(self, e: int) -> list[torch.Tensor]:
-        """Expert e's gate, up and down bytes in host memory (the map, or the RAM copies)."""
-        return [t.raw[e] for t in (self.w.gate, self.w.up, self.w.down)]
+    def _copy_pairs(self, expert: int, slot: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(host, slot) for the expert's gate, up and down bytes; host is the map or the RAM copies."""
+        return [(h[expert], d[slot]) for h, d in zip(self._host_views, self._slot_views)]
 
     def free_slot(self) -> int | None:
         free = np.nonzero(self.slot_expert < 0)[0]
