@@ -4,13 +4,17 @@ llama.cpp runs the model over real text once (teacher-forced: the prompt as one 
 then one decode step per token) and records which experts each layer picked; the hybrid
 executor then replays that trace under each policy with its real slot, copy and policy code,
 computing no experts. `moestudio bench hitrate MODEL --cache-share 0.25` prints the table.
+
+It also times the host's bookkeeping per decode layer step (split, counters, policy, copy
+bookkeeping; the copies themselves, RAM to RAM here, are not counted): the part of a layer
+step's host overhead that does not depend on the accelerator.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import time
 from pathlib import Path
-
 
 from engine.moe.policy import POLICIES
 
@@ -33,15 +37,18 @@ def policy_hit_rates(model_path: str | Path, tokens: list[int], prefill: int, sl
                 hybrid.replay(layer, ref.experts[:prefill, i])
             # Decode figures only: the prefill fills the cache and is its own regime.
             before = [c.gpu_hit.sum(), c.uploaded.sum(), c.cpu_computed.sum(), c.swaps.sum(), c.bytes_uploaded]
+            copy_s, start = hybrid.copier.host_copy_s, time.perf_counter()
             for t in range(prefill, len(tokens)):
                 for i, layer in enumerate(ref.moe_layers):
                     hybrid.replay(layer, ref.experts[t:t + 1, i])
+            bookkeeping_s = time.perf_counter() - start - (hybrid.copier.host_copy_s - copy_s)
             hit, up, cpu, swaps, moved = (a - b for a, b in zip(
                 [c.gpu_hit.sum(), c.uploaded.sum(), c.cpu_computed.sum(), c.swaps.sum(), c.bytes_uploaded], before))
             total = hit + up + cpu
             steps = max(1, len(tokens) - prefill)
             out[policy] = {"gpu_hit": float(hit / total), "uploaded": float(up / total), "cpu": float(cpu / total),
-                           "swaps": int(swaps), "bytes_uploaded_per_token": float(moved / steps)}
+                           "swaps": int(swaps), "bytes_uploaded_per_token": float(moved / steps),
+                           "host_us_per_layer_step": 1e6 * bookkeeping_s / (steps * len(ref.moe_layers))}
         finally:
             hybrid.close()
     return out
@@ -71,8 +78,9 @@ def _run(args: argparse.Namespace) -> int:
         return 0
     print(f"{slots} of {n_expert} experts per layer resident, miss fraction {args.miss_fraction}, "
           f"{len(tokens) - 64} decode steps after a {64}-token prefill")
-    print(f"{'policy':<16}{'gpu hit':>9}{'uploaded':>10}{'cpu':>8}{'swaps':>8}{'MiB up/token':>14}")
+    print(f"{'policy':<16}{'gpu hit':>9}{'uploaded':>10}{'cpu':>8}{'swaps':>8}{'MiB up/token':>14}"
+          f"{'host µs/layer step':>20}")
     for name, r in rates.items():
         print(f"{name:<16}{r['gpu_hit']:>9.1%}{r['uploaded']:>10.1%}{r['cpu']:>8.1%}{r['swaps']:>8}"
-              f"{r['bytes_uploaded_per_token'] / 2**20:>14.2f}")
+              f"{r['bytes_uploaded_per_token'] / 2**20:>14.2f}{r['host_us_per_layer_step']:>20.1f}")
     return 0

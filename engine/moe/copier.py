@@ -37,6 +37,7 @@ class Copier:
         self.device = device
         self.delay_s = delay_s
         self.bytes_copied = 0
+        self.host_copy_s = 0.0  # time spent copying on the host (CPU tensors only)
         self._lock = threading.Lock()
         self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self._pool = (ThreadPoolExecutor(1, thread_name_prefix="expert-copy")
@@ -69,8 +70,10 @@ class Copier:
     def _copy_on_host(self, pairs: Pairs) -> None:
         if self.delay_s:
             time.sleep(self.delay_s)
+        start = time.perf_counter()
         for src, dst in pairs:
             dst.copy_(src)
+        self.host_copy_s += time.perf_counter() - start
 
     def close(self) -> None:
         if self._pool is not None:
