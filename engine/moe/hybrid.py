@@ -3,7 +3,9 @@
 One MoE layer step (DESIGN.md, "the hot path"):
 1. the selected ids come to the host once (the only wait on the accelerator per layer);
 2. distinct experts split into hits (landed in a slot), uploads (a `miss_fraction` share of
-   the misses, copied into staging slots) and CPU misses (the rest);
+   the misses, copied into staging slots; in a step of many rows, the misses whose CPU cost
+   is highest, as many as balance the two sides by measured cost, streamed through the
+   staging slots in turns) and CPU misses (the rest);
 3. the CPU pool starts on its misses at once, from the memory-mapped GGUF bytes, while the
    accelerator computes hits and uploads;
 4. the weighted outputs are summed slot by slot in top-k order, the same order and maths as
@@ -14,6 +16,7 @@ One MoE layer step (DESIGN.md, "the hot path"):
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -25,6 +28,7 @@ from engine.moe.cpu_pool import CpuExpertPool
 from engine.moe.policy import AdaptParams, Policy
 from engine.moe.slots import LayerSlots, resident_copies, resolve_load_mode
 from engine.moe.step_graph import ExpertStepGraph
+from engine.moe.tune import RouteCosts, balanced_uploads
 from engine.runtime.telemetry import CacheCounters, Telemetry
 
 FRACTION_STEPS = 256  # the miss fraction's resolution
@@ -39,6 +43,7 @@ class HybridOptions:
     threads: int = 2
     top_k: int = 0  # experts per token; sizes the staging slots (0: as many as the fraction of all experts)
     copy_delay_s: float = 0.0  # tests: slow every copy down
+    route_costs: RouteCosts | None = None  # steps of many rows route misses by these (tune.py)
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.miss_fraction <= 1.0:
@@ -107,6 +112,11 @@ class HybridExperts:
         where = L.slots.resident[experts]
         hits = experts[where >= 0]
         misses = experts[where < 0]
+        costs = self.options.route_costs
+        if ids_host.shape[0] > 1 and costs is not None and L.slots.n_staging:
+            misses = misses[np.argsort(-rows_of[misses], kind="stable")]
+            n_up = balanced_uploads(rows_of[misses], len(hits), costs)
+            return rows_of, experts, hits, misses[:n_up], misses[n_up:]
         misses = misses[np.argsort(-L.policy.counts[misses], kind="stable")]  # upload the hottest
         L.upload_credit += len(misses) * self.step_fraction / FRACTION_STEPS
         n_up = min(int(L.upload_credit + 1e-9), len(misses), L.slots.n_staging)
@@ -120,7 +130,7 @@ class HybridExperts:
         hit rates of a policy over a recorded routing trace (engine/bench/hitrate.py)."""
         L = self.layers[layer]
         rows_of, experts, hits, uploads, cpu = self._split(L, ids_host)
-        L.slots.stage(uploads.tolist())
+        self._run_uploads(L, uploads.tolist(), compute=None)
         self._account(layer, L, rows_of, experts, hits, uploads, cpu)
 
     def __call__(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
@@ -148,9 +158,8 @@ class HybridExperts:
         # Hits first (they need no copy), then the uploads once staged: one batch each.
         self._run_batch_on_accelerator(L, hits.tolist(), slots.resident[hits].tolist(), x, ids, ids_host,
                                        weights, per_slot)
-        if uploads.size:
-            self._run_batch_on_accelerator(L, uploads.tolist(), slots.stage(uploads.tolist()), x, ids, ids_host,
-                                           weights, per_slot)
+        self._run_uploads(L, uploads.tolist(), lambda turn, turn_slots: self._run_batch_on_accelerator(
+            L, turn, turn_slots, x, ids, ids_host, weights, per_slot))
 
         if futures:
             out = torch.from_numpy(np.concatenate([f.result() for f in futures])).to(x.device, x.dtype)
@@ -163,6 +172,30 @@ class HybridExperts:
 
         self._account(layer, L, rows_of, experts, hits, uploads, cpu)
         return total
+
+    def _run_uploads(self, L: _Layer, uploads: list[int],
+                     compute: Callable[[list[int], list[int]], None] | None) -> None:
+        """The uploads through the staging slots, `compute(experts, slots)` on each turn (None:
+        copies only, for replay): at once when they fit, else in turns over the two halves of the
+        staging slots, each turn's copy enqueued before the previous turn's compute so that the
+        two overlap (a copy waits for the compute already enqueued, the turn before last, which
+        read its half)."""
+        if not uploads:
+            return
+        n = L.slots.n_staging
+        halves = 2 if len(uploads) > n >= 2 else 1
+        size = n // halves
+        turns = [uploads[i:i + size] for i in range(0, len(uploads), size)]
+        staged = [L.slots.stage_async(turns[0], first=0)]
+        for i, turn in enumerate(turns):
+            if halves == 2 and i + 1 < len(turns):
+                staged.append(L.slots.stage_async(turns[i + 1], first=(i + 1) % 2 * size))
+            slots, copy = staged[i]
+            self.copier.wait(copy)
+            if compute is not None:
+                compute(turn, slots)
+            if halves == 1 and i + 1 < len(turns):
+                staged.append(L.slots.stage_async(turns[i + 1], first=0))
 
     def _one_token_graph_applies(self, L: _Layer, x: torch.Tensor, weights: torch.Tensor) -> bool:
         return (x.shape[0] == 1 and self.device.type == "cuda" and not self._triton_broken
@@ -308,22 +341,24 @@ def attach_hybrid(model, config) -> HybridExperts:
     used = (torch.cuda.memory_allocated(device) if device.type == "cuda" else 0) + kv_bytes
     pool = CpuExpertPool(ws, config.threads or 2)
     # Without a GPU an "upload" would only copy RAM to RAM: every miss goes to the CPU pool.
-    fraction, tuning = 0.0, None
+    fraction, tuning, costs = 0.0, None, None
     if device.type == "cuda":
+        from engine.moe.tune import measure_miss_fraction
+
+        layer = min(ws)
+        measured = measure_miss_fraction(layer, ws[layer], device, pool)
+        costs = RouteCosts(measured["upload_s"], measured["cpu_s"], measured["cpu_row_s"], measured["gpu_s"])
         fraction = config.miss_fraction
         if fraction is None:  # auto
-            from engine.moe.tune import measure_miss_fraction
-
-            layer = min(ws)
-            tuning = measure_miss_fraction(layer, ws[layer], device, pool)
-            fraction = round(tuning["fraction"] * FRACTION_STEPS) / FRACTION_STEPS
+            tuning = measured
+            fraction = round(measured["fraction"] * FRACTION_STEPS) / FRACTION_STEPS
     staging = staging_slots(fraction, any_w.n_expert, c.n_expert_used)
     n_slots = slots_per_layer(cache_size=config.expert_cache_size, cache_mib=config.expert_cache_mib,
                               expert_bytes=expert_bytes, n_expert=any_w.n_expert, n_layers=len(ws), device=device,
                               vram_budget_mib=config.vram_budget_mib, used_bytes=used, staging_per_layer=staging)
     while True:
         options = HybridOptions(slots_per_layer=n_slots, miss_fraction=fraction, policy=config.policy,
-                                threads=config.threads or 2, top_k=c.n_expert_used)
+                                threads=config.threads or 2, top_k=c.n_expert_used, route_costs=costs)
         try:
             hybrid = HybridExperts(ws, device, options, pool)
             break

@@ -97,13 +97,20 @@ class LayerSlots:
         return handle
 
     def stage(self, experts: list[int]) -> list[int]:
-        """Copies `experts` into the staging slots for this step; returns their slot indices."""
+        """Copies `experts` into the staging slots for this step, later compute ordered after the
+        copy; returns their slot indices."""
         if not experts:
             return []
-        slots = list(range(self.n_slots, self.n_slots + len(experts)))
-        pairs = [pair for e, s in zip(experts, slots) for pair in self._copy_pairs(e, s)]
-        self.copier.wait(self.copier.copy(pairs))
+        slots, copy = self.stage_async(experts)
+        self.copier.wait(copy)
         return slots
+
+    def stage_async(self, experts: list[int], first: int = 0) -> tuple[list[int], Copy]:
+        """Starts copying `experts` into the staging slots from staging slot `first` on."""
+        if first + len(experts) > self.n_staging:
+            raise ValueError(f"{len(experts)} experts from staging slot {first} exceed {self.n_staging} slots")
+        slots = list(range(self.n_slots + first, self.n_slots + first + len(experts)))
+        return slots, self.copier.copy([pair for e, s in zip(experts, slots) for pair in self._copy_pairs(e, s)])
 
     def _copy_pairs(self, expert: int, slot: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """(host, slot) for the expert's gate, up and down bytes; host is the map or the RAM copies."""

@@ -6,6 +6,12 @@ takes max(u * t_upload, (m - u) * t_cpu) for u uploads, which is least at
 u / m = t_cpu / (t_upload + t_cpu). On a desktop (PCIe 4.0 ~25 GB/s, dual-channel RAM) the
 two are close; on the H200 machine uploads win (pinned copies at ~50 GB/s). Both times are
 taken on real experts of the model, from the memory the engine will read at run time.
+
+A step of many rows (prefill) routes expert by expert instead (`balanced_uploads`): an upload
+costs the same whatever the rows, while the CPU pool's cost grows with them, so the misses
+with the most rows go to the GPU until the two sides would finish together, the GPU's side
+counting its hits and, per streamed miss, the slower of its copy and its compute (the copy of
+the next overlaps the compute of this one).
 """
 from __future__ import annotations
 
@@ -14,31 +20,84 @@ import time
 import numpy as np
 import torch
 
-from engine.layers.moe import ExpertWeights
+from dataclasses import dataclass
+
+from engine.layers.moe import ExpertWeights, expert_ffn
 from engine.moe.cpu_pool import CpuExpertPool
+from engine.quant.dequant import dequantize
 
 SAMPLES = 4  # experts timed each way (distinct ones: first-touch costs included, as in decode)
+MANY_ROWS = 64  # rows of one expert in the CPU pool's second timing: its cost per extra row
+
+
+@dataclass(frozen=True)
+class RouteCosts:
+    """Seconds per expert: one upload; the CPU pool's FFN at one row, plus each extra row; the
+    accelerator's FFN on a staged expert in a many-row step."""
+    upload_s: float
+    cpu_s: float
+    cpu_row_s: float
+    gpu_s: float
+
+    def cpu(self, rows: np.ndarray) -> np.ndarray:
+        return self.cpu_s + self.cpu_row_s * (rows - 1)
+
+
+def balanced_uploads(rows: np.ndarray, n_hits: int, costs: RouteCosts) -> int:
+    """How many of a step's misses, ordered by rows (most first), to upload so that the GPU
+    (its hits, then the uploads) and the CPU pool, running at the same time, finish soonest;
+    the rest go to the CPU."""
+    cpu_left = float(costs.cpu(rows).sum())
+    gpu, n = n_hits * costs.gpu_s, 0
+    per_upload = max(costs.upload_s, costs.gpu_s)
+    for cost in costs.cpu(rows):
+        if max(gpu + per_upload, cpu_left - cost) >= max(gpu, cpu_left):
+            break
+        gpu, cpu_left, n = gpu + per_upload, cpu_left - cost, n + 1
+    return n
 
 
 def measure_miss_fraction(layer: int, w: ExpertWeights, device: torch.device, pool: CpuExpertPool) -> dict[str, float]:
     """Times uploads and CPU computations of single experts of `w` (from the memory the engine
     reads: the map, or the pinned copies of --load-mode none); returns the times and the fraction."""
     tensors = [t.raw for t in (w.gate, w.up, w.down)]
-    experts = np.linspace(0, w.n_expert - 1, 2 * SAMPLES).astype(np.int64)
+    experts = np.linspace(0, w.n_expert - 1, 3 * SAMPLES).astype(np.int64)  # distinct per timing
     dst = [torch.empty(t.shape[1:], dtype=torch.uint8, device=device) for t in tensors]
     sources = [[t[e] for t in tensors] for e in experts[:SAMPLES]]
-    torch.cuda.synchronize(device)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda _: None)
+    sync(device)
     start = time.perf_counter()
     for src in sources:
         for s, d in zip(src, dst):
             d.copy_(s, non_blocking=True)
-    torch.cuda.synchronize(device)
+    sync(device)
     t_upload = (time.perf_counter() - start) / SAMPLES
+    staged = int(experts[SAMPLES - 1])  # what dst holds now
 
-    x = np.random.default_rng(0).standard_normal((1, w.gate.shape[2])).astype(np.float32)
-    pool.compute(layer, x, np.zeros(1, np.int32), experts[-1:].astype(np.int32))  # builds the graph
+    x = np.random.default_rng(0).standard_normal((MANY_ROWS, w.gate.shape[2])).astype(np.float32)
+
+    def cpu_seconds(rows: int, sample: np.ndarray) -> float:
+        pool.compute(layer, x, np.arange(rows, dtype=np.int32), np.zeros(rows, np.int32))  # builds the graph
+        start = time.perf_counter()
+        for e in sample:
+            pool.compute(layer, x, np.arange(rows, dtype=np.int32), np.full(rows, e, np.int32))
+        return (time.perf_counter() - start) / SAMPLES
+
+    t_cpu = cpu_seconds(1, experts[SAMPLES:2 * SAMPLES])
+    t_row = max(0.0, (cpu_seconds(MANY_ROWS, experts[2 * SAMPLES:]) - t_cpu) / (MANY_ROWS - 1))
+
+    x_dev = torch.from_numpy(x).to(device)
+
+    def staged_ffn() -> torch.Tensor:
+        return expert_ffn(x_dev, *(dequantize(d, t.qtype, t.shape[1:]) for d, t in zip(dst, (w.gate, w.up, w.down))),
+                          w, staged)
+
+    staged_ffn()
+    sync(device)
     start = time.perf_counter()
-    for e in experts[SAMPLES:]:
-        pool.compute(layer, x, np.zeros(1, np.int32), np.array([e], np.int32))
-    t_cpu = (time.perf_counter() - start) / SAMPLES
-    return {"upload_s": t_upload, "cpu_s": t_cpu, "fraction": t_cpu / (t_upload + t_cpu)}
+    for _ in range(SAMPLES):
+        staged_ffn()
+    sync(device)
+    t_gpu = (time.perf_counter() - start) / SAMPLES
+    return {"upload_s": t_upload, "cpu_s": t_cpu, "cpu_row_s": t_row, "gpu_s": t_gpu,
+            "fraction": t_cpu / (t_upload + t_cpu)}

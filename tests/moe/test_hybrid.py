@@ -19,6 +19,7 @@ from engine.baseline.oracle import run_reference
 from engine.models import build_model
 from engine.moe.hybrid import HybridExperts, HybridOptions
 from engine.moe.policy import POLICIES
+from engine.moe.tune import RouteCosts
 from engine.runtime.tokenizer import tokenize_text
 
 ARCHS = ("qwen3moe", "qwen2moe", "llama", "olmoe", "gpt-oss", "deepseek2")
@@ -199,3 +200,29 @@ def test_uploads_after_a_long_prefill_step_stay_at_the_miss_fraction(make_model)
         assert c.uploaded[0] - before <= 1 + 0.5 * 8, c.uploaded[0] - before
     finally:
         hybrid.close()
+
+
+@pytest.mark.parametrize("fraction", [0.5, 1.0])  # 1 staging slot (turn by turn), 2 (two halves)
+def test_prefill_streams_its_misses_through_the_staging_slots_in_turns(reference_runs, fraction):
+    """Uploads that cost next to nothing against the CPU: a prefill step uploads far more misses
+    than there are staging slots, in turns, and the tokens stay those of the all-resident engine."""
+    path, tokens, resident = reference_runs["qwen3moe"]
+    model = build_model(path)
+    k = model.config.n_expert_used
+    hybrid = HybridExperts(model.expert_weights, "cpu", HybridOptions(
+        slots_per_layer=1, miss_fraction=fraction, policy="off", threads=1, top_k=k,
+        route_costs=RouteCosts(upload_s=1e-9, cpu_s=1e-3, cpu_row_s=1e-4, gpu_s=1e-9), copy_delay_s=0.001))
+    model.experts = hybrid
+    try:
+        cache = model.new_cache(len(tokens))
+        first = model.forward(torch.tensor(tokens[:N_PROMPT]), cache)[-1:]
+        staging = hybrid.layers[min(hybrid.layers)].slots.n_staging
+        assert staging == round(fraction * k)
+        assert (hybrid.counters.uploaded > 2 * staging).all()  # turns, not one staged batch
+        logits = torch.cat([first] + [model.forward(torch.tensor([t]), cache) for t in tokens[N_PROMPT:-1]])
+    finally:
+        hybrid.close()
+    assert torch.equal(logits.argmax(-1), resident.argmax(-1))
+    assert (logits - resident).abs().max().item() < 5e-2
+    c = hybrid.counters
+    assert (c.gpu_hit + c.uploaded + c.cpu_computed == (len(tokens) - 1) * k).all()

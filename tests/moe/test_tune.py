@@ -1,0 +1,45 @@
+"""Routing misses by measured cost: the split of a many-row step, and the timings it starts from."""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from engine.models import build_model
+from engine.moe.cpu_pool import CpuExpertPool
+from engine.moe.tune import RouteCosts, balanced_uploads, measure_miss_fraction
+
+
+def test_equal_costs_split_the_misses_in_half():
+    assert balanced_uploads(np.ones(4), 0, RouteCosts(upload_s=1, cpu_s=1, cpu_row_s=0, gpu_s=0)) == 2
+
+
+def test_costly_uploads_leave_every_miss_to_the_cpu_and_free_ones_take_all():
+    rows = np.array([9, 3, 1])
+    assert balanced_uploads(rows, 0, RouteCosts(upload_s=100, cpu_s=1, cpu_row_s=1, gpu_s=0)) == 0
+    assert balanced_uploads(rows, 0, RouteCosts(upload_s=0, cpu_s=1, cpu_row_s=1, gpu_s=0)) == 3
+
+
+def test_the_miss_with_many_rows_goes_up_and_the_single_rows_stay():
+    # CPU costs 10, 1, 1, 1 against an upload of 3: uploading the first halves the step.
+    costs = RouteCosts(upload_s=3, cpu_s=1, cpu_row_s=1, gpu_s=0)
+    assert balanced_uploads(np.array([10, 1, 1, 1]), 0, costs) == 1
+
+
+def test_the_gpu_side_counts_its_hits_and_its_compute():
+    rows = np.array([10, 1, 1, 1])
+    # busy with hits for as long as the CPU needs for everything: nothing goes up
+    assert balanced_uploads(rows, 13, RouteCosts(upload_s=0, cpu_s=1, cpu_row_s=1, gpu_s=1)) == 0
+    # compute slower than the copy: a streamed miss costs its compute (4), still worth it once
+    assert balanced_uploads(rows, 0, RouteCosts(upload_s=0, cpu_s=1, cpu_row_s=1, gpu_s=4)) == 1
+
+
+def test_measured_on_the_model_the_times_are_positive_and_the_fraction_between(tiny):
+    model = build_model(tiny)
+    layer = min(model.expert_weights)
+    pool = CpuExpertPool(model.expert_weights, 1)
+    try:
+        t = measure_miss_fraction(layer, model.expert_weights[layer], torch.device("cpu"), pool)
+    finally:
+        pool.close()
+    assert t["upload_s"] > 0 and t["cpu_s"] > 0 and t["cpu_row_s"] >= 0 and t["gpu_s"] > 0
+    assert 0 < t["fraction"] < 1
