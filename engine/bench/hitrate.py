@@ -6,8 +6,8 @@ executor then replays that trace under each policy with its real slot, copy and 
 computing no experts. `moestudio bench hitrate MODEL --cache-share 0.25` prints the table.
 
 It also times the host's bookkeeping per decode layer step (split, counters, policy, copy
-bookkeeping; the copies themselves, RAM to RAM here, are not counted): the part of a layer
-step's host overhead that does not depend on the accelerator.
+bookkeeping; the copies themselves, RAM to RAM here, are not counted; the median step): the
+part of a layer step's host overhead that does not depend on the accelerator.
 """
 from __future__ import annotations
 
@@ -15,6 +15,8 @@ import argparse
 import json
 import time
 from pathlib import Path
+
+import numpy as np
 
 from engine.moe.policy import POLICIES
 
@@ -37,18 +39,19 @@ def policy_hit_rates(model_path: str | Path, tokens: list[int], prefill: int, sl
                 hybrid.replay(layer, ref.experts[:prefill, i])
             # Decode figures only: the prefill fills the cache and is its own regime.
             before = [c.gpu_hit.sum(), c.uploaded.sum(), c.cpu_computed.sum(), c.swaps.sum(), c.bytes_uploaded]
-            copy_s, start = hybrid.copier.host_copy_s, time.perf_counter()
+            bookkeeping_s = []
             for t in range(prefill, len(tokens)):
                 for i, layer in enumerate(ref.moe_layers):
+                    copy_s, start = hybrid.copier.host_copy_s, time.perf_counter()
                     hybrid.replay(layer, ref.experts[t:t + 1, i])
-            bookkeeping_s = time.perf_counter() - start - (hybrid.copier.host_copy_s - copy_s)
+                    bookkeeping_s.append(time.perf_counter() - start - (hybrid.copier.host_copy_s - copy_s))
             hit, up, cpu, swaps, moved = (a - b for a, b in zip(
                 [c.gpu_hit.sum(), c.uploaded.sum(), c.cpu_computed.sum(), c.swaps.sum(), c.bytes_uploaded], before))
             total = hit + up + cpu
             steps = max(1, len(tokens) - prefill)
             out[policy] = {"gpu_hit": float(hit / total), "uploaded": float(up / total), "cpu": float(cpu / total),
                            "swaps": int(swaps), "bytes_uploaded_per_token": float(moved / steps),
-                           "host_us_per_layer_step": 1e6 * bookkeeping_s / (steps * len(ref.moe_layers))}
+                           "host_us_per_layer_step": 1e6 * float(np.median(bookkeeping_s))}
         finally:
             hybrid.close()
     return out
