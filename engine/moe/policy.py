@@ -60,7 +60,7 @@ class Policy:
         if not missed.size:
             return []
         missed = [e for e in missed[np.argsort(-self.counts[missed], kind="stable")].tolist() if e not in in_flight]
-        free = np.flatnonzero(slot_expert < 0).tolist()
+        free = (slot_expert < 0).nonzero()[0].tolist()
         out = list(zip(free, missed))
         missed = missed[len(out):]
         if self.name == "off" or not missed or self.n_slots == 0:
@@ -71,7 +71,7 @@ class Policy:
 
     def _landed(self, slot_expert: np.ndarray, resident: np.ndarray) -> np.ndarray:
         """Slots whose expert has landed (a slot in flight cannot be evicted)."""
-        return np.flatnonzero((slot_expert >= 0) & (resident[slot_expert] == np.arange(self.n_slots)))
+        return ((slot_expert >= 0) & (resident[slot_expert] == np.arange(self.n_slots))).nonzero()[0]
 
     def _occurrence(self, missed: list[int], slot_expert: np.ndarray, resident: np.ndarray) -> list[tuple[int, int]]:
         p = self.params
