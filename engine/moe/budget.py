@@ -34,10 +34,23 @@ def slots_per_layer(*, cache_size: str | int | None, cache_mib: float | None, ex
     if device.type != "cuda":
         return 0
     free, _total = torch.cuda.mem_get_info(device)
-    headroom = HEADROOM_BYTES
     if vram_budget_mib is not None:
-        budget = int(vram_budget_mib * 2**20)
-        free = min(free, budget - used_bytes)
-        headroom = min(headroom, budget // 8)  # an emulated small GPU keeps a proportionate reserve
-    per_layer = (free - headroom) // (expert_bytes * n_layers) - staging_per_layer
+        free = min(free, int(vram_budget_mib * 2**20) - used_bytes)
+    per_layer = (free - headroom_bytes(vram_budget_mib)) // (expert_bytes * n_layers) - staging_per_layer
     return max(0, min(n_expert, per_layer))
+
+
+def headroom_bytes(vram_budget_mib: float | None) -> int:
+    """What auto-sizing leaves free: 1 GiB, or on an emulated small GPU a proportionate eighth."""
+    return HEADROOM_BYTES if vram_budget_mib is None else min(HEADROOM_BYTES, int(vram_budget_mib * 2**20) // 8)
+
+
+def free_after_allocation(device: torch.device, vram_budget_mib: float | None, pending_bytes: int) -> int | None:
+    """GPU bytes still free for the engine (under --vram-budget-mib, if set), measured now, once
+    `pending_bytes` more are taken (the KV cache, allocated later); None without a GPU."""
+    if device.type != "cuda":
+        return None
+    free, _total = torch.cuda.mem_get_info(device)
+    if vram_budget_mib is not None:
+        free = min(free, int(vram_budget_mib * 2**20) - torch.cuda.memory_allocated(device))
+    return free - pending_bytes

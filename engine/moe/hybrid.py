@@ -325,9 +325,10 @@ def _use_triton(w: ExpertWeights, x: torch.Tensor, n_pairs: int) -> bool:
 def attach_hybrid(model, config) -> HybridExperts:
     """Replaces `model.experts` with a HybridExperts sized from `config` (an EngineConfig).
 
-    If the slots do not fit after all (another program took GPU memory, the allocator's
-    fragmentation), the cache shrinks by a quarter until they do, and a warning says so."""
-    from engine.moe.budget import slots_per_layer
+    If the slots do not fit after all, or an auto-sized cache leaves less than half its headroom
+    free once allocated (another program took GPU memory, the allocator's rounding), the cache
+    shrinks by a quarter until it fits, and a warning says so."""
+    from engine.moe.budget import free_after_allocation, headroom_bytes, slots_per_layer
 
     device = torch.device(config.device)
     ws = model.expert_weights
@@ -356,23 +357,32 @@ def attach_hybrid(model, config) -> HybridExperts:
     n_slots = slots_per_layer(cache_size=config.expert_cache_size, cache_mib=config.expert_cache_mib,
                               expert_bytes=expert_bytes, n_expert=any_w.n_expert, n_layers=len(ws), device=device,
                               vram_budget_mib=config.vram_budget_mib, used_bytes=used, staging_per_layer=staging)
+    auto_sized = config.expert_cache_size in (None, "auto") and config.expert_cache_mib is None
     while True:
         options = HybridOptions(slots_per_layer=n_slots, miss_fraction=fraction, policy=config.policy,
                                 threads=config.threads or 2, top_k=c.n_expert_used, route_costs=costs)
         try:
             hybrid = HybridExperts(ws, device, options, pool)
-            break
         except torch.OutOfMemoryError:
             if n_slots == 0:
                 pool.close()
                 raise
-            smaller = n_slots * 3 // 4
-            warnings.warn(f"out of GPU memory with {n_slots} expert slots per layer; shrinking the expert "
-                          f"cache to {smaller} (set --moe-expert-cache-size or --vram-budget-mib lower to "
-                          f"silence this)", RuntimeWarning, stacklevel=2)
-            n_slots = smaller
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
+            reason = "out of GPU memory"
+        else:
+            # The sizing saw the free memory before allocating; another program, or the
+            # allocator's rounding, may have taken some since.
+            left = free_after_allocation(device, config.vram_budget_mib, kv_bytes) if auto_sized and n_slots else None
+            if left is None or left >= headroom_bytes(config.vram_budget_mib) // 2:
+                break
+            reason = f"only {max(0, left) / 2**20:.0f} MiB of GPU memory left"
+            del hybrid
+        smaller = n_slots * 3 // 4
+        warnings.warn(f"{reason} with {n_slots} expert slots per layer; shrinking the expert cache to {smaller} "
+                      f"(set --moe-expert-cache-size or --vram-budget-mib lower to silence this)",
+                      RuntimeWarning, stacklevel=2)
+        n_slots = smaller
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
     hybrid.counters.load_mode = load_mode
     hybrid.counters.miss_fraction = fraction
     hybrid.counters.miss_fraction_tuning = tuning

@@ -34,6 +34,47 @@ def test_cache_shrinks_when_slot_allocation_runs_out_of_memory(make_model, monke
         engine.model.experts.close()
 
 
+def test_auto_sized_cache_shrinks_when_too_little_memory_is_left_after_allocating(make_model, monkeypatch):
+    """Free memory is measured again once the slots are allocated (injected here: auto-sizing
+    saw room for every expert, but less is left than half the headroom until 4 slots)."""
+    from engine.moe import budget
+
+    path = make_model("qwen3moe")
+    real_init = slots_module.LayerSlots.__init__
+    allocated = []
+
+    def allocate(self, w, n_slots, n_staging, device, copier):
+        allocated.append(n_slots)
+        real_init(self, w, n_slots, n_staging, device, copier)
+
+    monkeypatch.setattr(slots_module.LayerSlots, "__init__", allocate)
+    monkeypatch.setattr(budget, "slots_per_layer", lambda **_: 8)
+    monkeypatch.setattr(budget, "free_after_allocation",
+                        lambda device, vram_budget_mib, pending_bytes: 2**30 if allocated[-1] <= 4 else 100 * 2**20)
+    with pytest.warns(RuntimeWarning, match=r"only 100 MiB of GPU memory left with 8 expert slots per layer; "
+                                            r"shrinking the expert cache to 6") as record:
+        engine = Engine.load(path, EngineConfig(n_ctx=256))
+    shrinks = [str(w.message).split("cache to ")[1].split(" ")[0] for w in record if "shrinking" in str(w.message)]
+    try:
+        assert shrinks == ["6", "4"]
+        assert engine.telemetry.cache.slots_per_layer == 4
+        events = list(engine.generate(Request(prompt="def main():", max_tokens=8, ignore_eos=True)))
+        assert events[-1].completion_tokens == 8
+    finally:
+        engine.model.experts.close()
+
+
+def test_a_fixed_cache_size_is_not_second_guessed(make_model, monkeypatch):
+    from engine.moe import budget
+
+    monkeypatch.setattr(budget, "free_after_allocation", lambda *_: 0)
+    engine = Engine.load(make_model("qwen3moe"), EngineConfig(expert_cache_size=5, n_ctx=256))
+    try:
+        assert engine.telemetry.cache.slots_per_layer == 5
+    finally:
+        engine.model.experts.close()
+
+
 def test_no_memory_at_all_is_an_error_not_a_loop(make_model, monkeypatch):
     path = make_model("qwen3moe")
 
