@@ -68,6 +68,7 @@ class HybridExperts:
         self.options = options
         self.step_fraction = round(options.miss_fraction * FRACTION_STEPS)
         self._triton_broken = False  # set when a kernel fails to build: torch from then on
+        self._pinned: dict[torch.dtype, torch.Tensor] = {}  # read-back buffers (CUDA), grown as needed
         self.copier = Copier(self.device, options.copy_delay_s)
         self.pool = pool if pool is not None else CpuExpertPool(expert_weights, options.threads)
         self.layer_ids = sorted(expert_weights)
@@ -136,10 +137,11 @@ class HybridExperts:
     def __call__(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         L = self.layers[layer]
         slots = L.slots
-        ids_host = ids.cpu().numpy()  # the one wait on the accelerator in this layer step
+        # With every expert resident (landed) no CPU miss can need the input.
+        ids_host, x_host = self._read_back(ids, x.float() if L.slots.resident.min() < 0 else None)
         rows_of, experts, hits, uploads, cpu = self._split(L, ids_host)
         if self._one_token_graph_applies(L, x, weights):
-            total = self._one_token_step(layer, L, x, ids_host, weights, hits, uploads, cpu)
+            total = self._one_token_step(layer, L, x, x_host, ids_host, weights, hits, uploads, cpu)
             self._account(layer, L, rows_of, experts, hits, uploads, cpu)
             return total
 
@@ -148,7 +150,6 @@ class HybridExperts:
         futures = []
         if cpu.size:
             tok, pos = np.nonzero(_member(L.w.n_expert, cpu)[ids_host])
-            x_host = x.float().cpu().numpy()
             pair_experts = ids_host[tok, pos].astype(np.int32)
             pair_rows = tok.astype(np.int32)
             step = self.pool.max_rows
@@ -172,6 +173,27 @@ class HybridExperts:
 
         self._account(layer, L, rows_of, experts, hits, uploads, cpu)
         return total
+
+    def _read_back(self, ids: torch.Tensor, x: torch.Tensor | None) -> tuple[np.ndarray, np.ndarray | None]:
+        """The router's ids and the layer input (when given) on the host, behind the layer step's
+        one wait on the accelerator. On CUDA both land in pinned buffers through asynchronous
+        copies and one stream sync; the buffers are reused (a step is done with them before the
+        next step reads back)."""
+        tensors = [ids] if x is None else [ids, x]
+        if self.device.type != "cuda":
+            host = [t.numpy() for t in tensors]
+        else:
+            host = []
+            for t in tensors:
+                flat = self._pinned.get(t.dtype)
+                if flat is None or flat.numel() < t.numel():
+                    flat = self._pinned[t.dtype] = torch.empty(t.numel(), dtype=t.dtype, pin_memory=True)
+                view = flat[:t.numel()].view(t.shape)
+                view.copy_(t, non_blocking=True)
+                host.append(view)
+            torch.cuda.current_stream(self.device).synchronize()
+            host = [h.numpy() for h in host]
+        return host[0], (host[1] if x is not None else None)
 
     def _run_uploads(self, L: _Layer, uploads: list[int],
                      compute: Callable[[list[int], list[int]], None] | None) -> None:
@@ -202,7 +224,8 @@ class HybridExperts:
                 and L.slots.n_slots + L.slots.n_staging > 0 and weights.dtype == torch.float32
                 and x.is_contiguous() and weights.is_contiguous() and _use_triton(L.w, x, weights.shape[1]))
 
-    def _one_token_step(self, layer: int, L: _Layer, x: torch.Tensor, ids_host: np.ndarray, weights: torch.Tensor,
+    def _one_token_step(self, layer: int, L: _Layer, x: torch.Tensor, x_host: np.ndarray | None,
+                        ids_host: np.ndarray, weights: torch.Tensor,
                         hits: np.ndarray, uploads: np.ndarray, cpu: np.ndarray) -> torch.Tensor:
         """A decode step through two graph replays (step_graph.py); the CPU pool's rows go in between."""
         g = L.step_graph
@@ -212,7 +235,7 @@ class HybridExperts:
         future = None
         if cpu.size:
             on_cpu = _member(L.w.n_expert, cpu)[chosen].nonzero()[0]
-            future = self.pool.submit(layer, x.cpu().numpy(), np.zeros(len(on_cpu), np.int32),
+            future = self.pool.submit(layer, x_host, np.zeros(len(on_cpu), np.int32),
                                       chosen[on_cpu].astype(np.int32))
         slot_of = np.zeros(L.w.n_expert, np.int32)  # slot 0 for CPU experts: computed, then overwritten
         slot_of[hits] = L.slots.resident[hits]
