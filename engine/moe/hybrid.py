@@ -1,7 +1,8 @@
 """The hybrid expert executor: resident experts on the accelerator, the rest on the CPU.
 
 One MoE layer step (DESIGN.md, "the hot path"):
-1. the selected ids come to the host once (the only wait on the accelerator per layer);
+1. the selected ids (and the layer input, for the CPU pool) come to the host once: the only
+   wait on the accelerator per layer;
 2. distinct experts split into hits (landed in a slot), uploads (a `miss_fraction` share of
    the misses, copied into staging slots; in a step of many rows, the misses whose CPU cost
    is highest, as many as balance the two sides by measured cost, streamed through the
