@@ -11,6 +11,20 @@ from engine.moe import slots as slots_module
 from engine.runtime.engine import Engine, EngineConfig, Request
 
 
+def shrunk_to(record) -> list[str]:
+    """The slot counts the shrink warnings name, in order."""
+    return [str(w.message).split("cache to ")[1].split(" ")[0] for w in record if "shrinking" in str(w.message)]
+
+
+def assert_generates_with(engine: Engine, slots_per_layer: int) -> None:
+    try:
+        assert engine.telemetry.cache.slots_per_layer == slots_per_layer
+        events = list(engine.generate(Request(prompt="def main():", max_tokens=8, ignore_eos=True)))
+        assert events[-1].completion_tokens == 8
+    finally:
+        engine.model.experts.close()
+
+
 def test_cache_shrinks_when_slot_allocation_runs_out_of_memory(make_model, monkeypatch):
     path = make_model("qwen3moe")
     real_init = slots_module.LayerSlots.__init__
@@ -24,14 +38,8 @@ def test_cache_shrinks_when_slot_allocation_runs_out_of_memory(make_model, monke
     monkeypatch.setattr(slots_module.LayerSlots, "__init__", allocate)
     with pytest.warns(RuntimeWarning, match=r"out of GPU memory with 8 expert slots per layer; shrinking") as record:
         engine = Engine.load(path, EngineConfig(expert_cache_size="all", n_ctx=256))
-    shrinks = [str(w.message) for w in record if "shrinking" in str(w.message)]
-    assert [s.split("cache to ")[1].split(" ")[0] for s in shrinks] == ["6", "4", "3"]
-    try:
-        assert engine.telemetry.cache.slots_per_layer == 3
-        events = list(engine.generate(Request(prompt="def main():", max_tokens=8, ignore_eos=True)))
-        assert events[-1].completion_tokens == 8
-    finally:
-        engine.model.experts.close()
+    assert shrunk_to(record) == ["6", "4", "3"]
+    assert_generates_with(engine, slots_per_layer=3)
 
 
 def test_auto_sized_cache_shrinks_when_too_little_memory_is_left_after_allocating(make_model, monkeypatch):
@@ -54,14 +62,8 @@ def test_auto_sized_cache_shrinks_when_too_little_memory_is_left_after_allocatin
     with pytest.warns(RuntimeWarning, match=r"only 100 MiB of GPU memory left with 8 expert slots per layer; "
                                             r"shrinking the expert cache to 6") as record:
         engine = Engine.load(path, EngineConfig(n_ctx=256))
-    shrinks = [str(w.message).split("cache to ")[1].split(" ")[0] for w in record if "shrinking" in str(w.message)]
-    try:
-        assert shrinks == ["6", "4"]
-        assert engine.telemetry.cache.slots_per_layer == 4
-        events = list(engine.generate(Request(prompt="def main():", max_tokens=8, ignore_eos=True)))
-        assert events[-1].completion_tokens == 8
-    finally:
-        engine.model.experts.close()
+    assert shrunk_to(record) == ["6", "4"]
+    assert_generates_with(engine, slots_per_layer=4)
 
 
 def test_a_fixed_cache_size_is_not_second_guessed(make_model, monkeypatch):
