@@ -29,7 +29,7 @@ from engine.moe.cpu_pool import CpuExpertPool
 from engine.moe.policy import AdaptParams, Policy
 from engine.moe.slots import LayerSlots, resident_copies, resolve_load_mode
 from engine.moe.step_graph import ExpertStepGraph
-from engine.moe.tune import RouteCosts, balanced_uploads
+from engine.moe.tune import RouteCosts, balanced_uploads, measure_costs
 from engine.runtime.telemetry import CacheCounters, Telemetry
 
 FRACTION_STEPS = 256  # the miss fraction's resolution
@@ -368,10 +368,8 @@ def attach_hybrid(model, config) -> HybridExperts:
     # Without a GPU an "upload" would only copy RAM to RAM: every miss goes to the CPU pool.
     fraction, tuning, costs = 0.0, None, None
     if device.type == "cuda":
-        from engine.moe.tune import measure_miss_fraction
-
         layer = min(ws)
-        measured = measure_miss_fraction(layer, ws[layer], device, pool)
+        measured = measure_costs(layer, ws[layer], device, pool)
         costs = RouteCosts(measured["upload_s"], measured["cpu_s"], measured["cpu_row_s"], measured["gpu_s"])
         fraction = config.miss_fraction
         if fraction is None:  # auto

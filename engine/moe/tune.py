@@ -57,9 +57,11 @@ def balanced_uploads(rows: np.ndarray, n_hits: int, costs: RouteCosts) -> int:
     return n
 
 
-def measure_miss_fraction(layer: int, w: ExpertWeights, device: torch.device, pool: CpuExpertPool) -> dict[str, float]:
-    """Times uploads and CPU computations of single experts of `w` (from the memory the engine
-    reads: the map, or the pinned copies of --load-mode none); returns the times and the fraction."""
+def measure_costs(layer: int, w: ExpertWeights, device: torch.device, pool: CpuExpertPool) -> dict[str, float]:
+    """Times single experts of `w`: uploads (from the memory the engine reads: the map, or the
+    pinned copies of --load-mode none), the CPU pool's FFN at one row and at MANY_ROWS, and the
+    accelerator's FFN on a staged expert; returns the times (RouteCosts' fields) and the
+    one-token miss fraction they imply."""
     tensors = [t.raw for t in (w.gate, w.up, w.down)]
     experts = np.linspace(0, w.n_expert - 1, 3 * SAMPLES).astype(np.int64)  # distinct per timing
     dst = [torch.empty(t.shape[1:], dtype=torch.uint8, device=device) for t in tensors]

@@ -6,7 +6,7 @@ import torch
 
 from engine.models import build_model
 from engine.moe.cpu_pool import CpuExpertPool
-from engine.moe.tune import RouteCosts, balanced_uploads, measure_miss_fraction
+from engine.moe.tune import RouteCosts, balanced_uploads, measure_costs
 
 
 def test_equal_costs_split_the_misses_in_half():
@@ -38,7 +38,7 @@ def test_measured_on_the_model_the_times_are_positive_and_the_fraction_between(t
     layer = min(model.expert_weights)
     pool = CpuExpertPool(model.expert_weights, 1)
     try:
-        t = measure_miss_fraction(layer, model.expert_weights[layer], torch.device("cpu"), pool)
+        t = measure_costs(layer, model.expert_weights[layer], torch.device("cpu"), pool)
     finally:
         pool.close()
     assert t["upload_s"] > 0 and t["cpu_s"] > 0 and t["cpu_row_s"] >= 0 and t["gpu_s"] > 0
