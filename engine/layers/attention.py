@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import torch
 
+from engine.layers import precision
+
 
 class KVCache:
     """Per-layer K and V of one sequence, float32, [n_ctx, n_kv_heads, head_dim]."""
@@ -48,7 +50,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.T
     group = n_head // k.shape[1]
     k = k.repeat_interleave(group, dim=1) if group > 1 else k
     v = v.repeat_interleave(group, dim=1) if group > 1 else v
-    scores = torch.einsum("thd,shd->hts", q, k) * scale
+    scores = precision.einsum("thd,shd->hts", q, k) * scale
     q_pos = positions[:, None]
     k_pos = torch.arange(k.shape[0], device=q.device)[None, :]
     hidden = k_pos > q_pos
@@ -57,7 +59,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.T
     scores = scores.masked_fill(hidden, float("-inf"))
     if sinks is not None:
         sink_col = sinks.to(scores.dtype)[:, None, None].expand(n_head, n_tok, 1)
-        probs = torch.softmax(torch.cat([scores, sink_col], dim=-1), dim=-1)[..., :-1]
+        probs = precision.softmax(torch.cat([scores, sink_col], dim=-1), dim=-1)[..., :-1]
     else:
-        probs = torch.softmax(scores, dim=-1)
-    return torch.einsum("hts,shd->thd", probs, v).reshape(n_tok, -1)
+        probs = precision.softmax(scores, dim=-1)
+    return precision.einsum("hts,shd->thd", probs, v).reshape(n_tok, -1)

@@ -15,6 +15,7 @@ import torch
 from gguf import GGMLQuantizationType as QT
 
 from engine.gguf.reader import ModelFile
+from engine.layers.precision import matmul
 from engine.quant.activation import round_activation
 from engine.quant.dequant import check_supported, dequantize
 
@@ -46,13 +47,13 @@ class Linear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.raw is None:
-            y = round_activation(x, self.qtype) @ self.weight.T
+            y = matmul(round_activation(x, self.qtype), self.weight.T)
         elif x.shape[0] <= DENSE_MAX_ROWS and x.dtype == torch.float32:
             from engine.quant.triton_kernels import dense
 
             y = dense(x if x.stride(-1) == 1 else x.contiguous(), self.raw, self.qtype, self.shape[0])
         else:
-            y = round_activation(x, self.qtype) @ dequantize(self.raw[0], self.qtype, self.shape).T
+            y = matmul(round_activation(x, self.qtype), dequantize(self.raw[0], self.qtype, self.shape).T)
         return y + self.bias if self.bias is not None else y
 
 

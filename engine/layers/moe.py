@@ -16,6 +16,7 @@ from gguf import GGMLQuantizationType as QT
 
 from engine.gguf.reader import ModelFile
 from engine.layers.linear import Linear, optional_vector
+from engine.layers.precision import matmul
 from engine.quant.activation import round_activation
 from engine.quant.dequant import check_supported, dequantize
 
@@ -115,14 +116,14 @@ class ExpertWeights:
 def expert_ffn(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor,
                w: ExpertWeights, e: int) -> torch.Tensor:
     """One expert on rows x [n, D] given its float32 weights; biases and rounding included."""
-    g = round_activation(x, w.gate.qtype) @ gate.T
-    u = round_activation(x, w.up.qtype) @ up.T
+    g = matmul(round_activation(x, w.gate.qtype), gate.T)
+    u = matmul(round_activation(x, w.up.qtype), up.T)
     if w.gate.bias is not None:
         g = g + w.gate.bias[e]
     if w.up.bias is not None:
         u = u + w.up.bias[e]
     a = activate(w.activation, g, u)
-    d = round_activation(a, w.down.qtype) @ down.T
+    d = matmul(round_activation(a, w.down.qtype), down.T)
     return d + w.down.bias[e] if w.down.bias is not None else d
 
 

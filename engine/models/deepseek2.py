@@ -22,6 +22,7 @@ from engine.gguf.reader import ModelFile
 from engine.layers.attention import KVCache, attend
 from engine.layers.linear import Linear, load_vector
 from engine.layers.moe import SIGMOID, SOFTMAX, SOFTMAX_WEIGHT, Router, RouterConfig
+from engine.layers import precision
 from engine.layers.norm import rms_norm
 from engine.layers.rope import RopeConfig, apply_rope
 from engine.models.common import assemble, expert_weights, model_config, norm, router
@@ -50,7 +51,7 @@ class HeadBatchedWeight:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, H, cols] -> [T, H, rows]."""
-        return torch.einsum("thc,hrc->thr", round_activation(x, self.qtype), self.weight)
+        return precision.einsum("thc,hrc->thr", round_activation(x, self.qtype), self.weight)
 
 
 class MLAttention:

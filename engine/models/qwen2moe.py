@@ -6,6 +6,7 @@ import torch
 
 from engine.gguf.reader import ModelFile
 from engine.layers.linear import load_vector
+from engine.layers.precision import matmul
 from engine.models.common import build_gqa_moe
 from engine.models.decoder import DecoderModel, DenseFFN
 from engine.models.gqa import QK_NORM_NONE
@@ -17,7 +18,7 @@ class GatedSharedExpert:
         self.gate = load_vector(mf, f"blk.{layer}.ffn_gate_inp_shexp.weight", device)  # F32 [n_embd]
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        z = (x @ self.gate)[:, None]
+        z = matmul(x, self.gate)[:, None]
         return self.ffn(x) * (z / (1.0 + torch.exp(-z)) / z)
 
 
