@@ -114,4 +114,23 @@ def load_engine(cfg: Config, progress: Progress) -> Loaded:
         engine = _hybrid(cfg, progress) if kind == "hybrid" else _llamacpp(cfg, progress)
     except GGUFError as e:  # e.g. a tensor the builder needs is missing: the file, not the server, is at fault
         raise UserError(f"cannot read the model: {e}") from None
+    if cfg.engine == "auto" and kind == "hybrid":
+        engine, kind, reason = _validated(cfg, engine, reason, progress)
     return Loaded(engine, kind, reason)
+
+
+def _validated(cfg: Config, engine: Any, reason: str, progress: Progress) -> tuple[Any, str, str]:
+    """auto never runs this engine on a file where it does not match llama.cpp: checked at the
+    file's first load (engine/validate.first_load_check, cached), llama.cpp takes over if not."""
+    from engine.validate import first_load_check
+
+    progress("checking this engine against llama.cpp on this file (once per file)", 0.95)
+    failure = first_load_check(cfg.model, engine.model, str(engine.model.device))
+    if failure is None:
+        return engine, "hybrid", f"{reason}; it matched llama.cpp on this file"
+    log.warning("engine: %s; falling back to llama.cpp", failure)
+    close = getattr(engine.model.experts, "close", None)
+    if close is not None:
+        close()
+    del engine
+    return _llamacpp(cfg, progress), "llamacpp", f"auto: {failure}"

@@ -83,3 +83,24 @@ def test_a_model_that_cannot_load_is_reported_not_crashed(serve, iq4_model):
     with pytest.raises(openai.InternalServerError) as e:
         chat(s.url)
     assert e.value.status_code == 503 and "failed to load" in e.value.body["message"]
+
+
+def test_auto_checks_a_file_once_and_falls_back_where_the_engine_does_not_match(serve, make_model):
+    """At a file's first load auto validates this engine against llama.cpp (engine/validate.py) and
+    keeps the verdict in the user cache; a recorded mismatch sends the file to llama.cpp, with why."""
+    import json
+
+    from engine.gguf.fingerprint import file_fingerprint
+    from engine.validate import _engine_version, _verdict_cache
+
+    path = make_model("olmoe", QT.Q8_0)
+    verdict = _verdict_cache() / f"{file_fingerprint(path)}-{_engine_version()}-cpu.json"
+    assert not verdict.exists()
+    first = serve(path).request("GET", "/health")[1]
+    assert first["engine"] == "hybrid" and "matched llama.cpp" in first["engine_reason"]
+    assert json.loads(verdict.read_text())["failure"] is None
+
+    verdict.write_text(json.dumps({"failure": "this engine did not match llama.cpp on this file (mean KL 1e-2)"}))
+    health = serve(path).request("GET", "/health")[1]
+    assert health["engine"] == "llamacpp"
+    assert health["engine_reason"] == "auto: this engine did not match llama.cpp on this file (mean KL 1e-2)"
