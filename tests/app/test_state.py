@@ -135,6 +135,18 @@ def test_log_buffer_lines_filter_tail():
     assert len(b.lines) == 5
 
 
+@pytest.mark.parametrize("text, level", [
+    ("moestudio: INFO request POST /v1/chat/completions 200, 12 prompt + 30 generated tokens, 61.2 tok/s, "
+     "finish stop, 0.61 s", "INFO"),
+    ("moestudio: WARNING request POST /v1/chat/completions 400, 0.00 s", "WARNING"),
+    ("moestudio: ERROR request GET /v1/stats 500, 0.01 s", "ERROR"),
+    ("moestudio: error: port 8080 on 127.0.0.1 is already in use", "ERROR"),  # a refused setting or file
+    ("moestudio: serving m.gguf at http://127.0.0.1:1 (loading in the background)", "INFO"),
+])
+def test_engine_lines_carry_the_level_the_logs_filter_uses(text, level):
+    assert LogBuffer().add("stderr", text).level == level
+
+
 # ---- HTTP client and SSE ---------------------------------------------------------------------------
 class _Handler(http.server.BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
