@@ -1,11 +1,14 @@
-"""Widgets without an engine: conversation list, copy buttons, settings form, logs panel,
-the dashboard's llama.cpp (no cache) mode, and error dialogs."""
+"""Widgets without an engine: conversation list, copy buttons, chat settings, export and the
+context meter, settings form, logs panel, the dashboard's modes (GPU, CPU only, llama.cpp) and
+its separate decode and prefill axes, and error dialogs."""
 from __future__ import annotations
 
+import json
 import sys
+from pathlib import Path
 
 import pytest
-from PySide6.QtWidgets import QApplication, QMessageBox
+from PySide6.QtWidgets import QApplication, QFileDialog, QMessageBox
 
 from app.chat.controller import ChatController
 from app.chat.widgets import ChatWidget
@@ -60,6 +63,67 @@ def test_copy_buttons_and_settings_before_first_chat(chat, qtbot):
     assert QApplication.clipboard().text() == "print(2)"
     w.copy_btn.click()
     assert QApplication.clipboard().text() == m.content
+
+
+def test_sampling_filters_and_stop_strings_are_saved_per_chat(chat):
+    conv = chat.c.new_conversation()
+    chat.top_k.setValue(40)
+    chat.min_p.setValue(0.05)
+    chat.repeat_penalty.setValue(1.1)
+    chat.stops.setPlainText("END\n\\n\\n")
+    saved = chat.c.store.conversation(conv.id).settings
+    assert (saved["top_k"], saved["min_p"], saved["repeat_penalty"], saved["stop"]) == (40, 0.05, 1.1, ["END", "\n\n"])
+    assert chat.top_k.specialValueText() == "off" and chat.min_p.specialValueText() == "off"
+    chat.stops.setPlainText("\n".join(f"s{i}" for i in range(17)))  # over the server's limit: said, not saved
+    assert chat.settings_error.isVisibleTo(chat.settings_panel) and "at most 16" in chat.settings_error.text()
+    assert chat.c.store.conversation(conv.id).settings["stop"] == ["END", "\n\n"]
+    other = chat.c.new_conversation()
+    chat.c.open(conv.id)  # reopened: the fields show what was saved
+    assert chat.stops.toPlainText() == "END\n\\n\\n" and chat.top_k.value() == 40 and other.id != conv.id
+    assert not chat.settings_error.isVisibleTo(chat.settings_panel)
+
+
+def test_export_markdown_and_json_through_the_dialog(chat, tmp_path, monkeypatch):
+    conv = chat.c.new_conversation()
+    chat.c.rename(conv.id, "Routers / experts?")
+    store = chat.c.store
+    store.add_message(conv.id, "user", "What is MoE?")
+    reply = store.add_message(conv.id, "assistant", "Experts.")
+    store.new_version(reply.id)
+    store.update_message(reply.id, content="Many experts.", status="done")
+    chat.c.open(conv.id)
+    offered = []
+
+    def save_as(target):
+        def dialog(parent, caption, start, filters):
+            offered.append((Path(start).name, filters))
+            return str(target), ""
+        monkeypatch.setattr(QFileDialog, "getSaveFileName", dialog)
+    save_as(tmp_path / "chat.md")
+    chat.export_btn.click()
+    assert offered[0][0] == "Routers _ experts_.md" and "JSON" in offered[0][1]
+    assert (tmp_path / "chat.md").read_text(encoding="utf-8").startswith("# Routers / experts?\n")
+    save_as(tmp_path / "chat.json")
+    chat.export_btn.click()
+    data = json.loads((tmp_path / "chat.json").read_text(encoding="utf-8"))
+    assert data["messages"][1]["content"] == "Many experts."
+    assert [v["content"] for v in data["messages"][1]["other_versions"]] == ["Experts."]
+    save_as(tmp_path / "chat.txt")
+    chat.export_btn.click()
+    assert not (tmp_path / "chat.txt").exists() and "ending in .md" in chat.banner.text()
+
+
+def test_context_meter(chat):
+    conv = chat.c.new_conversation()
+    chat.c.store.add_message(conv.id, "user", "hi")
+    chat.c.store.add_message(conv.id, "assistant", "hello", stats={"prompt_tokens": 1000, "completion_tokens": 24})
+    chat.c.open(conv.id)
+    assert chat.context_bar.text() == "context 1,024 tokens"  # no engine: the context length is not known
+    chat.set_context_size(4096)
+    assert (chat.context_bar.value(), chat.context_bar.maximum()) == (1024, 4096)
+    assert chat.context_bar.text() == "context 1,024 / 4,096 tokens"
+    chat.c.new_conversation()
+    assert chat.context_bar.text() == "context 0 / 4,096 tokens"
 
 
 def test_send_without_engine_says_so(qtbot, tmp_path):
