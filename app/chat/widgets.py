@@ -219,16 +219,22 @@ class ChatWidget(QWidget):
         self.stop_btn = QPushButton("Stop")
         self.regen_btn = QPushButton("Regenerate")
         self.settings_btn = QToolButton(text="Chat settings", checkable=True)
-        self.context_bar = QProgressBar()
-        self.context_bar.setObjectName("contextMeter")
-        self.context_bar.setMaximumWidth(260)
-        self._context_size: int | None = None
         buttons.addWidget(self.settings_btn)
-        buttons.addWidget(self.context_bar, 1)
         buttons.addStretch(1)
         buttons.addWidget(self.regen_btn)
         buttons.addWidget(self.stop_btn)
         buttons.addWidget(self.send_btn)
+        # the context meter, above the messages: how full this chat's context is
+        self.context_label = QLabel()
+        self.context_bar = QProgressBar(textVisible=False)
+        self.context_bar.setObjectName("contextMeter")
+        self.context_bar.setFixedSize(120, 8)
+        self._context_size: int | None = None
+        meter = QHBoxLayout()
+        meter.addStretch(1)
+        meter.addWidget(self.context_label)
+        meter.addWidget(self.context_bar)
+        cl.addLayout(meter)
         cl.addWidget(self.banner)
         cl.addWidget(self.scroll, 1)
         cl.addLayout(eb)
@@ -430,12 +436,13 @@ class ChatWidget(QWidget):
         if size:
             bar.setRange(0, size)
             bar.setValue(min(used or 0, size))
-            bar.setFormat(f"context {used or 0:,} / {size:,} tokens")
+            self.context_label.setText(f"Context {used or 0:,} / {size:,} tokens")
         else:
             bar.setRange(0, 1)
             bar.setValue(0)
-            bar.setFormat(f"context {used:,} tokens" if used is not None else "context: no engine")
-        bar.setToolTip("Tokens the last turn of this chat occupied (prompt and reply) out of the engine's context "
+            self.context_label.setText(f"Context {used:,} tokens" if used is not None else "Context: no engine")
+        bar.setVisible(bool(size))
+        self.context_label.setToolTip("Tokens the last turn of this chat occupied (prompt and reply) out of the engine's context "
                        "length; the next message must fit in what is left.")
 
     def _export(self) -> None:

@@ -110,6 +110,7 @@ class DashboardWidget(QWidget):
         self.rate_label.setAlignment(Qt.AlignRight | Qt.AlignVCenter)
         self.summary = QLabel()
         self.summary.setWordWrap(True)
+        self.summary.setTextFormat(Qt.RichText)
         self.mode_note = QLabel()
         self.mode_note.setWordWrap(True)
         self.mode_note.setObjectName("dashboardModeNote")
@@ -278,9 +279,10 @@ class DashboardWidget(QWidget):
         parts = [f"<b>{snap.get('model', '?')}</b> on the <b>{snap.get('engine', '?')}</b> engine",
                  f"{snap.get('requests', 0)} requests, {snap.get('completion_tokens', 0)} tokens generated"]
         if last:
-            parts.append(f"last request: TTFT {last.get('ttft_s', 0) * 1000:.0f} ms, prefill "
-                         f"{last.get('prefill_tokens_per_s', 0):.1f} tok/s, decode {last.get('decode_tokens_per_s', 0):.1f} tok/s")
-        self.header.setText(" \u00b7 ".join(parts))
+            parts += [f"last request: TTFT {last.get('ttft_s', 0) * 1000:.0f} ms",
+                      f"prefill {last.get('prefill_tokens_per_s', 0):.1f} tok/s",
+                      f"decode {last.get('decode_tokens_per_s', 0):.1f} tok/s"]
+        self.header.setText(" \u00b7 ".join(_unbroken(p) for p in parts))
         cache = snap.get("cache")
         lines = []  # shown as one line, " · " apart
         ram, vram = snap.get("ram_used_bytes"), snap.get("gpu_memory_used_bytes")
@@ -302,7 +304,7 @@ class DashboardWidget(QWidget):
                 how = " (measured)" if cache.get("miss_fraction_tuning") else ""
                 lines.append(f"misses uploaded {cache['miss_fraction']:.0%}{how}; experts read from "
                              f"{'pinned RAM' if cache.get('load_mode') == 'none' else 'the mapped file'}")
-        self.summary.setText(" \u00b7 ".join(lines))
+        self.summary.setText(" \u00b7 ".join(_unbroken(line) for line in lines))
 
     def _hover(self, pos: QPointF) -> None:
         s = self.series
@@ -333,6 +335,11 @@ class DashboardWidget(QWidget):
             if legend is not None:
                 legend.setLabelTextColor(fg)
                 legend.setBrush(pg.mkBrush(bg.red(), bg.green(), bg.blue(), 200))
+
+
+def _unbroken(part: str) -> str:
+    """Rich text that wraps between the header's parts, never inside one ("tok/" | "s")."""
+    return f'<span style="white-space:nowrap">{part}</span>'
 
 
 def describe_expert(s: StatsSeries, row: int, col: int) -> str:

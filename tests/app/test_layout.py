@@ -24,6 +24,13 @@ def small_window(qtbot, app_paths):
     return win
 
 
+def _labels_fit(root) -> None:
+    """Text that cannot wrap must fit its label."""
+    for label in root.findChildren(QLabel):
+        if label.isVisibleTo(root) and label.text() and not label.wordWrap():
+            assert label.sizeHint().width() <= label.width() + 1, f"{label.text()!r} clipped to {label.width()} px"
+
+
 def _settle(qtbot) -> None:
     for _ in range(3):
         QApplication.processEvents()
@@ -48,9 +55,7 @@ def test_dashboard_titles_fit_at_1024x640(small_window, qtbot, mode, cache, vram
         width = title.item.boundingRect().width()
         assert 0 < width <= plot.width(), f"{title.text!r} is {width:.0f} px in a {plot.width()} px plot"
         assert plot.height() >= 100, f"{title.text!r}: plot only {plot.height()} px high"
-    for label in dash.findChildren(QLabel):  # text that cannot wrap must fit
-        if label.isVisibleTo(dash) and label.text() and not label.wordWrap():
-            assert label.sizeHint().width() <= label.width() + 1, label.text()
+    _labels_fit(dash)
 
 
 def test_chat_list_elides_long_titles_without_sideways_scroll(small_window, qtbot):
@@ -68,3 +73,16 @@ def test_chat_list_elides_long_titles_without_sideways_scroll(small_window, qtbo
     assert lst.visualItemRect(item).right() <= lst.viewport().width()
     assert lst.textElideMode().name == "ElideRight"
     assert win.size() == SMALL
+    store = ctl.store  # a reply with several versions and a known context use: every label of a turn shows
+    store.add_message(conv.id, "user", "hello")
+    reply = store.add_message(conv.id, "assistant", "one", stats={"prompt_tokens": 90000, "completion_tokens": 31000})
+    store.new_version(reply.id)
+    store.update_message(reply.id, content="two", status="done",
+                         stats={"prompt_tokens": 90000, "completion_tokens": 31000, "tokens_per_s": 12.5, "ttft_s": 0.2})
+    ctl.open(conv.id)
+    win.chat.set_engine_ready(True)
+    win.chat.set_context_size(131072)
+    _settle(qtbot)
+    assert win.chat.context_label.text() == "Context 121,000 / 131,072 tokens"
+    assert win.chat.message_widgets()[-1].version_label.isVisibleTo(win.chat)
+    _labels_fit(win.chat)

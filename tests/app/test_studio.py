@@ -144,7 +144,7 @@ def test_chat_streams_stops_regenerates_and_edits(studio, qtbot):
     n_ctx = win.engine.health["n_ctx"]
     used = first.stats["prompt_tokens"] + first.stats["completion_tokens"]
     assert win.chat.context_bar.maximum() == n_ctx and win.chat.context_bar.value() == used
-    assert win.chat.context_bar.text() == f"context {used:,} / {n_ctx:,} tokens"
+    assert win.chat.context_label.text() == f"Context {used:,} / {n_ctx:,} tokens"
 
     # stop: the partial reply stays, marked stopped, as a second version of the reply
     win.chat.regen_btn.click()

@@ -118,12 +118,12 @@ def test_context_meter(chat):
     chat.c.store.add_message(conv.id, "user", "hi")
     chat.c.store.add_message(conv.id, "assistant", "hello", stats={"prompt_tokens": 1000, "completion_tokens": 24})
     chat.c.open(conv.id)
-    assert chat.context_bar.text() == "context 1,024 tokens"  # no engine: the context length is not known
+    assert chat.context_label.text() == "Context 1,024 tokens"  # no engine: the context length is not known
     chat.set_context_size(4096)
     assert (chat.context_bar.value(), chat.context_bar.maximum()) == (1024, 4096)
-    assert chat.context_bar.text() == "context 1,024 / 4,096 tokens"
+    assert chat.context_label.text() == "Context 1,024 / 4,096 tokens"
     chat.c.new_conversation()
-    assert chat.context_bar.text() == "context 0 / 4,096 tokens"
+    assert chat.context_label.text() == "Context 0 / 4,096 tokens"
 
 
 def test_send_without_engine_says_so(qtbot, tmp_path):
