@@ -42,6 +42,8 @@ MODE_NOTES = {
 }
 HEAT_TITLES = {"gpu": "Expert residency (amber: on the GPU, blue: in RAM; brighter: hotter)",
                "cpu": "Expert heat (brighter: used more by recent tokens)"}
+HOVER_HINTS = {"gpu": "Hover over the map for an expert's layer, slot and recent hits.",
+               "cpu": "Hover over the map for an expert's layer and recent hits."}
 COLORS = {"decode": (80, 160, 255), "prefill": (255, 170, 60), "gpu_hit": (90, 200, 120),
           "uploaded": (240, 190, 60), "cpu": (220, 90, 90), "pcie": (170, 120, 255), "ram": (80, 160, 255),
           "vram": (90, 200, 120), "cpuuse": (220, 90, 90), "bars": (90, 200, 120)}
@@ -145,7 +147,7 @@ class DashboardWidget(QWidget):
         self.image.setLookupTable(residency_lut())
         self.image.setLevels((0, 255))
         self.heat_plot.addItem(self.image)
-        self.hover_label = QLabel("Hover over the map for an expert's layer, slot and recent hits.")
+        self.hover_label = QLabel(HOVER_HINTS["gpu"])
         self.heat_plot.scene().sigMouseMoved.connect(self._hover)
 
         self.bar_plot = _plot("Hit rate per layer", "%", "layer", time_axis=False)
@@ -206,6 +208,7 @@ class DashboardWidget(QWidget):
         self.mode_note.setVisible(bool(MODE_NOTES[mode]))
         if mode in HEAT_TITLES:
             self.heat_plot.setTitle(HEAT_TITLES[mode])
+            self.hover_label.setText(HOVER_HINTS[mode])
             self.apply_palette()
         legend = self.mem_plot.getPlotItem().legend
         legend.removeItem(self.vram_curve)

@@ -42,6 +42,7 @@ def _settle(qtbot) -> None:
 def test_dashboard_titles_fit_at_1024x640(small_window, qtbot, mode, cache, vram):
     win, dash = small_window, small_window.dashboard
     assert win.minimumSizeHint().width() <= SMALL.width() and win.minimumSizeHint().height() <= SMALL.height()
+    assert win.windowTitle() == "MoE Studio"  # no model chosen yet
     win.tabs.setCurrentWidget(dash)
     for t in range(3):
         dash.ingest(_snap(t, t, cache=cache, vram=vram, decode=60.0, prefill=1600.0))

@@ -124,6 +124,7 @@ def test_wizard_to_started_engine(studio, monkeypatch):
 
 def test_chat_streams_stops_regenerates_and_edits(studio, qtbot):
     win, ctl = studio.win, studio.win.chat_ctl
+    assert win.windowTitle() == f"{studio.model.name} \u2014 MoE Studio"  # the preset's model, named
     set_sampling(win, max_tokens=600)  # chosen before the first chat: they become its settings
     win.chat.input.setPlainText("Tell me a story about experts")
     win.chat.submit()
