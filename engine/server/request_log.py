@@ -39,12 +39,15 @@ def attach(generation: Any) -> None:
         record.generation = generation
 
 
-def level_of(status: int) -> int:
+def level_of(status: int | None) -> int:
+    """None: no response was started (the client left first), which is not the server's fault."""
+    if status is None:
+        return logging.INFO
     return logging.ERROR if status >= 500 else logging.WARNING if status >= 400 else logging.INFO
 
 
-def format_request(method: str, path: str, status: int, seconds: float, record: RequestRecord) -> str:
-    parts = [f"request {method} {path} {status}"]
+def format_request(method: str, path: str, status: int | None, seconds: float, record: RequestRecord) -> str:
+    parts = [f"request {method} {path} {status if status is not None else 'no response'}"]
     gen = record.generation
     if gen is not None and gen.done is not None:
         done = gen.done
@@ -68,7 +71,7 @@ class RequestLog:
             return
         record = RequestRecord()
         token = _current.set(record)
-        status = 500  # what the client gets when the app fails before answering
+        status: int | None = None
         started = time.perf_counter()
 
         async def send_noting_status(message: dict[str, Any]) -> None:
@@ -79,6 +82,9 @@ class RequestLog:
 
         try:
             await self.app(scope, receive, send_noting_status)
+        except Exception:
+            status = status or 500  # the ASGI server answers 500 when the app fails before answering
+            raise
         finally:
             _current.reset(token)
             log.log(level_of(status), format_request(scope["method"], scope["path"], status,

@@ -73,7 +73,7 @@ def test_a_stream_the_client_closes_is_logged_with_its_partial_count(server):
                                                  m.group(5)), m.group(0)
 
 
-@pytest.mark.parametrize("status, level", [(200, "INFO"), (404, "WARNING"), (503, "ERROR")])
+@pytest.mark.parametrize("status, level", [(200, "INFO"), (404, "WARNING"), (503, "ERROR"), (None, "INFO")])
 def test_level_follows_status(status, level):
     import logging
     assert logging.getLevelName(level_of(status)) == level
