@@ -228,13 +228,12 @@ class MainWindow(QMainWindow):
                State.CRASHED: "The engine stopped unexpectedly; see the Logs tab.",
                State.STOPPING: "Stopping the engine\u2026"}.get(state, "")
         self.chat.set_engine_ready(ready, msg)
-        if not ready:
-            self.chat.set_context_size(None)
         if ready:
             self.dashboard.engine_changed()
             self.streamer.start(self.tasks, lambda: self.engine.client(timeout=10.0), lambda: self.engine.pid)
         else:
             self.streamer.stop()
+            self.chat.set_context_size(None)
 
     def _progress(self, pct: int, stage: str) -> None:
         self.progress_bar.setValue(pct)

@@ -63,14 +63,13 @@ def chat_markdown(conv: Conversation, history: list[Message]) -> str:
 
 def chat_json(conv: Conversation, history: list[Message], earlier: dict[int, list[Message]]) -> str:
     """The conversation as JSON, with every version of regenerated replies (`earlier`: message id -> others)."""
-    def entry(m: Message) -> dict[str, Any]:
-        return {"role": m.role, "content": m.content, "status": m.status, "stats": m.stats,
-                "created": m.created, "version": m.version}
+    def version(m: Message) -> dict[str, Any]:
+        return {"version": m.version, "content": m.content, "status": m.status, "stats": m.stats}
     messages = []
     for m in history:
-        e = entry(m)
+        e = {"role": m.role, "created": m.created, **version(m)}
         if earlier.get(m.id):
-            e["other_versions"] = [entry(v) for v in earlier[m.id]]
+            e["other_versions"] = [version(v) for v in earlier[m.id]]
         messages.append(e)
     return json.dumps({"format": "moestudio-chat", "version": 1, "title": conv.title,
                        "system_prompt": conv.system_prompt, "settings": conv.settings, "created": conv.created,

@@ -5,12 +5,10 @@ stop strings)."""
 from __future__ import annotations
 
 import re
-
+from pathlib import Path
 
 from PySide6.QtCore import QSize, Qt, QTimer, Signal
 from PySide6.QtGui import QGuiApplication, QKeyEvent, QTextDocument
-from pathlib import Path
-
 from PySide6.QtWidgets import (QAbstractItemView, QDoubleSpinBox, QFileDialog, QFormLayout, QFrame, QHBoxLayout,
                                QInputDialog, QLabel, QLineEdit, QListWidget, QListWidgetItem, QMessageBox,
                                QPlainTextEdit, QProgressBar, QPushButton, QScrollArea, QSpinBox, QSplitter,
@@ -68,7 +66,8 @@ class MessageWidget(QFrame):
         self.code_btn = QToolButton(text="Copy code", toolTip="Copy the last code block of this message")
         self.edit_btn = QToolButton(text="Edit", toolTip="Edit this message and send it again "
                                     "(the replies after it are replaced)")
-        self.regen_btn = QToolButton(text="Regenerate", toolTip="Replace this reply with a new one")
+        self.regen_btn = QToolButton(text="Regenerate", toolTip="Write a new version of this reply (the earlier ones "
+                                     "stay, browsable with \u2039 \u203a)")
         self.prev_btn = QToolButton(text="\u2039", toolTip="The previous version of this reply")
         self.version_label = QLabel()
         self.next_btn = QToolButton(text="\u203a", toolTip="The next version of this reply")
@@ -225,7 +224,8 @@ class ChatWidget(QWidget):
         buttons.addWidget(self.stop_btn)
         buttons.addWidget(self.send_btn)
         # the context meter, above the messages: how full this chat's context is
-        self.context_label = QLabel()
+        self.context_label = QLabel(toolTip="Tokens the last turn of this chat occupied (prompt and reply) out of "
+                                    "the engine's context length; the next message must fit in what is left.")
         self.context_bar = QProgressBar(textVisible=False)
         self.context_bar.setObjectName("contextMeter")
         self.context_bar.setFixedSize(120, 8)
@@ -442,8 +442,6 @@ class ChatWidget(QWidget):
             bar.setValue(0)
             self.context_label.setText(f"Context {used:,} tokens" if used is not None else "Context: no engine")
         bar.setVisible(bool(size))
-        self.context_label.setToolTip("Tokens the last turn of this chat occupied (prompt and reply) out of the engine's context "
-                       "length; the next message must fit in what is left.")
 
     def _export(self) -> None:
         conv_id = self._selected_id()
