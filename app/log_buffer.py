@@ -8,6 +8,8 @@ from dataclasses import dataclass
 
 LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 _LEVEL = re.compile(r"\b(DEBUG|INFO|WARNING|WARN|ERROR|CRITICAL|Traceback)\b")
+# The engine prints a refused setting or file as one "moestudio: error: ..." line (engine/cli.py).
+_USER_ERROR = re.compile(r"^moestudio(?: \w+)?: error: ")
 
 
 @dataclass(frozen=True)
@@ -18,6 +20,8 @@ class LogLine:
 
     @property
     def level(self) -> str:
+        if _USER_ERROR.match(self.text):
+            return "ERROR"
         m = _LEVEL.search(self.text)
         if not m:
             return "INFO"

@@ -65,7 +65,6 @@ class MainWindow(QMainWindow):
         self.crash_dialog: CrashDialog | None = None
         self._closing = False
 
-        self.setWindowTitle("MoE Studio")
         if ICON_SVG.is_file():
             self.setWindowIcon(QIcon(str(ICON_SVG)))
         self.resize(1280, 820)
@@ -116,7 +115,9 @@ class MainWindow(QMainWindow):
             return None
 
     def _load_preset_into_panel(self) -> None:
-        self.settings_panel.set_config(self.current_config(), self.settings.current_preset)
+        cfg = self.current_config()
+        self.settings_panel.set_config(cfg, self.settings.current_preset)
+        self.setWindowTitle(f"{Path(cfg.model).name} \u2014 MoE Studio" if cfg and cfg.model else "MoE Studio")
 
     def _save_preset(self, name: str, cfg: Config) -> None:
         write_preset(self.paths.presets, name, cfg)
@@ -232,6 +233,7 @@ class MainWindow(QMainWindow):
             self.streamer.start(self.tasks, lambda: self.engine.client(timeout=10.0), lambda: self.engine.pid)
         else:
             self.streamer.stop()
+            self.chat.set_context_size(None)
 
     def _progress(self, pct: int, stage: str) -> None:
         self.progress_bar.setValue(pct)
@@ -240,6 +242,7 @@ class MainWindow(QMainWindow):
             self.chat.set_engine_ready(False, f"Loading the model: {stage} ({pct}%)")
 
     def _ready(self, health: dict) -> None:
+        self.chat.set_context_size(health.get("n_ctx"))
         self.statusBar().showMessage(f"{health.get('engine', '?')} engine: {health.get('engine_reason', '')}", 10000)
 
     def _crashed(self, crash: Crash, will_restart: bool) -> None:

@@ -5,6 +5,10 @@ grows (the chat controller checkpoints it every 100 ms), with status "streaming"
 ends. A database opened after a crash turns leftover "streaming" rows into "interrupted":
 the text that was shown is there, and the chat says the reply was cut off.
 
+Regenerating a reply keeps the earlier versions (reply_versions): the message row holds the
+version shown, numbered `version`; the others wait in reply_versions under their numbers, and
+showing one swaps it with the message row.
+
 Deleting a conversation deletes its rows (foreign keys cascade) with `secure_delete` on, so the
 text is overwritten in the file rather than left in free pages.
 """
@@ -17,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 STATUSES = ("done", "streaming", "stopped", "interrupted", "error")
 
 _SCHEMA_V1 = """
@@ -42,8 +46,20 @@ CREATE TABLE messages(
 );
 CREATE INDEX messages_by_conversation ON messages(conversation_id, id);
 """
+_SCHEMA_V2 = """
+ALTER TABLE messages ADD COLUMN version INTEGER NOT NULL DEFAULT 1;  -- the number of the version shown
+CREATE TABLE reply_versions(  -- the versions of a regenerated reply that are not shown
+    message_id INTEGER NOT NULL REFERENCES messages(id) ON DELETE CASCADE,
+    version INTEGER NOT NULL,
+    content TEXT NOT NULL,
+    status TEXT NOT NULL,
+    stats TEXT,
+    PRIMARY KEY (message_id, version)
+);
+"""
 # version -> SQL that brings the previous version up to it
-MIGRATIONS: dict[int, str] = {1: _SCHEMA_V1}
+MIGRATIONS: dict[int, str] = {1: _SCHEMA_V1, 2: _SCHEMA_V2}
+_MESSAGE_COLUMNS = "m.*, 1 + (SELECT COUNT(*) FROM reply_versions v WHERE v.message_id = m.id) AS versions"
 
 
 @dataclass
@@ -65,6 +81,8 @@ class Message:
     status: str = "done"
     stats: dict[str, Any] | None = None
     created: float = 0.0
+    version: int = 1  # which version of a regenerated reply this is
+    versions: int = 1  # how many versions the reply has
 
 
 class SchemaTooNew(Exception):
@@ -166,11 +184,12 @@ class ChatStore:
 
     # ---- messages ------------------------------------------------------------------------
     def messages(self, conv_id: int) -> list[Message]:
-        rows = self.db.execute("SELECT * FROM messages WHERE conversation_id=? ORDER BY id", (conv_id,)).fetchall()
+        rows = self.db.execute(f"SELECT {_MESSAGE_COLUMNS} FROM messages m WHERE m.conversation_id=? ORDER BY m.id",
+                               (conv_id,)).fetchall()
         return [_message(r) for r in rows]
 
     def message(self, msg_id: int) -> Message | None:
-        row = self.db.execute("SELECT * FROM messages WHERE id=?", (msg_id,)).fetchone()
+        row = self.db.execute(f"SELECT {_MESSAGE_COLUMNS} FROM messages m WHERE m.id=?", (msg_id,)).fetchone()
         return _message(row) if row else None
 
     def add_message(self, conv_id: int, role: str, content: str, status: str = "done",
@@ -196,6 +215,45 @@ class ChatStore:
         if stats is not None:
             sets.append("stats=?"); args.append(json.dumps(stats))
         self.db.execute(f"UPDATE messages SET {', '.join(sets)} WHERE id=?", (*args, msg_id))
+
+    def new_version(self, msg_id: int) -> Message:
+        """Keeps the reply shown as an earlier version and empties the row for a new one (regenerate)."""
+        msg = self.message(msg_id)
+        with self._tx():
+            self._archive(msg)
+            self.db.execute("UPDATE messages SET content='', status='streaming', stats=NULL, version=?, updated=? "
+                            "WHERE id=?", (msg.versions + 1, time.time(), msg_id))
+            self._touch(msg.conversation_id)
+        return self.message(msg_id)
+
+    def show_version(self, msg_id: int, version: int) -> Message:
+        """Shows another version of a reply (it becomes the one later turns continue from)."""
+        msg = self.message(msg_id)
+        if version == msg.version:
+            return msg
+        row = self.db.execute("SELECT * FROM reply_versions WHERE message_id=? AND version=?",
+                              (msg_id, version)).fetchone()
+        if row is None:
+            raise KeyError(f"message {msg_id} has no version {version}")
+        with self._tx():
+            self._archive(msg)
+            self.db.execute("DELETE FROM reply_versions WHERE message_id=? AND version=?", (msg_id, version))
+            self.db.execute("UPDATE messages SET content=?, status=?, stats=?, version=?, updated=? WHERE id=?",
+                            (row["content"], row["status"], row["stats"], version, time.time(), msg_id))
+        return self.message(msg_id)
+
+    def other_versions(self, msg_id: int) -> list[Message]:
+        """The versions of a reply that are not shown, oldest first (as Messages with their numbers)."""
+        msg = self.message(msg_id)
+        rows = self.db.execute("SELECT * FROM reply_versions WHERE message_id=? ORDER BY version", (msg_id,))
+        return [Message(msg.id, msg.conversation_id, msg.role, r["content"], r["status"],
+                        json.loads(r["stats"]) if r["stats"] else None, msg.created, r["version"], msg.versions)
+                for r in rows]
+
+    def _archive(self, msg: Message) -> None:
+        self.db.execute("INSERT INTO reply_versions(message_id, version, content, status, stats) VALUES (?,?,?,?,?)",
+                        (msg.id, msg.version, msg.content, msg.status,
+                         json.dumps(msg.stats) if msg.stats is not None else None))
 
     def delete_messages_from(self, conv_id: int, msg_id: int) -> None:
         """Deletes this message and every later one of the conversation (regenerate, edit)."""
@@ -231,4 +289,4 @@ def _conversation(r: sqlite3.Row) -> Conversation:
 
 def _message(r: sqlite3.Row) -> Message:
     return Message(r["id"], r["conversation_id"], r["role"], r["content"], r["status"],
-                   json.loads(r["stats"]) if r["stats"] else None, r["created"])
+                   json.loads(r["stats"]) if r["stats"] else None, r["created"], r["version"], r["versions"])

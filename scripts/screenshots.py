@@ -1,11 +1,13 @@
-"""Renders the README's screenshots: the setup wizard, a chat and the dashboard after a short
-real generation on the demo model. Usage (from the repository root):
+"""Renders the README's screenshots: the setup wizard, then the chat, dashboard, logs and settings
+tabs at 1280x800 and at 1024x640 (the small size the layout must fit without clipping) after a
+short real generation on the demo model. Usage (from the repository root):
 
     xvfb-run -a -s "-screen 0 1400x900x24" .venv/bin/python scripts/screenshots.py
     QT_QPA_PLATFORM=offscreen .venv/bin/python scripts/screenshots.py   # also works
 
 It uses a throwaway data folder (your chats and presets are not touched) and the demo model
-in the user cache (written on first use, ~20 s). Images go to docs/screenshots/.
+in the user cache (written on first use, ~20 s). Images go to docs/screenshots/: NAME.png at
+1280x800 and NAME-1024x640.png.
 """
 from __future__ import annotations
 
@@ -39,6 +41,25 @@ def settle(app, seconds: float = 0.4) -> None:
         time.sleep(0.01)
 
 
+SIZES = ((1280, 800), (1024, 640))
+
+
+def grab_tabs(qapp, win, out: Path, size: tuple[int, int], suffix: str) -> None:
+    win.resize(*size)
+    settle(qapp)
+    if (win.width(), win.height()) != size:
+        raise SystemExit(f"screenshots: the window is {win.width()}x{win.height()}, not {size[0]}x{size[1]}: "
+                         "something's minimum size is too large")
+    for name, tab in (("chat", win.chat), ("dashboard", win.dashboard), ("logs", win.logs),
+                      ("settings", win.settings_panel)):
+        win.tabs.setCurrentWidget(tab)
+        settle(qapp, 0.5)
+        if tab is win.dashboard:
+            win.dashboard.redraw()
+            settle(qapp, 0.3)
+        win.grab().save(str(out / f"{name}{suffix}.png"))
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", type=Path, default=ROOT / "docs" / "screenshots")
@@ -53,7 +74,7 @@ def main() -> int:
 
     paths = AppPaths.under(Path(tempfile.mkdtemp(prefix="moestudio-shots-"))).ensure()
     win = MainWindow(paths)
-    win.resize(1320, 860)
+    win.resize(*SIZES[0])
     win.show()
     wait_until(qapp, lambda: win.wizard is not None, 10, "the wizard")
     wiz = win.wizard
@@ -91,22 +112,21 @@ def main() -> int:
     chat.input.setPlainText("And how does the expert cache decide what stays on the GPU?")
     chat.submit()
     wait_until(qapp, lambda: not win.chat_ctl.busy, 180, "the second reply")
-    settle(qapp, 1.0)
-    win.grab().save(str(args.out / "chat.png"))
+    chat.regen_btn.click()  # a second version of the last reply: the ‹ 2/2 › browser shows
+    wait_until(qapp, lambda: not win.chat_ctl.busy, 180, "the regenerated reply")
 
-    win.tabs.setCurrentWidget(win.dashboard)
+    win.tabs.setCurrentWidget(win.dashboard)  # the dashboard watches a longer reply as it streams
     chat.max_tokens.setValue(400)
+    win.chat_ctl.new_conversation()
+    win.chat_ctl.rename(win.chat_ctl.current.id, "A long story about routers, experts and the caches that keep "
+                        "them close, told slowly")
     chat.input.setPlainText("Write a long story about routers and experts.")
     chat.submit()
     wait_until(qapp, lambda: not win.chat_ctl.busy, 240, "the long reply")
     settle(qapp, 2.5)
-    win.dashboard.redraw()
-    settle(qapp, 0.3)
-    win.grab().save(str(args.out / "dashboard.png"))
-
-    win.tabs.setCurrentWidget(win.settings_panel)
-    settle(qapp)
-    win.grab().save(str(args.out / "settings.png"))
+    win.chat_ctl.open(win.chat_ctl.conversations()[1].id)  # back to the first chat for the chat pictures
+    for size, suffix in zip(SIZES, ("", "-1024x640")):
+        grab_tabs(qapp, win, args.out, size, suffix)
     win.close()
     print(f"screenshots written to {args.out}")
     return 0

@@ -7,17 +7,20 @@ from __future__ import annotations
 import json
 import logging
 import threading
+from pathlib import Path
 from typing import Any, Callable
 
 from PySide6.QtCore import QObject, QTimer, Signal
 
 from app.api_client import ApiClient, ApiError, Cancelled, abort_connection
-from app.chat.session import DEFAULT_SETTINGS, ReplyMeter, build_payload, title_from
+from app.chat.session import DEFAULT_SETTINGS, ReplyMeter, build_payload, chat_json, chat_markdown, title_from
 from app.logs import APP_LOG
 from app.store import ChatStore, Conversation, Message
 from app.tasks import TaskManager
+from engine.errors import UserError
 
 log = logging.getLogger(APP_LOG)
+NOT_RUNNING = "The engine is not running: start it from the Engine menu."
 
 
 class ReplyStream(QObject):
@@ -182,6 +185,24 @@ class ChatController(QObject):
             self.store.update_conversation(self.current.id, settings=merged)
             self.current.settings = merged
 
+    def export(self, conv_id: int, path: Path) -> None:
+        """Writes a conversation to `path` as Markdown (.md) or JSON (.json, with every reply version)."""
+        conv = self.store.conversation(conv_id)
+        if conv is None:
+            raise UserError(f"there is no chat {conv_id} to export")
+        history = self.store.messages(conv_id)
+        suffix = path.suffix.lower()
+        if suffix in (".md", ".markdown"):
+            text = chat_markdown(conv, history)
+        elif suffix == ".json":
+            text = chat_json(conv, history, {m.id: self.store.other_versions(m.id) for m in history if m.versions > 1})
+        else:
+            raise UserError(f"cannot export to {path.name}: choose a file name ending in .md (Markdown) or .json")
+        try:
+            path.write_text(text, encoding="utf-8")
+        except OSError as e:
+            raise UserError(f"cannot write {path}: {e.strerror}") from None
+
     # ---- turns ----------------------------------------------------------------------------
     def send(self, text: str) -> bool:
         text = text.strip()
@@ -199,17 +220,29 @@ class ChatController(QObject):
         return self._reply_to(conv)
 
     def regenerate(self) -> bool:
-        """Replaces the last reply with a new one (to the same history)."""
+        """A new version of the last reply (to the same history); the earlier ones stay, see show_version."""
         if self.busy or self.current is None:
             return False
         msgs = self.store.messages(self.current.id)
         last_user = max((i for i, m in enumerate(msgs) if m.role == "user"), default=None)
         if last_user is None:
             return False
-        if last_user + 1 < len(msgs):
-            self.store.delete_messages_from(self.current.id, msgs[last_user + 1].id)
+        if self.client_factory() is None:
+            self.error.emit(NOT_RUNNING)
+            return False
+        later = msgs[last_user + 1:]
+        reply = self.store.new_version(later[0].id) if later and later[0].role == "assistant" else None
+        if reply is not None and len(later) > 1:
+            self.store.delete_messages_from(self.current.id, later[1].id)
         self.conversationOpened.emit(self.current.id)
-        return self._reply_to(self.current)
+        return self._reply_to(self.current, reply)
+
+    def show_version(self, msg_id: int, version: int) -> None:
+        """Shows another version of a regenerated reply; the next turn continues from it."""
+        if self.busy:
+            return
+        msg = self.store.show_version(msg_id, version)
+        self.messageChanged.emit(msg)
 
     def edit_and_resend(self, msg_id: int, text: str) -> bool:
         """Replaces a user message's text, drops everything after it, and asks again."""
@@ -230,14 +263,15 @@ class ChatController(QObject):
         if self._stream is not None:
             self._stream.stop()
 
-    def _reply_to(self, conv: Conversation) -> bool:
+    def _reply_to(self, conv: Conversation, reply: Message | None = None) -> bool:
+        """Streams a reply into `reply` (a new version of it) or into a new message after the history."""
         client = self.client_factory()
         if client is None:
-            self.error.emit("The engine is not running: start it from the Engine menu.")
+            self.error.emit(NOT_RUNNING)
             return False
-        history = self.store.messages(conv.id)
+        history = [m for m in self.store.messages(conv.id) if reply is None or m.id < reply.id]
         payload = build_payload(conv.system_prompt, history, conv.settings)
-        self._reply = self.store.add_message(conv.id, "assistant", "", status="streaming")
+        self._reply = reply or self.store.add_message(conv.id, "assistant", "", status="streaming")
         self._meter = ReplyMeter()
         self._stream = ReplyStream(self)
         self._stream.chunk.connect(self._on_chunk)

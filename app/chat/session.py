@@ -6,21 +6,74 @@ time to first token and the decode rate.
 """
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from app.store import Message
+from app.store import Conversation, Message
+from engine.server.parse import MAX_STOPS
 
-DEFAULT_SETTINGS: dict[str, Any] = {"temperature": 0.7, "top_p": 0.95, "max_tokens": 512, "seed": -1}
+# top_k 0, min_p 0 and repeat_penalty 1 are "off" (the server's llama.cpp-style extensions).
+DEFAULT_SETTINGS: dict[str, Any] = {"temperature": 0.7, "top_p": 0.95, "top_k": 0, "min_p": 0.0,
+                                    "repeat_penalty": 1.0, "max_tokens": 512, "seed": -1, "stop": []}
 
 
 def sampling(settings: dict[str, Any]) -> dict[str, Any]:
     s = {**DEFAULT_SETTINGS, **(settings or {})}
-    out = {"temperature": float(s["temperature"]), "top_p": float(s["top_p"]), "max_tokens": int(s["max_tokens"])}
+    out = {"temperature": float(s["temperature"]), "top_p": float(s["top_p"]), "top_k": int(s["top_k"]),
+           "min_p": float(s["min_p"]), "repeat_penalty": float(s["repeat_penalty"]), "max_tokens": int(s["max_tokens"])}
     if s.get("seed") is not None and int(s["seed"]) >= 0:
         out["seed"] = int(s["seed"])
+    if s["stop"]:
+        out["stop"] = list(s["stop"])
     return out
+
+
+def parse_stops(text: str) -> list[str]:
+    """Stop strings typed one per line, with \\n and \\t for a newline and a tab."""
+    stops = [line.replace("\\n", "\n").replace("\\t", "\t") for line in text.split("\n") if line]
+    if len(stops) > MAX_STOPS:
+        raise ValueError(f"at most {MAX_STOPS} stop strings (got {len(stops)})")
+    return stops
+
+
+def format_stops(stops: list[str]) -> str:
+    return "\n".join(s.replace("\n", "\\n").replace("\t", "\\t") for s in stops)
+
+
+def context_used(history: list[Message]) -> int | None:
+    """Tokens the conversation's last finished turn occupied (its prompt and reply), or None if unknown."""
+    for m in reversed(history):
+        stats = m.stats or {}
+        if m.role == "assistant" and "prompt_tokens" in stats:
+            return int(stats["prompt_tokens"]) + int(stats.get("completion_tokens", 0))
+    return None
+
+
+def chat_markdown(conv: Conversation, history: list[Message]) -> str:
+    """The conversation as Markdown: title, system prompt, then each turn (the versions shown)."""
+    out = [f"# {conv.title}", ""]
+    if conv.system_prompt.strip():
+        out += ["**System prompt:**", "", conv.system_prompt.strip(), ""]
+    for m in history:
+        out += [f"## {'You' if m.role == 'user' else 'Assistant'}", "", m.content or "*(no text)*", ""]
+    return "\n".join(out)
+
+
+def chat_json(conv: Conversation, history: list[Message], earlier: dict[int, list[Message]]) -> str:
+    """The conversation as JSON, with every version of regenerated replies (`earlier`: message id -> others)."""
+    def version(m: Message) -> dict[str, Any]:
+        return {"version": m.version, "content": m.content, "status": m.status, "stats": m.stats}
+    messages = []
+    for m in history:
+        e = {"role": m.role, "created": m.created, **version(m)}
+        if earlier.get(m.id):
+            e["other_versions"] = [version(v) for v in earlier[m.id]]
+        messages.append(e)
+    return json.dumps({"format": "moestudio-chat", "version": 1, "title": conv.title,
+                       "system_prompt": conv.system_prompt, "settings": conv.settings, "created": conv.created,
+                       "messages": messages}, ensure_ascii=False, indent=2) + "\n"
 
 
 def build_payload(system_prompt: str, history: list[Message], settings: dict[str, Any]) -> dict[str, Any]:

@@ -1,21 +1,24 @@
-"""The chat tab: conversation list with search, messages rendered as Markdown, the input box,
-and the per-conversation settings (system prompt, sampling)."""
+"""The chat tab: conversation list with search, messages rendered as Markdown (regenerated
+replies keep their earlier versions, browsable with ‹ ›), the input box with the context
+meter, export (Markdown, JSON), and the per-conversation settings (system prompt, sampling,
+stop strings)."""
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
-
-from PySide6.QtCore import Qt, QTimer, Signal
+from PySide6.QtCore import QSize, Qt, QTimer, Signal
 from PySide6.QtGui import QGuiApplication, QKeyEvent, QTextDocument
-from PySide6.QtWidgets import (QAbstractItemView, QDoubleSpinBox, QFormLayout, QFrame, QHBoxLayout,
+from PySide6.QtWidgets import (QAbstractItemView, QDoubleSpinBox, QFileDialog, QFormLayout, QFrame, QHBoxLayout,
                                QInputDialog, QLabel, QLineEdit, QListWidget, QListWidgetItem, QMessageBox,
-                               QPlainTextEdit, QPushButton, QScrollArea, QSpinBox, QSplitter,
-                               QToolButton, QVBoxLayout, QWidget)
+                               QPlainTextEdit, QProgressBar, QPushButton, QScrollArea, QSpinBox, QSplitter,
+                               QStyledItemDelegate, QToolButton, QVBoxLayout, QWidget)
 
 from app.chat.controller import ChatController
 from app.chat.markdown import code_blocks, display_markdown
-from app.chat.session import DEFAULT_SETTINGS, format_stats
+from app.chat.session import DEFAULT_SETTINGS, context_used, format_stats, format_stops, parse_stops
 from app.store import Message
+from engine.errors import UserError
 
 STATUS_NOTE = {
     "streaming": "writing\u2026",
@@ -43,6 +46,7 @@ class MessageWidget(QFrame):
     copyRequested = Signal(str)
     editRequested = Signal(int)
     regenerateRequested = Signal()
+    versionRequested = Signal(int, int)  # message id, version number
 
     def __init__(self, msg: Message, parent: QWidget | None = None):
         super().__init__(parent)
@@ -62,10 +66,18 @@ class MessageWidget(QFrame):
         self.code_btn = QToolButton(text="Copy code", toolTip="Copy the last code block of this message")
         self.edit_btn = QToolButton(text="Edit", toolTip="Edit this message and send it again "
                                     "(the replies after it are replaced)")
-        self.regen_btn = QToolButton(text="Regenerate", toolTip="Replace this reply with a new one")
-        for b in (self.copy_btn, self.code_btn, self.edit_btn, self.regen_btn):
-            b.setAutoRaise(True)
+        self.regen_btn = QToolButton(text="Regenerate", toolTip="Write a new version of this reply (the earlier ones "
+                                     "stay, browsable with \u2039 \u203a)")
+        self.prev_btn = QToolButton(text="\u2039", toolTip="The previous version of this reply")
+        self.version_label = QLabel()
+        self.next_btn = QToolButton(text="\u203a", toolTip="The next version of this reply")
+        for b in (self.prev_btn, self.version_label, self.next_btn, self.copy_btn, self.code_btn, self.edit_btn,
+                  self.regen_btn):
+            if isinstance(b, QToolButton):
+                b.setAutoRaise(True)
             head.addWidget(b)
+        self.prev_btn.clicked.connect(lambda: self.versionRequested.emit(self.msg.id, self.msg.version - 1))
+        self.next_btn.clicked.connect(lambda: self.versionRequested.emit(self.msg.id, self.msg.version + 1))
         self.copy_btn.clicked.connect(lambda: self.copyRequested.emit(self.msg.content))
         self.code_btn.clicked.connect(self._copy_code)
         self.edit_btn.clicked.connect(lambda: self.editRequested.emit(self.msg.id))
@@ -82,6 +94,7 @@ class MessageWidget(QFrame):
         lay.addWidget(self.stats_label)
         self.edit_btn.setVisible(msg.role == "user")
         self.regen_btn.setVisible(False)
+        self._versions_enabled = True  # off while a reply streams
         self.update_from(msg)
 
     def _copy_code(self) -> None:
@@ -100,11 +113,29 @@ class MessageWidget(QFrame):
         self.stats_label.setVisible(bool(self.stats_label.text()))
         self.code_btn.setVisible(bool(code_blocks(msg.content)))
         self.copy_btn.setEnabled(bool(msg.content))
+        for w in (self.prev_btn, self.version_label, self.next_btn):
+            w.setVisible(msg.versions > 1)
+        self.version_label.setText(f"{msg.version}/{msg.versions}")
+        self._enable_versions()
+
+    def _enable_versions(self) -> None:
+        self.prev_btn.setEnabled(self._versions_enabled and self.msg.version > 1)
+        self.next_btn.setEnabled(self._versions_enabled and self.msg.version < self.msg.versions)
 
     def set_actions_enabled(self, enabled: bool, last_reply: bool) -> None:
         self.edit_btn.setEnabled(enabled)
         self.regen_btn.setVisible(self.msg.role == "assistant" and last_reply)
         self.regen_btn.setEnabled(enabled)
+        self._versions_enabled = enabled
+        self._enable_versions()
+
+
+class _FitWidthDelegate(QStyledItemDelegate):
+    """List rows as wide as the list, never wider: a long title is drawn elided instead of
+    widening its row (which is what makes a list scroll sideways)."""
+
+    def sizeHint(self, option, index) -> QSize:
+        return QSize(0, super().sizeHint(option, index).height())
 
 
 class _InputBox(QPlainTextEdit):
@@ -133,12 +164,20 @@ class ChatWidget(QWidget):
         self.search = QLineEdit(placeholderText="Search chats\u2026", clearButtonEnabled=True)
         self.conv_list = QListWidget()
         self.conv_list.setSelectionMode(QAbstractItemView.SingleSelection)
+        # Long titles end in "…" (the whole title is the tooltip); the list never scrolls sideways.
+        self.conv_list.setHorizontalScrollBarPolicy(Qt.ScrollBarAlwaysOff)
+        self.conv_list.setItemDelegate(_FitWidthDelegate(self.conv_list))
+        self.conv_list.setTextElideMode(Qt.ElideRight)
+        self.conv_list.setWordWrap(False)
+        self.conv_list.setUniformItemSizes(True)
         row = QHBoxLayout()
-        self.new_btn = QPushButton("New")
-        self.rename_btn = QPushButton("Rename")
-        self.delete_btn = QPushButton("Delete")
-        for b in (self.new_btn, self.rename_btn, self.delete_btn):
+        self.new_btn = QToolButton(text="New")
+        self.rename_btn = QToolButton(text="Rename")
+        self.delete_btn = QToolButton(text="Delete")
+        self.export_btn = QToolButton(text="Export\u2026", toolTip="Save this chat as Markdown (.md) or JSON (.json)")
+        for b in (self.new_btn, self.rename_btn, self.delete_btn, self.export_btn):
             row.addWidget(b)
+        row.addStretch(1)
         ll.addWidget(self.search)
         ll.addWidget(self.conv_list, 1)
         ll.addLayout(row)
@@ -184,6 +223,18 @@ class ChatWidget(QWidget):
         buttons.addWidget(self.regen_btn)
         buttons.addWidget(self.stop_btn)
         buttons.addWidget(self.send_btn)
+        # the context meter, above the messages: how full this chat's context is
+        self.context_label = QLabel(toolTip="Tokens the last turn of this chat occupied (prompt and reply) out of "
+                                    "the engine's context length; the next message must fit in what is left.")
+        self.context_bar = QProgressBar(textVisible=False)
+        self.context_bar.setObjectName("contextMeter")
+        self.context_bar.setFixedSize(120, 8)
+        self._context_size: int | None = None
+        meter = QHBoxLayout()
+        meter.addStretch(1)
+        meter.addWidget(self.context_label)
+        meter.addWidget(self.context_bar)
+        cl.addLayout(meter)
         cl.addWidget(self.banner)
         cl.addWidget(self.scroll, 1)
         cl.addLayout(eb)
@@ -197,13 +248,29 @@ class ChatWidget(QWidget):
         self.system_prompt.setPlaceholderText("System prompt (optional)")
         self.temperature = QDoubleSpinBox(minimum=0.0, maximum=2.0, singleStep=0.05, decimals=2)
         self.top_p = QDoubleSpinBox(minimum=0.0, maximum=1.0, singleStep=0.05, decimals=2)
+        self.top_k = QSpinBox(minimum=0, maximum=1000, singleStep=5, specialValueText="off")
+        self.min_p = QDoubleSpinBox(minimum=0.0, maximum=1.0, singleStep=0.01, decimals=2, specialValueText="off")
+        self.repeat_penalty = QDoubleSpinBox(minimum=0.5, maximum=2.0, singleStep=0.05, decimals=2,
+                                             toolTip="1.00 = off; above 1 makes repeating recent tokens less likely")
+        self.stops = QPlainTextEdit()
+        self.stops.setPlaceholderText("One per line; \\n for a newline")
+        self.stops.setMaximumHeight(70)
+        self.settings_error = QLabel()
+        self.settings_error.setObjectName("settingsError")
+        self.settings_error.setWordWrap(True)
+        self.settings_error.setVisible(False)
         self.max_tokens = QSpinBox(minimum=1, maximum=131072, singleStep=64)
         self.seed = QSpinBox(minimum=-1, maximum=2**31 - 1, specialValueText="random")
         form.addRow("System prompt", self.system_prompt)
         form.addRow("Temperature", self.temperature)
         form.addRow("Top-p", self.top_p)
+        form.addRow("Top-k", self.top_k)
+        form.addRow("Min-p", self.min_p)
+        form.addRow("Repeat penalty", self.repeat_penalty)
+        form.addRow("Stop strings", self.stops)
         form.addRow("Max tokens", self.max_tokens)
         form.addRow("Seed", self.seed)
+        form.addRow(self.settings_error)
         self.settings_panel.setVisible(False)
         self.settings_panel.setMinimumWidth(240)
 
@@ -234,8 +301,11 @@ class ChatWidget(QWidget):
         self.regen_btn.clicked.connect(self.c.regenerate)
         self.cancel_edit_btn.clicked.connect(self._cancel_edit)
         self.settings_btn.toggled.connect(self.settings_panel.setVisible)
+        self.export_btn.clicked.connect(self._export)
         self.system_prompt.textChanged.connect(self._settings_edited)
-        for w in (self.temperature, self.top_p, self.max_tokens, self.seed):
+        self.stops.textChanged.connect(self._settings_edited)
+        for w in (self.temperature, self.top_p, self.top_k, self.min_p, self.repeat_penalty, self.max_tokens,
+                  self.seed):
             w.valueChanged.connect(self._settings_edited)
         self.c.conversationsChanged.connect(self.refresh_conversations)
         self.c.conversationOpened.connect(self._rebuild)
@@ -267,6 +337,7 @@ class ChatWidget(QWidget):
         for conv in self.c.conversations(self.search.text()):
             item = QListWidgetItem(conv.title)
             item.setData(Qt.UserRole, conv.id)
+            item.setToolTip(conv.title)
             self.conv_list.addItem(item)
             if conv.id == current:
                 self.conv_list.setCurrentItem(item)
@@ -318,6 +389,7 @@ class ChatWidget(QWidget):
         self._load_settings()
         self.refresh_conversations()
         self._update_buttons()
+        self._update_context()
         QTimer.singleShot(0, self._scroll_to_bottom)
 
     def _add_message(self, msg: Message, scroll: bool = True) -> None:
@@ -327,6 +399,7 @@ class ChatWidget(QWidget):
         w.copyRequested.connect(self._copy)
         w.editRequested.connect(self._start_edit)
         w.regenerateRequested.connect(self.c.regenerate)
+        w.versionRequested.connect(self.c.show_version)
         self.msg_layout.insertWidget(self.msg_layout.count() - 1, w)
         self._widgets[msg.id] = w
         self._update_buttons()
@@ -341,12 +414,49 @@ class ChatWidget(QWidget):
         at_bottom = bar.value() >= bar.maximum() - 30
         w.update_from(msg)
         self._update_buttons()
+        if msg.status != "streaming":
+            self._update_context()
         if at_bottom:
             QTimer.singleShot(0, self._scroll_to_bottom)
 
     def _scroll_to_bottom(self) -> None:
         bar = self.scroll.verticalScrollBar()
         bar.setValue(bar.maximum())
+
+    # ---- context meter, export ------------------------------------------------------------------
+    def set_context_size(self, n_ctx: int | None) -> None:
+        """The context length the engine runs with (None while no engine is ready)."""
+        self._context_size = n_ctx
+        self._update_context()
+
+    def _update_context(self) -> None:
+        used = context_used([w.msg for w in self.message_widgets()])
+        size = self._context_size
+        bar = self.context_bar
+        if size:
+            bar.setRange(0, size)
+            bar.setValue(min(used or 0, size))
+            self.context_label.setText(f"Context {used or 0:,} / {size:,} tokens")
+        else:
+            bar.setRange(0, 1)
+            bar.setValue(0)
+            self.context_label.setText(f"Context {used:,} tokens" if used is not None else "Context: no engine")
+        bar.setVisible(bool(size))
+
+    def _export(self) -> None:
+        conv_id = self._selected_id()
+        conv = self.c.store.conversation(conv_id) if conv_id is not None else None
+        if conv is None:
+            return
+        name = "".join(ch if ch.isalnum() or ch in " -_" else "_" for ch in conv.title).strip() or "chat"
+        path, _ = QFileDialog.getSaveFileName(self, "Export chat", str(Path.home() / f"{name}.md"),
+                                              "Markdown (*.md);;JSON with every reply version (*.json)")
+        if not path:
+            return
+        try:
+            self.c.export(conv_id, Path(path))
+        except UserError as e:
+            self.show_banner(str(e))
 
     def _copy(self, text: str) -> None:
         QGuiApplication.clipboard().setText(text)
@@ -394,6 +504,7 @@ class ChatWidget(QWidget):
         self.regen_btn.setEnabled(not busy and self._engine_ready and has_user)
         self.rename_btn.setEnabled(has_conv)
         self.delete_btn.setEnabled(has_conv)
+        self.export_btn.setEnabled(has_conv)
         last_assistant = next((w for w in reversed(msgs) if w.msg.role == "assistant"), None)
         for w in msgs:
             w.set_actions_enabled(not busy and self._engine_ready, w is last_assistant)
@@ -407,6 +518,11 @@ class ChatWidget(QWidget):
         self.system_prompt.setPlainText(conv.system_prompt if conv else self.c.default_system_prompt)
         self.temperature.setValue(float(s["temperature"]))
         self.top_p.setValue(float(s["top_p"]))
+        self.top_k.setValue(int(s["top_k"]))
+        self.min_p.setValue(float(s["min_p"]))
+        self.repeat_penalty.setValue(float(s["repeat_penalty"]))
+        self.stops.setPlainText(format_stops(s["stop"]))
+        self.settings_error.setVisible(False)
         self.max_tokens.setValue(int(s["max_tokens"]))
         self.seed.setValue(int(s["seed"]))
         self._loading_settings = False
@@ -414,8 +530,16 @@ class ChatWidget(QWidget):
     def _settings_edited(self, *_a) -> None:
         if self._loading_settings:
             return
-        values = {"temperature": self.temperature.value(), "top_p": self.top_p.value(),
-                  "max_tokens": self.max_tokens.value(), "seed": self.seed.value()}
+        try:
+            stops = parse_stops(self.stops.toPlainText())
+        except ValueError as e:
+            self.settings_error.setText(f"Stop strings: {e}; these settings are not saved until fixed.")
+            self.settings_error.setVisible(True)
+            return
+        self.settings_error.setVisible(False)
+        values = {"temperature": self.temperature.value(), "top_p": self.top_p.value(), "top_k": self.top_k.value(),
+                  "min_p": self.min_p.value(), "repeat_penalty": self.repeat_penalty.value(),
+                  "max_tokens": self.max_tokens.value(), "seed": self.seed.value(), "stop": stops}
         if self.c.current is None:  # no chat yet: these become the first chat's settings
             self.c.defaults.update(values)
             self.c.default_system_prompt = self.system_prompt.toPlainText()

@@ -15,15 +15,35 @@ import numpy as np
 import pyqtgraph as pg
 from PySide6.QtCore import QPointF, Qt, QTimer
 from PySide6.QtGui import QPalette
-from PySide6.QtWidgets import QGraphicsItem, QGridLayout, QLabel, QStackedWidget, QVBoxLayout, QWidget
+from PySide6.QtWidgets import QGraphicsItem, QGridLayout, QLabel, QVBoxLayout, QWidget
 
 from app.dashboard.series import StatsSeries, residency_lut
 
 pg.setConfigOptions(antialias=False, useOpenGL=False)
 
-NO_CACHE = ("No expert cache in this engine.\n\nThe llama.cpp engine runs the experts itself, so expert "
-            "hits, PCIe uploads and residency are not measured (they would be zeros that pretend to be "
-            "measurements). Choose the hybrid engine in Settings to see them.")
+# Which panels each mode shows, as (panel, row, column, row span, column span).
+LAYOUTS = {
+    "gpu": (("decode", 0, 0, 1, 1), ("prefill", 0, 1, 1, 1), ("hits", 0, 2, 1, 1),
+            ("heat", 1, 0, 1, 2), ("bars", 1, 2, 1, 1),
+            ("memory", 2, 0, 1, 1), ("cpu", 2, 1, 1, 1), ("pcie", 2, 2, 1, 1)),
+    "cpu": (("decode", 0, 0, 1, 1), ("prefill", 0, 1, 1, 1), ("cpu", 0, 2, 1, 1),
+            ("heat", 1, 0, 1, 2), ("memory", 1, 2, 1, 1)),
+    "no_cache": (("decode", 0, 0, 1, 1), ("prefill", 0, 1, 1, 1),
+                 ("memory", 1, 0, 1, 1), ("cpu", 1, 1, 1, 1)),
+}
+MODE_NOTES = {
+    "gpu": "",
+    "cpu": ("<b>CPU only:</b> no GPU is in use, so every expert is computed on the CPU from RAM. GPU hits, "
+            "PCIe uploads and resident experts do not exist here, so they are not drawn; the map shows which "
+            "experts the recent tokens used."),
+    "no_cache": ("<b>llama.cpp engine:</b> it runs the experts itself, so expert hits, uploads and residency are "
+                 "not measured (zeros would pretend to be measurements). The hybrid engine (Settings) shows them "
+                 "on a machine with an NVIDIA GPU."),
+}
+HEAT_TITLES = {"gpu": "Expert residency (amber: on the GPU, blue: in RAM; brighter: hotter)",
+               "cpu": "Expert heat (brighter: used more by recent tokens)"}
+HOVER_HINTS = {"gpu": "Hover over the map for an expert's layer, slot and recent hits.",
+               "cpu": "Hover over the map for an expert's layer and recent hits."}
 COLORS = {"decode": (80, 160, 255), "prefill": (255, 170, 60), "gpu_hit": (90, 200, 120),
           "uploaded": (240, 190, 60), "cpu": (220, 90, 90), "pcie": (170, 120, 255), "ram": (80, 160, 255),
           "vram": (90, 200, 120), "cpuuse": (220, 90, 90), "bars": (90, 200, 120)}
@@ -32,7 +52,8 @@ COLORS = {"decode": (80, 160, 255), "prefill": (255, 170, 60), "gpu_hit": (90, 2
 WINDOW_S = 120.0  # the time plots show the last two minutes
 
 
-def _plot(title: str, left: str, bottom: str = "seconds ago", time_axis: bool = True) -> pg.PlotWidget:
+def _plot(title: str, left: str, bottom: str = "seconds ago", time_axis: bool = True,
+          legend: bool = False) -> pg.PlotWidget:
     w = pg.PlotWidget()
     if time_axis:
         # A fixed x range in "seconds ago": the axes stay the same between updates, so pyqtgraph
@@ -54,7 +75,8 @@ def _plot(title: str, left: str, bottom: str = "seconds ago", time_axis: bool = 
     w.setMouseEnabled(x=False, y=False)
     w.setMenuEnabled(False)
     w.hideButtons()
-    w.addLegend(offset=(5, 5), labelTextSize="8pt")
+    if legend:  # only where curves share a plot: a one-curve plot's title already names it
+        w.addLegend(offset=(5, 5), labelTextSize="8pt")
     return w
 
 
@@ -63,6 +85,13 @@ def _curve(plot: pg.PlotWidget, name: str, color, **kw) -> pg.PlotDataItem:
     c.setClipToView(True)
     c.setDownsampling(auto=True, method="peak")
     return c
+
+
+def dashboard_mode(snap: dict) -> str:
+    """"no_cache" (llama.cpp runs the experts), "cpu" (the hybrid engine without a GPU) or "gpu"."""
+    if snap.get("cache") is None:
+        return "no_cache"
+    return "cpu" if snap.get("gpu_memory_used_bytes") is None else "gpu"
 
 
 class DashboardWidget(QWidget):
@@ -74,29 +103,39 @@ class DashboardWidget(QWidget):
         self._dirty = False
         self._arrivals: deque[float] = deque(maxlen=64)
         self.redraws = 0
+        self.mode = ""
 
         self.header = QLabel("Waiting for the engine\u2026")
         self.header.setWordWrap(True)
         self.header.setTextFormat(Qt.RichText)
         self.rate_label = QLabel()
         self.rate_label.setAlignment(Qt.AlignRight | Qt.AlignVCenter)
+        self.summary = QLabel()
+        self.summary.setWordWrap(True)
+        self.summary.setTextFormat(Qt.RichText)
+        self.mode_note = QLabel()
+        self.mode_note.setWordWrap(True)
+        self.mode_note.setObjectName("dashboardModeNote")
 
-        self.tok_plot = _plot("Tokens/s", "tok/s")
-        self.decode_curve = _curve(self.tok_plot, "decode", COLORS["decode"])
-        self.prefill_curve = self.tok_plot.plot([], [], name="prefill (per request)", pen=None, symbol="o",
-                                                symbolSize=6, symbolBrush=COLORS["prefill"])
+        # Decode (tens of tok/s) and prefill (thousands) on one axis made decode a flat line at
+        # the bottom: each has its own plot and axis.
+        self.decode_plot = _plot("Decode tok/s", "tok/s")
+        self.decode_curve = _curve(self.decode_plot, "decode", COLORS["decode"])
+        self.prefill_plot = _plot("Prefill tok/s (one point per request)", "tok/s")
+        self.prefill_curve = self.prefill_plot.plot([], [], name="prefill", pen=None, symbol="o",
+                                                    symbolSize=6, symbolBrush=COLORS["prefill"])
 
-        self.hit_plot = _plot("Experts served (share per interval)", "%")
+        self.hit_plot = _plot("Experts served (share)", "%", legend=True)
         self.hit_plot.setYRange(0, 100)
         self.hit_curves = [_curve(self.hit_plot, "GPU hit", COLORS["gpu_hit"]),
                            _curve(self.hit_plot, "uploaded", COLORS["uploaded"]),
                            _curve(self.hit_plot, "CPU", COLORS["cpu"])]
 
-        self.pcie_plot = _plot("PCIe host\u2192device", "MB/s")
+        self.pcie_plot = _plot("PCIe uploads", "MB/s")
         self.pcie_curve = _curve(self.pcie_plot, "expert uploads", COLORS["pcie"])
 
         self.heat_plot = pg.PlotWidget()
-        self.heat_plot.setTitle("Expert residency (amber: on the GPU, blue: in RAM; brighter: hotter)")
+        self.heat_plot.setTitle(HEAT_TITLES["gpu"])
         self.heat_plot.setLabel("left", "layer")
         self.heat_plot.setLabel("bottom", "expert")
         self.heat_plot.getAxis("left").enableAutoSIPrefix(False)
@@ -108,68 +147,78 @@ class DashboardWidget(QWidget):
         self.image.setLookupTable(residency_lut())
         self.image.setLevels((0, 255))
         self.heat_plot.addItem(self.image)
-        self.hover_label = QLabel("Hover over the map for an expert's layer, slot and recent hits.")
+        self.hover_label = QLabel(HOVER_HINTS["gpu"])
         self.heat_plot.scene().sigMouseMoved.connect(self._hover)
 
-        self.bar_plot = _plot("Hit rate per layer (recent)", "%", "layer", time_axis=False)
+        self.bar_plot = _plot("Hit rate per layer", "%", "layer", time_axis=False)
         self.bar_plot.setYRange(0, 100)
         self.bars = pg.BarGraphItem(x=np.zeros(0), height=np.zeros(0), width=0.8, brush=COLORS["bars"])
         self.bar_plot.addItem(self.bars)
         self.bar_note = pg.TextItem("", anchor=(0.5, 0.5))
         self.bar_plot.addItem(self.bar_note)
 
-        self.mem_plot = _plot("Memory", "GiB")
+        self.mem_plot = _plot("Memory", "GiB", legend=True)
         self.ram_curve = _curve(self.mem_plot, "RAM (engine)", COLORS["ram"])
         self.vram_curve = _curve(self.mem_plot, "VRAM", COLORS["vram"])
-        self.cpu_plot = _plot("CPU (engine process)", "% of one core")
+        self.cpu_plot = _plot("CPU (engine)", "% of one core")
         self.cpu_curve = _curve(self.cpu_plot, "CPU", COLORS["cpuuse"])
-
-        # the cache plots, each with its "no expert cache" explanation
-        self.cache_stacks: list[QStackedWidget] = []
-
-        def stacked(widget: QWidget) -> QStackedWidget:
-            s = QStackedWidget()
-            s.addWidget(widget)
-            label = QLabel(NO_CACHE)
-            label.setWordWrap(True)
-            label.setAlignment(Qt.AlignCenter)
-            label.setObjectName("noCacheLabel")
-            s.addWidget(label)
-            self.cache_stacks.append(s)
-            return s
 
         heat_box = QWidget()
         hb = QVBoxLayout(heat_box)
         hb.setContentsMargins(0, 0, 0, 0)
         hb.addWidget(self.heat_plot, 1)
         hb.addWidget(self.hover_label)
+        self.panels: dict[str, QWidget] = {
+            "decode": self.decode_plot, "prefill": self.prefill_plot, "hits": self.hit_plot, "heat": heat_box,
+            "bars": self.bar_plot, "memory": self.mem_plot, "cpu": self.cpu_plot, "pcie": self.pcie_plot}
 
-        grid = QGridLayout()
-        grid.addWidget(self.tok_plot, 0, 0)
-        grid.addWidget(stacked(self.hit_plot), 0, 1)
-        grid.addWidget(stacked(self.pcie_plot), 0, 2)
-        grid.addWidget(stacked(heat_box), 1, 0, 1, 2)
-        grid.addWidget(stacked(self.bar_plot), 1, 2)
-        grid.addWidget(self.mem_plot, 2, 0)
-        grid.addWidget(self.cpu_plot, 2, 1)
-        grid.setRowStretch(0, 1)
-        grid.setRowStretch(1, 1)
-        grid.setRowStretch(2, 1)
+        self.grid = QGridLayout()
         top = QVBoxLayout(self)
         head = QGridLayout()
         head.addWidget(self.header, 0, 0)
         head.addWidget(self.rate_label, 0, 1)
+        head.setColumnStretch(0, 1)
         top.addLayout(head)
-        top.addLayout(grid, 1)
-        self.summary = QLabel()
-        self.summary.setWordWrap(True)
-        grid.addWidget(self.summary, 2, 2)
+        top.addWidget(self.summary)
+        top.addWidget(self.mode_note)
+        top.addLayout(self.grid, 1)
+        self.set_mode("gpu")
         self.apply_palette()
 
         self._timer = QTimer(self)
         self._timer.setInterval(self.REDRAW_MS)
         self._timer.timeout.connect(self.redraw)
         self._timer.start()
+
+    def set_mode(self, mode: str) -> None:
+        """Lays out the panels that mean something for this engine and machine, and says why the others are absent."""
+        if mode == self.mode:
+            return
+        self.mode = mode
+        for panel in self.panels.values():
+            self.grid.removeWidget(panel)
+            panel.setVisible(False)
+        for row in range(3):
+            self.grid.setRowStretch(row, 0)
+        for name, row, col, rows, cols in LAYOUTS[mode]:
+            self.grid.addWidget(self.panels[name], row, col, rows, cols)
+            self.panels[name].setVisible(True)
+            self.grid.setRowStretch(row, 1)
+        self.mode_note.setText(MODE_NOTES[mode])
+        self.mode_note.setVisible(bool(MODE_NOTES[mode]))
+        if mode in HEAT_TITLES:
+            self.heat_plot.setTitle(HEAT_TITLES[mode])
+            self.hover_label.setText(HOVER_HINTS[mode])
+            self.apply_palette()
+        legend = self.mem_plot.getPlotItem().legend
+        legend.removeItem(self.vram_curve)
+        if mode == "gpu":
+            legend.addItem(self.vram_curve, "VRAM")
+        self.vram_curve.setVisible(mode == "gpu")
+
+    def visible_plots(self) -> list[pg.PlotWidget]:
+        return [p for p in (self.decode_plot, self.prefill_plot, self.hit_plot, self.pcie_plot, self.heat_plot,
+                            self.bar_plot, self.mem_plot, self.cpu_plot) if p.isVisibleTo(self)]
 
     # ---- data in ----------------------------------------------------------------------------
     def ingest(self, snap: dict) -> None:
@@ -207,11 +256,9 @@ class DashboardWidget(QWidget):
         self.ram_curve.setData(*ago(s.memory.view(0)))
         self.vram_curve.setData(*ago(s.memory.view(1)))
         self.cpu_curve.setData(*ago(s.cpu.view()))
-        for stack in self.cache_stacks:
-            stack.setCurrentIndex(1 if s.has_cache is False else 0)
+        if s.last is not None:
+            self.set_mode(dashboard_mode(s.last))
         if s.has_cache:
-            gpu = (s.last or {}).get("gpu_memory_used_bytes") is not None
-            self.pcie_plot.setTitle("PCIe host\u2192device" if gpu else "Expert uploads (none without a GPU)")
             for i, curve in enumerate(self.hit_curves):
                 curve.setData(*ago(s.hits.view(i)))
             self.pcie_curve.setData(*ago(s.pcie.view()))
@@ -235,17 +282,21 @@ class DashboardWidget(QWidget):
         parts = [f"<b>{snap.get('model', '?')}</b> on the <b>{snap.get('engine', '?')}</b> engine",
                  f"{snap.get('requests', 0)} requests, {snap.get('completion_tokens', 0)} tokens generated"]
         if last:
-            parts.append(f"last request: TTFT {last.get('ttft_s', 0) * 1000:.0f} ms, prefill "
-                         f"{last.get('prefill_tokens_per_s', 0):.1f} tok/s, decode {last.get('decode_tokens_per_s', 0):.1f} tok/s")
-        self.header.setText(" \u00b7 ".join(parts))
+            parts += [f"last request: TTFT {last.get('ttft_s', 0) * 1000:.0f} ms",
+                      f"prefill {last.get('prefill_tokens_per_s', 0):.1f} tok/s",
+                      f"decode {last.get('decode_tokens_per_s', 0):.1f} tok/s"]
+        self.header.setText(" \u00b7 ".join(_unbroken(p) for p in parts))
         cache = snap.get("cache")
-        lines = []
+        lines = []  # shown as one line, " · " apart
         ram, vram = snap.get("ram_used_bytes"), snap.get("gpu_memory_used_bytes")
         lines.append(f"RAM {ram / (1 << 30):.2f} GiB" if ram else "RAM n/a")
-        lines.append(f"VRAM {vram / (1 << 30):.2f} GiB" if vram is not None else "VRAM: no GPU in use")
+        if vram is not None:
+            lines.append(f"VRAM {vram / (1 << 30):.2f} GiB")
         if snap.get("cpu_percent") is not None:
             lines.append(f"CPU {snap['cpu_percent']:.0f}%")
-        if cache:
+        if cache and dashboard_mode(snap) == "cpu":  # no slots, hits or uploads to speak of
+            lines.append(f"CPU expert pool busy {cache['cpu_busy_s']:.2f} s")
+        elif cache:
             total = sum(cache["gpu_hit"]) + sum(cache["uploaded"]) + sum(cache["cpu_computed"])
             hit = sum(cache["gpu_hit"]) / total * 100 if total else 0.0
             lines.append(f"{cache['slots_per_layer']} of {cache['n_expert']} experts resident per layer")
@@ -256,9 +307,7 @@ class DashboardWidget(QWidget):
                 how = " (measured)" if cache.get("miss_fraction_tuning") else ""
                 lines.append(f"misses uploaded {cache['miss_fraction']:.0%}{how}; experts read from "
                              f"{'pinned RAM' if cache.get('load_mode') == 'none' else 'the mapped file'}")
-        else:
-            lines.append("no expert cache in this engine")
-        self.summary.setText("<br>".join(lines))
+        self.summary.setText(" \u00b7 ".join(_unbroken(line) for line in lines))
 
     def _hover(self, pos: QPointF) -> None:
         s = self.series
@@ -276,8 +325,8 @@ class DashboardWidget(QWidget):
         """Plots follow the system theme (light or dark)."""
         pal = self.palette()
         bg, fg = pal.color(QPalette.Base), pal.color(QPalette.Text)
-        for w in (self.tok_plot, self.hit_plot, self.pcie_plot, self.heat_plot, self.bar_plot, self.mem_plot,
-                  self.cpu_plot):
+        for w in (self.decode_plot, self.prefill_plot, self.hit_plot, self.pcie_plot, self.heat_plot, self.bar_plot,
+                  self.mem_plot, self.cpu_plot):
             w.setBackground(bg)
             for axis in ("left", "bottom"):
                 ax = w.getAxis(axis)
@@ -289,6 +338,11 @@ class DashboardWidget(QWidget):
             if legend is not None:
                 legend.setLabelTextColor(fg)
                 legend.setBrush(pg.mkBrush(bg.red(), bg.green(), bg.blue(), 200))
+
+
+def _unbroken(part: str) -> str:
+    """Rich text that wraps between the header's parts, never inside one ("tok/" | "s")."""
+    return f'<span style="white-space:nowrap">{part}</span>'
 
 
 def describe_expert(s: StatsSeries, row: int, col: int) -> str:

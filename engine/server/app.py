@@ -10,6 +10,7 @@ from typing import Awaitable, Callable
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
 from starlette.requests import ClientDisconnect, Request as HttpRequest
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
@@ -17,6 +18,7 @@ from starlette.routing import Route
 from engine.config import Config
 from engine.server import anthropic_api, openai_api, stats
 from engine.server.errors import ApiError, api_of, error_response
+from engine.server.request_log import RequestLog
 from engine.server.worker import EngineWorker
 
 log = logging.getLogger("moestudio.server")
@@ -86,7 +88,8 @@ def build_app(cfg: Config, worker: EngineWorker | None = None) -> Starlette:
             ("/v1/stats/stream", stats.stats_stream, "GET"),
             ("/metrics", stats.metrics_endpoint(worker), "GET"),
         )]
-    app = Starlette(routes=routes, lifespan=lifespan, exception_handlers={HTTPException: _http_error})
+    app = Starlette(routes=routes, lifespan=lifespan, exception_handlers={HTTPException: _http_error},
+                    middleware=[Middleware(RequestLog)])
     model = Path(cfg.model)
     app.state.worker = worker
     app.state.model_id = model.stem

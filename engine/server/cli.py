@@ -86,7 +86,8 @@ def run(args: argparse.Namespace) -> int:
                         "it. Set --api-key (or MOESTUDIO_API_KEY), or keep the default --host 127.0.0.1")
     if args.save_preset:
         print(f"moestudio: saved preset {args.save_preset} to {save_preset(args.save_preset, cfg)}", file=sys.stderr)
-    logging.basicConfig(level=logging.INFO, format="moestudio: %(message)s", stream=sys.stderr)
+    # The level word is what the desktop app's Logs tab filters on.
+    logging.basicConfig(level=logging.INFO, format="moestudio: %(levelname)s %(message)s", stream=sys.stderr)
     sock = bind(cfg.host, cfg.port)
     host, port = sock.getsockname()[:2]
     shown = f"[{host}]" if ":" in host else host

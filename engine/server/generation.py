@@ -15,6 +15,7 @@ from typing import Any, AsyncIterator
 from starlette.requests import Request as HttpRequest
 
 from engine.errors import UserError
+from engine.server import request_log
 from engine.server.errors import ApiError
 from engine.server.worker import EngineWorker, Job
 
@@ -45,6 +46,8 @@ class Generation:
     def __init__(self, worker: EngineWorker, job: Job, prompt_tokens: int, stops: tuple[str, ...]):
         self.worker, self.job, self.prompt_tokens, self.stops = worker, job, prompt_tokens, stops
         self._tokens: list[int] = []
+        self.done: Any = None  # the engine's DoneEvent, once it came
+        request_log.attach(self)
         self._first: Any = None
         self._iter: AsyncIterator[Any] | None = None
 
@@ -68,11 +71,17 @@ class Generation:
         job = worker.submit(Request(prompt=tokens, max_tokens=limit, sampling=sampling, stop=stops))
         return cls(worker, job, len(tokens), stops)
 
+    @property
+    def generated_tokens(self) -> int:
+        return len(self._tokens)
+
     async def _events(self) -> AsyncIterator[Any]:
         try:
             async for event in self.job.stream():
                 if getattr(event, "token", None) is not None:
                     self._tokens.append(event.token)
+                if getattr(event, "finish_reason", None) is not None:
+                    self.done = event
                 yield event
         except UserError as e:
             raise ApiError(400, str(e)) from None

@@ -83,6 +83,7 @@ class EngineWorker:
         h: dict[str, Any] = {"status": self.status, "progress": round(100 * self.progress), "stage": self.stage,
                              "engine": self.loaded.kind if self.loaded else None,
                              "engine_reason": self.loaded.reason if self.loaded else None,
+                             "n_ctx": self.loaded.engine.n_ctx if self.loaded else None,  # the context in use
                              "model": self.cfg.model, "queue": {"running": self.running, "waiting": self.waiting},
                              "settings": self.cfg.public()}
         if self.error:

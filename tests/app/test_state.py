@@ -49,6 +49,47 @@ def test_store_refuses_newer_schema(tmp_path):
         ChatStore(tmp_path / "c.db")
 
 
+def test_regenerated_replies_keep_their_versions(tmp_path):
+    s = ChatStore(tmp_path / "c.db")
+    conv = s.create_conversation("t")
+    s.add_message(conv.id, "user", "q")
+    a = s.add_message(conv.id, "assistant", "first", stats={"completion_tokens": 1})
+    assert (a.version, a.versions) == (1, 1)
+    b = s.new_version(a.id)  # regenerate: the same row, emptied for the new reply; the old one kept
+    assert (b.id, b.content, b.status, b.stats, b.version, b.versions) == (a.id, "", "streaming", None, 2, 2)
+    s.update_message(b.id, content="second", status="stopped")
+    s.new_version(b.id)
+    s.update_message(b.id, content="third", status="done")
+    assert [(v.version, v.content, v.status, v.stats) for v in s.other_versions(a.id)] == [
+        (1, "first", "done", {"completion_tokens": 1}), (2, "second", "stopped", None)]
+    shown = s.show_version(a.id, 1)  # the first one shown again: later turns continue from it
+    assert (shown.content, shown.version, shown.versions, shown.stats) == ("first", 1, 3, {"completion_tokens": 1})
+    assert [v.version for v in s.other_versions(a.id)] == [2, 3]
+    assert s.new_version(a.id).version == 4  # numbers are never reused
+    with pytest.raises(KeyError):
+        s.show_version(a.id, 9)
+    s.delete_messages_from(conv.id, a.id)  # an edit before the reply: its versions go with it
+    assert s.db.execute("SELECT COUNT(*) FROM reply_versions").fetchone()[0] == 0
+
+
+def test_a_version_1_database_is_migrated(tmp_path):
+    from app.store import MIGRATIONS, _statements
+
+    db = sqlite3.connect(tmp_path / "c.db")
+    for stmt in _statements(MIGRATIONS[1]):
+        db.execute(stmt)
+    db.execute("INSERT INTO conversations(title, created, updated) VALUES ('old', 1, 1)")
+    db.execute("INSERT INTO messages(conversation_id, role, content, created, updated) VALUES (1, 'assistant', 'x', 1, 1)")
+    db.execute("PRAGMA user_version=1")
+    db.commit()
+    db.close()
+    s = ChatStore(tmp_path / "c.db")
+    assert s.schema_version() == SCHEMA_VERSION == 2
+    [m] = s.messages(1)
+    assert (m.content, m.version, m.versions) == ("x", 1, 1)
+    assert s.new_version(m.id).versions == 2
+
+
 def test_delete_really_deletes(tmp_path):
     path = tmp_path / "c.db"
     s = ChatStore(path)
@@ -133,6 +174,18 @@ def test_log_buffer_lines_filter_tail():
     for i in range(10):
         b.add("app", str(i))
     assert len(b.lines) == 5
+
+
+@pytest.mark.parametrize("text, level", [
+    ("moestudio: INFO request POST /v1/chat/completions 200, 12 prompt + 30 generated tokens, 61.2 tok/s, "
+     "finish stop, 0.61 s", "INFO"),
+    ("moestudio: WARNING request POST /v1/chat/completions 400, 0.00 s", "WARNING"),
+    ("moestudio: ERROR request GET /v1/stats 500, 0.01 s", "ERROR"),
+    ("moestudio: error: port 8080 on 127.0.0.1 is already in use", "ERROR"),  # a refused setting or file
+    ("moestudio: serving m.gguf at http://127.0.0.1:1 (loading in the background)", "INFO"),
+])
+def test_engine_lines_carry_the_level_the_logs_filter_uses(text, level):
+    assert LogBuffer().add("stderr", text).level == level
 
 
 # ---- HTTP client and SSE ---------------------------------------------------------------------------
@@ -235,11 +288,46 @@ def test_reply_meter_stats():
 def test_payload():
     from app.store import Message
     hist = [Message(1, 1, "user", "hi"), Message(2, 1, "assistant", ""), Message(3, 1, "user", "again")]
-    p = build_payload("sys", hist, {"temperature": 0.1, "seed": 5, "max_tokens": 9, "top_p": 0.5})
+    p = build_payload("sys", hist, {"temperature": 0.1, "seed": 5, "max_tokens": 9, "top_p": 0.5, "top_k": 40,
+                                    "min_p": 0.05, "repeat_penalty": 1.1, "stop": ["\n\n", "END"]})
     assert p["messages"] == [{"role": "system", "content": "sys"}, {"role": "user", "content": "hi"},
                              {"role": "user", "content": "again"}]
     assert (p["temperature"], p["seed"], p["max_tokens"], p["top_p"]) == (0.1, 5, 9, 0.5)
-    assert "seed" not in build_payload("", hist, {"seed": -1})
+    assert (p["top_k"], p["min_p"], p["repeat_penalty"], p["stop"]) == (40, 0.05, 1.1, ["\n\n", "END"])
+    plain = build_payload("", hist, {"seed": -1})  # older chats' settings: the filters off, no stop strings
+    assert "seed" not in plain and "stop" not in plain
+    assert (plain["top_k"], plain["min_p"], plain["repeat_penalty"]) == (0, 0.0, 1.0)
+
+
+def test_stop_strings_typed_one_per_line():
+    from app.chat.session import format_stops, parse_stops
+    assert parse_stops("END\n\\n\\n\n\nUser:\\t") == ["END", "\n\n", "User:\t"]
+    assert parse_stops(format_stops(["a\nb", "c"])) == ["a\nb", "c"]
+    with pytest.raises(ValueError, match="at most 16 stop strings"):
+        parse_stops("\n".join(str(i) for i in range(17)))
+
+
+def test_context_used_and_exports():
+    import json
+
+    from app.chat.session import chat_json, chat_markdown, context_used
+    from app.store import Conversation, Message
+    conv = Conversation(1, "Routers", "Be brief.", {"temperature": 0.2}, 10.0)
+    hist = [Message(1, 1, "user", "What is MoE?"),
+            Message(2, 1, "assistant", "Experts.", stats={"prompt_tokens": 20, "completion_tokens": 5},
+                    version=2, versions=2),
+            Message(3, 1, "user", "More?"), Message(4, 1, "assistant", "", status="stopped")]
+    assert context_used(hist) == 25 and context_used(hist[:1]) is None
+    md = chat_markdown(conv, hist)
+    assert md.startswith("# Routers\n\n**System prompt:**\n\nBe brief.\n")
+    assert "## You\n\nWhat is MoE?\n\n## Assistant\n\nExperts.\n" in md and md.count("*(no text)*") == 1
+    earlier = {2: [Message(2, 1, "assistant", "Old answer.", version=1, versions=2)]}
+    data = json.loads(chat_json(conv, hist, earlier))
+    assert (data["title"], data["system_prompt"], data["settings"]) == ("Routers", "Be brief.", {"temperature": 0.2})
+    assert [m["content"] for m in data["messages"]] == ["What is MoE?", "Experts.", "More?", ""]
+    assert data["messages"][1]["version"] == 2 and data["messages"][1]["role"] == "assistant"
+    assert data["messages"][1]["other_versions"] == [{"version": 1, "content": "Old answer.", "status": "done",
+                                                      "stats": None}]
 
 
 def test_code_blocks():

@@ -124,6 +124,7 @@ def test_wizard_to_started_engine(studio, monkeypatch):
 
 def test_chat_streams_stops_regenerates_and_edits(studio, qtbot):
     win, ctl = studio.win, studio.win.chat_ctl
+    assert win.windowTitle() == f"{studio.model.name} \u2014 MoE Studio"  # the preset's model, named
     set_sampling(win, max_tokens=600)  # chosen before the first chat: they become its settings
     win.chat.input.setPlainText("Tell me a story about experts")
     win.chat.submit()
@@ -140,7 +141,13 @@ def test_chat_streams_stops_regenerates_and_edits(studio, qtbot):
     w = win.chat.message_widgets()[-1]
     assert "tok/s" in w.stats_label.text() and "TTFT" in w.stats_label.text()
 
-    # stop: the partial reply stays, marked stopped
+    # the context meter: the last turn's prompt and reply out of the engine's context
+    n_ctx = win.engine.health["n_ctx"]
+    used = first.stats["prompt_tokens"] + first.stats["completion_tokens"]
+    assert win.chat.context_bar.maximum() == n_ctx and win.chat.context_bar.value() == used
+    assert win.chat.context_label.text() == f"Context {used:,} / {n_ctx:,} tokens"
+
+    # stop: the partial reply stays, marked stopped, as a second version of the reply
     win.chat.regen_btn.click()
     wait_until(lambda: ctl.busy and reply(studio) and len(reply(studio).content) > 10, 30, "a second reply")
     win.chat.stop_btn.click()
@@ -148,14 +155,30 @@ def test_chat_streams_stops_regenerates_and_edits(studio, qtbot):
     stopped = reply(studio)
     assert stopped.status == "stopped" and stopped.content
     assert stopped.stats["completion_tokens"] < 600
+    assert (stopped.id, stopped.version, stopped.versions) == (first.id, 2, 2)
 
-    # regenerate: the stopped reply is replaced by a new one
+    # regenerate: a third version; the earlier two are kept and can be shown again
     set_sampling(win, max_tokens=40)
     win.chat.regen_btn.click()
-    wait_until(lambda: not ctl.busy and reply(studio) and reply(studio).id != stopped.id, 60, "the regenerated reply")
+    wait_until(lambda: not ctl.busy and reply(studio) and reply(studio).version == 3, 60, "the regenerated reply")
     msgs = ctl.messages()
-    assert [m.role for m in msgs] == ["user", "assistant"] and msgs[1].status == "done"
-    assert ctl.store.message(stopped.id) is None
+    assert [m.role for m in msgs] == ["user", "assistant"] and msgs[1].status == "done" and msgs[1].versions == 3
+    assert [(v.version, v.content, v.status) for v in ctl.store.other_versions(msgs[1].id)] == [
+        (1, first.content, "done"), (2, stopped.content, "stopped")]
+    w = win.chat.message_widgets()[-1]
+    assert w.version_label.text() == "3/3" and not w.next_btn.isEnabled()
+    w.prev_btn.click()
+    assert reply(studio).content == stopped.content and w.version_label.text() == "2/3"
+    w.next_btn.click()
+    assert reply(studio).version == 3 and reply(studio).content == msgs[1].content
+
+    # one log line per request, at the level the Logs tab filters on
+    lines = [ln for ln in win.engine.logs.lines if "request POST /v1/chat/completions 200" in ln.text]
+    assert len(lines) >= 3 and all(ln.level == "INFO" and " generated tokens, " in ln.text for ln in lines)
+    win.logs.level.setCurrentIndex(1)  # WARNING and above
+    assert "request POST" not in win.logs.shown_text()
+    win.logs.level.setCurrentIndex(0)
+    assert "request POST /v1/chat/completions 200" in win.logs.shown_text()
 
     # edit and resend: the user message changes, the reply after it is replaced
     user_id = msgs[0].id
@@ -167,6 +190,21 @@ def test_chat_streams_stops_regenerates_and_edits(studio, qtbot):
     assert [(m.id == user_id, m.content) for m in msgs[:1]] == [(True, "A different question")]
     assert len(msgs) == 2 and msgs[1].status == "done" and msgs[1].id != stopped.id
     assert win.chat.message_widgets()[0].msg.content == "A different question"
+
+    # the sampling filters and stop strings of the chat settings are accepted by the engine's API
+    c = win.chat
+    c.top_k.setValue(40)
+    c.min_p.setValue(0.05)
+    c.repeat_penalty.setValue(1.1)
+    c.stops.setPlainText("\\n\\n\nUser:")
+    win.chat.input.setPlainText("One more")
+    win.chat.submit()
+    wait_until(lambda: not ctl.busy, 60, "the reply with filters and stop strings")
+    assert reply(studio).status == "done" and "error" not in reply(studio).stats
+    c.top_k.setValue(0)
+    c.min_p.setValue(0.0)
+    c.repeat_penalty.setValue(1.0)
+    c.stops.clear()
 
 
 def test_dashboard_plots_live_data(studio):
@@ -212,7 +250,10 @@ def test_dashboard_plots_live_data(studio):
     assert len(heights) == 2 and ((0 <= heights) & (heights <= 100)).all()
     t_ram, ram = dash.ram_curve.getData()
     assert np.nanmax(ram) > 0.05  # GiB: the worker's resident memory
-    assert all(s.currentIndex() == 0 for s in dash.cache_stacks)  # hybrid engine: plots, not the no-cache label
+    # the hybrid engine: the GPU panels with a GPU, the CPU-only ones (heat map included) without
+    gpu = dash.series.last["gpu_memory_used_bytes"] is not None
+    assert dash.mode == ("gpu" if gpu else "cpu") and dash.panels["heat"].isVisibleTo(dash)
+    assert dash.panels["hits"].isVisibleTo(dash) == gpu and dash.mode_note.isVisibleTo(dash) != gpu
     from app.dashboard.widgets import describe_expert
     assert describe_expert(dash.series, 1, 3).startswith("layer 1, expert 3:")
     win.tabs.setCurrentWidget(win.chat)

@@ -1,11 +1,14 @@
-"""Widgets without an engine: conversation list, copy buttons, settings form, logs panel,
-the dashboard's llama.cpp (no cache) mode, and error dialogs."""
+"""Widgets without an engine: conversation list, copy buttons, chat settings, export and the
+context meter, settings form, logs panel, the dashboard's modes (GPU, CPU only, llama.cpp) and
+its separate decode and prefill axes, and error dialogs."""
 from __future__ import annotations
 
+import json
 import sys
+from pathlib import Path
 
 import pytest
-from PySide6.QtWidgets import QApplication, QMessageBox
+from PySide6.QtWidgets import QApplication, QFileDialog, QMessageBox
 
 from app.chat.controller import ChatController
 from app.chat.widgets import ChatWidget
@@ -62,6 +65,67 @@ def test_copy_buttons_and_settings_before_first_chat(chat, qtbot):
     assert QApplication.clipboard().text() == m.content
 
 
+def test_sampling_filters_and_stop_strings_are_saved_per_chat(chat):
+    conv = chat.c.new_conversation()
+    chat.top_k.setValue(40)
+    chat.min_p.setValue(0.05)
+    chat.repeat_penalty.setValue(1.1)
+    chat.stops.setPlainText("END\n\\n\\n")
+    saved = chat.c.store.conversation(conv.id).settings
+    assert (saved["top_k"], saved["min_p"], saved["repeat_penalty"], saved["stop"]) == (40, 0.05, 1.1, ["END", "\n\n"])
+    assert chat.top_k.specialValueText() == "off" and chat.min_p.specialValueText() == "off"
+    chat.stops.setPlainText("\n".join(f"s{i}" for i in range(17)))  # over the server's limit: said, not saved
+    assert chat.settings_error.isVisibleTo(chat.settings_panel) and "at most 16" in chat.settings_error.text()
+    assert chat.c.store.conversation(conv.id).settings["stop"] == ["END", "\n\n"]
+    other = chat.c.new_conversation()
+    chat.c.open(conv.id)  # reopened: the fields show what was saved
+    assert chat.stops.toPlainText() == "END\n\\n\\n" and chat.top_k.value() == 40 and other.id != conv.id
+    assert not chat.settings_error.isVisibleTo(chat.settings_panel)
+
+
+def test_export_markdown_and_json_through_the_dialog(chat, tmp_path, monkeypatch):
+    conv = chat.c.new_conversation()
+    chat.c.rename(conv.id, "Routers / experts?")
+    store = chat.c.store
+    store.add_message(conv.id, "user", "What is MoE?")
+    reply = store.add_message(conv.id, "assistant", "Experts.")
+    store.new_version(reply.id)
+    store.update_message(reply.id, content="Many experts.", status="done")
+    chat.c.open(conv.id)
+    offered = []
+
+    def save_as(target):
+        def dialog(parent, caption, start, filters):
+            offered.append((Path(start).name, filters))
+            return str(target), ""
+        monkeypatch.setattr(QFileDialog, "getSaveFileName", dialog)
+    save_as(tmp_path / "chat.md")
+    chat.export_btn.click()
+    assert offered[0][0] == "Routers _ experts_.md" and "JSON" in offered[0][1]
+    assert (tmp_path / "chat.md").read_text(encoding="utf-8").startswith("# Routers / experts?\n")
+    save_as(tmp_path / "chat.json")
+    chat.export_btn.click()
+    data = json.loads((tmp_path / "chat.json").read_text(encoding="utf-8"))
+    assert data["messages"][1]["content"] == "Many experts."
+    assert [v["content"] for v in data["messages"][1]["other_versions"]] == ["Experts."]
+    save_as(tmp_path / "chat.txt")
+    chat.export_btn.click()
+    assert not (tmp_path / "chat.txt").exists() and "ending in .md" in chat.banner.text()
+
+
+def test_context_meter(chat):
+    conv = chat.c.new_conversation()
+    chat.c.store.add_message(conv.id, "user", "hi")
+    chat.c.store.add_message(conv.id, "assistant", "hello", stats={"prompt_tokens": 1000, "completion_tokens": 24})
+    chat.c.open(conv.id)
+    assert chat.context_label.text() == "Context 1,024 tokens"  # no engine: the context length is not known
+    chat.set_context_size(4096)
+    assert (chat.context_bar.value(), chat.context_bar.maximum()) == (1024, 4096)
+    assert chat.context_label.text() == "Context 1,024 / 4,096 tokens"
+    chat.c.new_conversation()
+    assert chat.context_label.text() == "Context 0 / 4,096 tokens"
+
+
 def test_send_without_engine_says_so(qtbot, tmp_path):
     ctl = ChatController(ChatStore(tmp_path / "c.db"), TaskManager(), lambda: None)
     errors = []
@@ -103,34 +167,80 @@ def test_logs_filter_and_copy(qtbot, tmp_path):
     assert "boom" in QApplication.clipboard().text()
 
 
+def _snap(t: float, requests: int, cache=None, vram=None, decode=5.0, prefill=None) -> dict:
+    last = {"ttft_s": 0.05, "prefill_tokens_per_s": prefill, "decode_tokens_per_s": decode} if prefill else {}
+    return {"schema": 1, "time": 100.0 + t, "engine": "hybrid" if cache else "llamacpp", "model": "m",
+            "requests": requests, "decode_tokens_per_s_now": decode, "last_request": last,
+            "ram_used_bytes": 1 << 30, "gpu_memory_used_bytes": vram, "cache": cache, "cpu_percent": 50.0}
+
+
+def _cache(slots: int = 2) -> dict:
+    return {"layers": [0, 1], "n_expert": 4, "slots_per_layer": slots, "gpu_hit": [6, 5], "uploaded": [1, 1],
+            "cpu_computed": [1, 2], "swaps": [0, 1], "bytes_uploaded": 2_000_000, "cpu_busy_s": 0.5,
+            "residency": [[0, 1, -1, -1], [-1, 0, 1, -1]] if slots else [[-1] * 4] * 2,
+            "heat": [[1.0, 0.5, 0.0, 0.2]] * 2, "load_mode": "none", "miss_fraction": 0.2421875,
+            "miss_fraction_tuning": {"upload_s": 8e-5, "cpu_s": 1.4e-4, "fraction": 0.64}}
+
+
+def _shown(d: DashboardWidget) -> set[str]:
+    return {name for name, w in d.panels.items() if w.isVisibleTo(d)}
+
+
 def test_dashboard_without_expert_cache_says_so(qtbot):
     d = DashboardWidget()
     qtbot.addWidget(d)
     d.show()
     for t in range(3):
-        d.ingest({"schema": 1, "time": 100.0 + t, "engine": "llamacpp", "model": "m", "requests": t,
-                  "decode_tokens_per_s_now": 5.0 + t, "last_request": {}, "ram_used_bytes": 1 << 30,
-                  "gpu_memory_used_bytes": None, "cache": None, "cpu_percent": 50.0})
+        d.ingest(_snap(t, t, decode=5.0 + t))
     d.redraw()
-    assert all(s.currentIndex() == 1 for s in d.cache_stacks)
-    assert "No expert cache" in d.cache_stacks[0].currentWidget().text()
+    assert d.mode == "no_cache" and _shown(d) == {"decode", "prefill", "memory", "cpu"}
+    assert "llama.cpp engine" in d.mode_note.text() and d.mode_note.isVisibleTo(d)
     assert list(d.decode_curve.getData()[1]) == [5.0, 6.0, 7.0]
     assert d.hit_curves[0].getData()[1] is None or len(d.hit_curves[0].getData()[1]) == 0
-    assert "no expert cache" in d.summary.text()
+    assert "resident" not in d.summary.text() and "VRAM" not in d.summary.text()
+
+
+def test_dashboard_cpu_only_mode_shows_heat_cpu_and_ram_and_says_why(qtbot):
+    d = DashboardWidget()
+    qtbot.addWidget(d)
+    d.show()
+    d.ingest(_snap(0, 0, cache=_cache(slots=0)))
+    d.ingest(_snap(1, 1, cache=_cache(slots=0)))
+    d.redraw()
+    assert d.mode == "cpu" and _shown(d) == {"decode", "prefill", "cpu", "memory", "heat"}
+    assert "no GPU is in use" in d.mode_note.text() and d.mode_note.isVisibleTo(d)
+    assert "Expert heat" in d.heat_plot.getPlotItem().titleLabel.text
+    assert d.image.image.shape == (2, 4) and (d.image.image < 128).all()  # nothing resident: the RAM colours
+    assert not d.vram_curve.isVisible() and "VRAM" not in d.summary.text()
+    assert "CPU expert pool busy 0.50 s" in d.summary.text() and "hit rate" not in d.summary.text()
+    # a GPU appears (another engine start): the GPU panels come back
+    d.ingest(_snap(2, 2, cache=_cache(), vram=1 << 29))
+    d.redraw()
+    assert d.mode == "gpu" and _shown(d) == set(d.panels) and not d.mode_note.isVisibleTo(d)
+    assert d.vram_curve.isVisible() and "VRAM 0.50 GiB" in d.summary.text()
+
+
+def test_decode_and_prefill_have_separate_axes(qtbot):
+    d = DashboardWidget()
+    qtbot.addWidget(d)
+    d.show()
+    for t in range(4):  # prefill ~1,600 tok/s, decode ~60: each plot scales to its own numbers
+        d.ingest(_snap(t, t, decode=58.0 + t, prefill=1600.0 + 10 * t))
+    d.redraw()
+    assert list(d.prefill_curve.getData()[1]) == [1610.0, 1620.0, 1630.0]
+    assert d.prefill_curve.getViewBox() is not d.decode_curve.getViewBox()
+    for plot in (d.decode_plot, d.prefill_plot):
+        plot.getPlotItem().getViewBox().updateAutoRange()
+    (_, decode_top) = d.decode_plot.getPlotItem().viewRange()[1]
+    (prefill_low, _) = d.prefill_plot.getPlotItem().viewRange()[1]
+    assert decode_top < 100 and prefill_low > 1000
 
 
 def test_dashboard_summary_reports_the_measured_miss_split(qtbot):
     d = DashboardWidget()
     qtbot.addWidget(d)
     d.show()
-    cache = {"layers": [0, 1], "n_expert": 4, "slots_per_layer": 2, "gpu_hit": [6, 5], "uploaded": [1, 1],
-             "cpu_computed": [1, 2], "swaps": [0, 1], "bytes_uploaded": 2_000_000, "cpu_busy_s": 0.5,
-             "residency": [[0, 1, -1, -1], [-1, 0, 1, -1]], "heat": [[1.0, 0.5, 0.0, 0.2]] * 2,
-             "load_mode": "none", "miss_fraction": 0.2421875,
-             "miss_fraction_tuning": {"upload_s": 8e-5, "cpu_s": 1.4e-4, "fraction": 0.64}}
-    d.ingest({"schema": 1, "time": 100.0, "engine": "hybrid", "model": "m", "requests": 1,
-              "decode_tokens_per_s_now": 5.0, "last_request": {}, "ram_used_bytes": 1 << 30,
-              "gpu_memory_used_bytes": 1 << 29, "cache": cache, "cpu_percent": 50.0})
+    d.ingest(_snap(0, 1, cache=_cache(), vram=1 << 29))
     d.redraw()
     assert "misses uploaded 24% (measured); experts read from pinned RAM" in d.summary.text()
     assert "hit rate since start 68.8%" in d.summary.text()
