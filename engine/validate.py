@@ -12,7 +12,6 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
-import torch
 
 from engine.errors import UserError
 
@@ -68,7 +67,9 @@ def compare(ref, logits: np.ndarray, experts: np.ndarray, tie_gap: float = 1e-3)
 
 def engine_run(model, tokens: list[int]) -> tuple[np.ndarray, np.ndarray]:
     """Logits and routed experts of this engine's model over `tokens` in one forward."""
-    seen: dict[int, torch.Tensor] = {}
+    import torch
+
+    seen: dict[int, "torch.Tensor"] = {}
     executor = model.experts
 
     def recording(layer, x, ids, weights):
