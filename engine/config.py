@@ -58,9 +58,7 @@ class Config:
             value = getattr(self, f.name)
             if value is not None:
                 object.__setattr__(self, f.name, _parse(f.name, value))
-        if self.moe_expert_cache_size != "auto" and self.moe_expert_cache_mib is not None:
-            raise UserError("give the expert cache as a slot count (moe_expert_cache_size) "
-                            "or in MiB (moe_expert_cache_mib), not both")
+        check_expert_cache(self.moe_expert_cache_size, self.moe_expert_cache_mib)
 
     @property
     def miss_fraction(self) -> float | None:
@@ -73,6 +71,14 @@ class Config:
         d = dataclasses.asdict(self)
         d["api_key"] = "***" if self.api_key else None
         return d
+
+
+def check_expert_cache(moe_expert_cache_size: str | int | None, moe_expert_cache_mib: int | None) -> None:
+    """The one check across the two ways to size the expert cache (each field's parser refuses
+    negatives); the engine's settings pass through it as well (engine/runtime/engine.EngineConfig)."""
+    if moe_expert_cache_size not in (None, "auto") and moe_expert_cache_mib is not None:
+        raise UserError("give the expert cache as a slot count (moe_expert_cache_size) "
+                        "or in MiB (moe_expert_cache_mib), not both")
 
 
 # ---- field parsers: each takes a TOML value or a command-line string -----------------------
@@ -124,6 +130,15 @@ def _fraction(v: Any) -> str | float:
     if not 0.0 <= f <= 1.0:
         raise ValueError("'auto' or a number in [0, 1]")
     return f
+
+
+def resolve_device(device: str) -> str:
+    """The torch device a `device` setting names: auto is cuda when torch sees a GPU, else cpu."""
+    if device != "auto":
+        return device
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def _device(v: Any) -> str:

@@ -91,7 +91,7 @@ def test_wizard_to_started_engine(studio, monkeypatch):
     kv_row = names.index("KV cache")
     kv_before, n = plan.table.item(kv_row, 1).text(), plan.reprices
     plan.ctx.setValue(768)  # re-priced live: the KV cache line follows the context
-    wait_until(lambda: plan.reprices > n and plan.plan["options"]["ctx"] == 768, 10, "the re-priced plan")
+    wait_until(lambda: plan.reprices > n and plan.plan["settings"]["ctx"] == 768, 10, "the re-priced plan")
     assert plan.table.item(kv_row, 1).text() != kv_before and "768 tokens" in plan.table.item(kv_row, 3).text()
     # an over-budget plan (the real planner, for an assumed 64 MiB GPU) is warned about before going on
     n = plan.reprices

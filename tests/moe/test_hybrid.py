@@ -129,7 +129,8 @@ def test_counters_and_residency_reach_the_telemetry_snapshot(make_model, prompt_
     from engine.layers.sampler import SamplingParams
 
     path = make_model("qwen3moe", QT.Q4_K)
-    engine = Engine.load(path, EngineConfig(expert_cache_size=4, miss_fraction=0.5, policy="occurrence"))
+    engine = Engine.load(path, EngineConfig(moe_expert_cache_size=4, moe_gpu_miss_fraction=0.5,
+                                            moe_profile_adapt="occurrence"))
     list(engine.generate(Request(prompt=prompt_text[:200], max_tokens=16, ignore_eos=True,
                                  sampling=SamplingParams(temperature=0))))
     snap = engine.telemetry.snapshot()

@@ -37,7 +37,7 @@ def test_cache_shrinks_when_slot_allocation_runs_out_of_memory(make_model, monke
 
     monkeypatch.setattr(slots_module.LayerSlots, "__init__", allocate)
     with pytest.warns(RuntimeWarning, match=r"out of GPU memory with 8 expert slots per layer; shrinking") as record:
-        engine = Engine.load(path, EngineConfig(expert_cache_size="all", n_ctx=256))
+        engine = Engine.load(path, EngineConfig(moe_expert_cache_size="all", n_ctx=256))
     assert shrunk_to(record) == ["6", "4", "3"]
     assert_generates_with(engine, slots_per_layer=3)
 
@@ -56,9 +56,9 @@ def test_auto_sized_cache_shrinks_when_too_little_memory_is_left_after_allocatin
         real_init(self, w, n_slots, n_staging, device, copier)
 
     monkeypatch.setattr(slots_module.LayerSlots, "__init__", allocate)
-    monkeypatch.setattr(budget, "slots_per_layer", lambda **_: 8)
+    monkeypatch.setattr(budget, "gpu_free_bytes", lambda device: 16 << 30)  # room for every expert; 1 GiB headroom
     monkeypatch.setattr(budget, "free_after_allocation",
-                        lambda device, vram_budget_mib, pending_bytes: 2**30 if allocated[-1] <= 4 else 100 * 2**20)
+                        lambda device, budget_bytes, pending_bytes: 2**30 if allocated[-1] <= 4 else 100 * 2**20)
     with pytest.warns(RuntimeWarning, match=r"only 100 MiB of GPU memory left with 8 expert slots per layer; "
                                             r"shrinking the expert cache to 6") as record:
         engine = Engine.load(path, EngineConfig(n_ctx=256))
@@ -70,7 +70,7 @@ def test_a_fixed_cache_size_is_not_second_guessed(make_model, monkeypatch):
     from engine.moe import budget
 
     monkeypatch.setattr(budget, "free_after_allocation", lambda *_: 0)
-    engine = Engine.load(make_model("qwen3moe"), EngineConfig(expert_cache_size=5, n_ctx=256))
+    engine = Engine.load(make_model("qwen3moe"), EngineConfig(moe_expert_cache_size=5, n_ctx=256))
     try:
         assert engine.telemetry.cache.slots_per_layer == 5
     finally:
@@ -85,7 +85,7 @@ def test_no_memory_at_all_is_an_error_not_a_loop(make_model, monkeypatch):
 
     monkeypatch.setattr(slots_module.LayerSlots, "__init__", allocate)
     with pytest.warns(RuntimeWarning, match="shrinking"), pytest.raises(torch.OutOfMemoryError):
-        Engine.load(path, EngineConfig(expert_cache_size=2, n_ctx=256))
+        Engine.load(path, EngineConfig(moe_expert_cache_size=2, n_ctx=256))
 
 
 @pytest.mark.gpu
