@@ -59,9 +59,9 @@ class EngineConfig:
 
     @classmethod
     def from_settings(cls, settings: Config, device: str, **overrides: Any) -> EngineConfig:
-        """The engine's part of the user's settings, on a resolved torch `device`."""
-        return cls(device=device, n_ctx=settings.ctx, **{name: getattr(settings, name) for name in SHARED_SETTINGS},
-                   **overrides)
+        """The engine's part of the user's settings, on a resolved torch `device`; `overrides` win."""
+        shared = {name: getattr(settings, name) for name in SHARED_SETTINGS}
+        return cls(**{"device": device, "n_ctx": settings.ctx, **shared, **overrides})
 
 
 @dataclass
