@@ -58,7 +58,11 @@ class Config:
             value = getattr(self, f.name)
             if value is not None:
                 object.__setattr__(self, f.name, _parse(f.name, value))
-        check_expert_cache(self.moe_expert_cache_size, self.moe_expert_cache_mib)
+        # The one check across the two ways to size the cache (each field's parser refuses
+        # negatives); the engine's settings pass through here too (runtime/engine.EngineConfig).
+        if self.moe_expert_cache_size != "auto" and self.moe_expert_cache_mib is not None:
+            raise UserError("give the expert cache as a slot count (moe_expert_cache_size) "
+                            "or in MiB (moe_expert_cache_mib), not both")
 
     @property
     def miss_fraction(self) -> float | None:
@@ -71,14 +75,6 @@ class Config:
         d = dataclasses.asdict(self)
         d["api_key"] = "***" if self.api_key else None
         return d
-
-
-def check_expert_cache(moe_expert_cache_size: str | int | None, moe_expert_cache_mib: int | None) -> None:
-    """The one check across the two ways to size the expert cache (each field's parser refuses
-    negatives); the engine's settings pass through it as well (engine/runtime/engine.EngineConfig)."""
-    if moe_expert_cache_size not in (None, "auto") and moe_expert_cache_mib is not None:
-        raise UserError("give the expert cache as a slot count (moe_expert_cache_size) "
-                        "or in MiB (moe_expert_cache_mib), not both")
 
 
 # ---- field parsers: each takes a TOML value or a command-line string -----------------------

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine.config import check_expert_cache
 from engine.plan.geometry import Geometry
 
 MIB = 1 << 20
@@ -71,12 +70,12 @@ class Placement:
 
 
 def place(g: Geometry, gpu_free_bytes: int | None, *, ctx: int, prefill_chunk: int,
-          moe_expert_cache_size: str | int | None, moe_expert_cache_mib: int | None,
+          moe_expert_cache_size: str | int, moe_expert_cache_mib: int | None,
           vram_budget_mib: int | None, miss_fraction: float, kv_type: str = "f32") -> Placement:
     """`gpu_free_bytes` is what the GPU has free before this engine allocates anything (None: no
     GPU, so no auto-sized slots: every expert then runs in ggml's CPU pool). `miss_fraction` is
-    resolved (given, or measured/estimated for auto): it sizes the staging slots."""
-    check_expert_cache(moe_expert_cache_size, moe_expert_cache_mib)
+    resolved (given, or measured/estimated for auto): it sizes the staging slots. The settings
+    come checked from engine/config.Config (an EngineConfig passes through it too)."""
     ctx = resolve_ctx(ctx, g.n_ctx_train)
     layers = len(g.moe_layers)
     per_slot = g.expert_bytes * layers  # one slot in every MoE layer
@@ -92,7 +91,7 @@ def place(g: Geometry, gpu_free_bytes: int | None, *, ctx: int, prefill_chunk: i
         slots = min(g.n_expert, moe_expert_cache_mib * MIB // per_slot)
     elif moe_expert_cache_size == "all":
         slots = g.n_expert
-    elif moe_expert_cache_size not in (None, "auto"):
+    elif moe_expert_cache_size != "auto":
         slots = min(int(moe_expert_cache_size), g.n_expert)
     elif gpu_free_bytes is None:
         slots = 0
