@@ -17,12 +17,13 @@ import torch
 
 def run(model: Path, budget: int | None, tokens: int, load_mode: str, out: Path, threads: int, profile: bool,
         cache: str = "auto") -> dict:
+    from engine.moe.hybrid import attach_hybrid
     from engine.runtime.engine import Engine, EngineConfig
 
     t0 = time.perf_counter()
     engine = Engine.load(model, EngineConfig(device="cuda", n_ctx=tokens + 64, threads=threads,
                                              vram_budget_mib=budget, load_mode=load_mode,
-                                             moe_expert_cache_size=cache))
+                                             moe_expert_cache_size=cache), attach_experts=attach_hybrid)
     load_s = time.perf_counter() - t0
     m, kv = engine.model, engine.cache
     hybrid = m.experts

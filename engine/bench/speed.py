@@ -89,6 +89,8 @@ def run_engine(path: Path, prompt: list[int], stream: list[int], *, device: str,
                cache: str, threads: int, load_mode: str = "auto") -> dict:
     import torch
 
+    from engine.moe.hybrid import attach_hybrid
+
     from engine.runtime.engine import Engine, EngineConfig
 
     dev = torch.device(device)
@@ -96,7 +98,7 @@ def run_engine(path: Path, prompt: list[int], stream: list[int], *, device: str,
         torch.cuda.reset_peak_memory_stats(dev)
     engine = Engine.load(path, EngineConfig(device=device, n_ctx=len(prompt) + len(stream) + 8, threads=threads,
                                             moe_expert_cache_size=cache, vram_budget_mib=budget_mib,
-                                            load_mode=load_mode))
+                                            load_mode=load_mode), attach_experts=attach_hybrid)
     model, kv = engine.model, engine.cache
     sync = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else (lambda: None)
     model.forward(torch.tensor(prompt[:8]), kv, 0)  # warm-up: kernels, pools...

@@ -63,6 +63,8 @@ class _Layer:
 class HybridExperts:
     """Drop-in for DecoderModel.experts (see engine/layers/moe.Experts)."""
 
+    kind = "hybrid"  # the engine's name in the telemetry
+
     def __init__(self, expert_weights: dict[int, ExpertWeights], device: torch.device | str,
                  options: HybridOptions, pool: CpuExpertPool | None = None):
         self.device = torch.device(device)

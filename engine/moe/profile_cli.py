@@ -7,10 +7,16 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
+from engine.config import add_arguments, from_args, resolve_device
 from engine.errors import UserError
 
 if TYPE_CHECKING:
     from engine.moe.profile import Corpus, ExpertProfile, ModelIdentity
+
+
+# The engine settings a collection runs with: serve's flags, names and defaults.
+COLLECT_SETTINGS = ("ctx", "threads", "device", "prefill_chunk", "moe_expert_cache_size", "moe_expert_cache_mib",
+                    "moe_gpu_miss_fraction", "load_mode", "vram_budget_mib")
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -26,8 +32,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    '"prompt"|"prompt_file"|"messages", "max_tokens"}]}')
     c.add_argument("-o", "--output", required=True, type=Path, help="profile to write: .gguf or .strp")
     c.add_argument("--slots", type=int, help="STRP only: the cache size the ranking is for (ranks at most N)")
-    c.add_argument("--device", default="cpu")
-    c.add_argument("-c", "--ctx", type=int, default=4096, help="context length (default 4096)")
+    add_arguments(c, COLLECT_SETTINGS)
     c.set_defaults(run=_collect)
 
     s = psub.add_parser("show", help="print a profile's geometry, identity and hottest experts")
@@ -51,13 +56,16 @@ def _open_model(path: Path):
 
 
 def _collect(args: argparse.Namespace) -> int:
+    from engine.moe.hybrid import attach_hybrid
     from engine.moe.profile import ModelIdentity, load_corpus, profile_format, save_profile
     from engine.runtime.engine import Engine, EngineConfig
 
     profile_format(args.output, args.slots)  # refuse a bad output before hours of generation
     corpus = load_corpus(args.corpus)
     identity = ModelIdentity.of(_open_model(args.model))
-    engine = Engine.load(args.model, EngineConfig(device=args.device, n_ctx=args.ctx))
+    settings = from_args(args)
+    engine = Engine.load(args.model, EngineConfig.from_settings(settings, resolve_device(settings.device)),
+                         attach_experts=attach_hybrid)
 
     def progress(done: int, total: int, family: str) -> None:
         print(f"profile: {done}/{total} requests done ({family})", file=sys.stderr, flush=True)
@@ -125,7 +133,7 @@ def _convert(args: argparse.Namespace) -> int:
     return 0
 
 
-# ---- collection (the engine's generations scored into a profile) ---------------------------------------------------------------------------------
+# ---- collection (the engine's generations scored into a profile) ----------------------------------
 
 Progress = Callable[[int, int, str], None]  # (requests done, total, family of the last one)
 

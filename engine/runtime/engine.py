@@ -1,6 +1,6 @@
 """The engine's Python API: load a GGUF once, then stream generations from it.
 
-    engine = Engine.load("model.gguf", EngineConfig(device="cuda"))
+    engine = Engine.load("model.gguf", EngineConfig(device="cuda"), attach_experts=attach_hybrid)
     for event in engine.generate(Request(messages=[{"role": "user", "content": "Hi"}])):
         ...
 
@@ -26,6 +26,9 @@ from engine.runtime.telemetry import Telemetry
 from engine.runtime.tokenizer import Tokenizer
 
 Progress = Callable[[str, float], None]  # (stage, fraction 0..1)
+# Replaces a built model's `experts` (engine/layers/moe.Experts) and returns the executor, which
+# names its `kind` and carries `counters` for the telemetry: engine/moe/hybrid.attach_hybrid.
+AttachExperts = Callable[[Any, "EngineConfig"], Any]
 
 
 # The settings the engine shares with engine/config.Config: same names, defaults and checks.
@@ -40,10 +43,6 @@ class EngineConfig:
     n_ctx: int = Config.ctx  # Config's `ctx`: 0 is the model's training length
     threads: int | None = Config.threads
     prefill_chunk: int = Config.prefill_chunk
-    # Expert execution. "reference": every expert dequantized on `device` (the exactness
-    # baseline). "hybrid": resident experts in slots on `device`, misses on the ggml CPU pool
-    # (with cache size 0 on a CPU-only machine this is the fast CPU path).
-    experts: str = "hybrid"
     moe_expert_cache_size: str | int = Config.moe_expert_cache_size
     moe_expert_cache_mib: int | None = Config.moe_expert_cache_mib
     moe_gpu_miss_fraction: str | float = Config.moe_gpu_miss_fraction
@@ -153,7 +152,11 @@ class Engine:
         self.telemetry = Telemetry("moestudio", tokenizer.path.name)
 
     @classmethod
-    def load(cls, path: str | Path, config: EngineConfig = EngineConfig(), progress: Progress | None = None) -> "Engine":
+    def load(cls, path: str | Path, config: EngineConfig = EngineConfig(), progress: Progress | None = None,
+             attach_experts: AttachExperts | None = None) -> "Engine":
+        """Without `attach_experts` the model keeps its reference expert executor (every expert
+        dequantized on the device: the exactness baseline); callers pass the hybrid executor's
+        (engine/moe/hybrid.attach_hybrid), which the runtime does not import."""
         from engine.models import build_model
 
         report = progress or (lambda stage, fraction: None)
@@ -161,19 +164,15 @@ class Engine:
             torch.set_num_threads(config.threads)
         report("reading model", 0.0)
         model = build_model(path, config.device)
-        hybrid = None
-        if config.experts == "hybrid":
-            from engine.moe.hybrid import attach_hybrid
-
+        executor = None
+        if attach_experts is not None:
             report("filling the expert cache", 0.5)
-            hybrid = attach_hybrid(model, config)
-        elif config.experts != "reference":
-            raise UserError(f"unknown expert execution {config.experts!r} (hybrid or reference)")
+            executor = attach_experts(model, config)
         report("loading tokenizer", 0.9)
         engine = cls(model, Tokenizer(path), config)
-        if hybrid is not None:
-            engine.telemetry.engine = "hybrid"
-            engine.telemetry.cache = hybrid.counters
+        if executor is not None:
+            engine.telemetry.engine = executor.kind
+            engine.telemetry.cache = executor.counters
         report("ready", 1.0)
         return engine
 

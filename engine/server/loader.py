@@ -65,10 +65,11 @@ def _threads(cfg: Config) -> int:
 
 
 def _hybrid(cfg: Config, progress: Progress):
+    from engine.moe.hybrid import attach_hybrid
     from engine.runtime.engine import Engine, EngineConfig
 
-    config = EngineConfig.from_settings(cfg, resolve_device(cfg.device), threads=_threads(cfg), experts="hybrid")
-    return Engine.load(cfg.model, config, progress)
+    config = EngineConfig.from_settings(cfg, resolve_device(cfg.device), threads=_threads(cfg))
+    return Engine.load(cfg.model, config, progress, attach_experts=attach_hybrid)
 
 
 def _n_cpu_moe(cfg: Config) -> int:

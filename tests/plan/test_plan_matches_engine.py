@@ -12,6 +12,7 @@ from engine.plan.geometry import read_geometry
 from engine.plan.planner import make_plan
 from engine.plan.probe import GpuInfo, Hardware
 from engine.plan.sizing import resolve_ctx, workspace_bytes
+from engine.moe.hybrid import attach_hybrid
 from engine.runtime.engine import Engine, EngineConfig
 
 MIB = 1 << 20
@@ -45,7 +46,8 @@ def swept(tiny):
                         settings = Config(ctx=ctx, vram_budget_mib=budget_mib, moe_gpu_miss_fraction=fraction,
                                           threads=1)
                         planned = make_plan(_machine(free), g, settings).expert_cache["slots_per_layer"]
-                        engine = Engine.load(tiny, EngineConfig.from_settings(settings, "cpu"))
+                        engine = Engine.load(tiny, EngineConfig.from_settings(settings, "cpu"),
+                                             attach_experts=attach_hybrid)
                         try:
                             allocated = engine.telemetry.cache.slots_per_layer
                         finally:
