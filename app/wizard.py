@@ -246,7 +246,8 @@ class PlanPage(QWizardPage):
         for w in (self.ctx, self.cache, self.threads):
             w.valueChanged.connect(self._changed)
         self.miss.valueChanged.connect(self._changed)
-        for cb, spin in ((self.cache_auto, self.cache), (self.threads_auto, self.threads), (self.miss_auto, self.miss)):
+        for cb, spin in ((self.cache_auto, self.cache), (self.threads_auto, self.threads),
+                         (self.miss_auto, self.miss)):
             cb.toggled.connect(lambda on, s=spin: (s.setEnabled(not on), self._changed()))
             spin.setEnabled(False)
         self._model: str | None = None
@@ -273,8 +274,8 @@ class PlanPage(QWizardPage):
     def _reprice(self) -> None:
         if self._rid is not None:
             self.service.forget(self._rid)  # only the newest answer matters
-        self._rid = self.service.request("plan", self._show, self._failed, model=self._model, settings=self.config_values(),
-                                         assume_gpu_mib=self.assume_gpu_mib)
+        self._rid = self.service.request("plan", self._show, self._failed, model=self._model,
+                                         settings=self.config_values(), assume_gpu_mib=self.assume_gpu_mib)
 
     def _failed(self, err: str) -> None:
         self.plan = None

@@ -8,13 +8,14 @@ import argparse
 import sys
 from pathlib import Path
 
+from engine.config import add_arguments, from_args
+
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("chat", help="chat in the terminal (llama.cpp engine; default: the demo model)")
     p.add_argument("model", nargs="?", type=Path, help="GGUF model (default: the random-weight demo model)")
     p.add_argument("--max-tokens", type=int, default=128)
-    p.add_argument("-c", "--ctx", type=int, default=2048)
-    p.add_argument("-t", "--threads", type=int, default=None)
+    add_arguments(p, ("ctx", "threads"))
     p.set_defaults(run=run)
 
 
@@ -22,7 +23,8 @@ def run(args: argparse.Namespace) -> int:
     from engine.baseline.llama_load import open_llama
     from engine.gguf.check import open_model
 
-    model = args.model
+    settings = from_args(args)
+    model = settings.model
     if model is None:
         from engine.synth.demo import demo_model_path
 
@@ -30,7 +32,7 @@ def run(args: argparse.Namespace) -> int:
         print("Preparing the demo model (random weights: its replies are gibberish)…", file=sys.stderr)
         model = demo_model_path()
     open_model(model, require_moe=False)  # the bounded checks first: llama.cpp aborts on some corrupt files
-    llm = open_llama(model, n_ctx=args.ctx, n_threads=args.threads)
+    llm = open_llama(model, n_ctx=settings.ctx, n_threads=settings.threads)
     print(f"Model: {model}\nType a message; Ctrl-D quits.", file=sys.stderr)
     history: list[dict[str, str]] = []
     interactive = sys.stdin.isatty()

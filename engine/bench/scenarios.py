@@ -78,6 +78,7 @@ def run(args: argparse.Namespace) -> int:
     from engine.bench.speed import bench
 
     out: Path = args.dir
+    device = resolve_device(args.device)
     out.mkdir(parents=True, exist_ok=True)
     results_path = out / "results.json"
     results = json.loads(results_path.read_text()) if results_path.exists() else {}
@@ -98,7 +99,7 @@ def run(args: argparse.Namespace) -> int:
                 wanted = tuple(r for r in runs if i == 0 or r in ("hybrid", "llama-split"))  # budget-free runs once
                 if phase == "engine" and s is scenarios[0] and i == 0:
                     wanted += ("hybrid-mmap",)  # the memory map against the default's pinned copies, once
-                res = bench(path, budget, device=resolve_device(args.device), threads=args.threads, n_prompt=args.prompt_tokens,
+                res = bench(path, budget, device=device, threads=args.threads, n_prompt=args.prompt_tokens,
                             n_decode=args.decode_tokens, runs=wanted, result=results.get(key))
                 res["scenario"] = {"label": s.label, "geometry": s.geometry, "routing": s.routing, "budget_gib": gib,
                                    "layers": s.layers}

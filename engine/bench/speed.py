@@ -90,7 +90,6 @@ def run_engine(path: Path, prompt: list[int], stream: list[int], *, device: str,
     import torch
 
     from engine.moe.hybrid import attach_hybrid
-
     from engine.runtime.engine import Engine, EngineConfig
 
     dev = torch.device(device)

@@ -17,8 +17,8 @@ from engine.errors import UserError
 from engine.gguf.reader import ModelFile
 from engine.moe.profile import (MAX_REQUESTS, ExpertProfile, ModelIdentity, load_corpus,
                                 load_profile, read_profile, read_strp, save_profile)
-from engine.moe.profile_cli import collect_profile
 from engine.moe.hybrid import attach_hybrid
+from engine.moe.profile_cli import collect_profile
 from engine.runtime.engine import Engine, EngineConfig
 from engine.synth.corpus import stdlib_text
 

@@ -8,11 +8,11 @@ import pytest
 
 from engine.config import Config
 from engine.moe import budget
+from engine.moe.hybrid import attach_hybrid
 from engine.plan.geometry import read_geometry
 from engine.plan.planner import make_plan
 from engine.plan.probe import GpuInfo, Hardware
 from engine.plan.sizing import resolve_ctx, workspace_bytes
-from engine.moe.hybrid import attach_hybrid
 from engine.runtime.engine import Engine, EngineConfig
 
 MIB = 1 << 20
