@@ -2,7 +2,7 @@
 
 Building the parser imports only the commands' light modules (argparse, the config schema):
 `--help`, `--version` and usage errors answer in a fraction of a second, and each command
-imports torch, llama.cpp or Qt inside its `run` (tests/test_cli.py holds this).
+imports torch, llama.cpp or Qt inside its `run` (tests/cli/test_command_line.py holds this).
 """
 from __future__ import annotations
 
