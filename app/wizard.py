@@ -17,7 +17,7 @@ from PySide6.QtWidgets import (QCheckBox, QComboBox, QDoubleSpinBox, QFileDialog
                                QProgressBar, QPushButton, QSpinBox, QTableWidget, QTableWidgetItem,
                                QVBoxLayout, QWidget, QWizard, QWizardPage)
 
-from engine.config import ENGINES, Config, to_toml
+from engine.config import ENGINES, FIELDS, Config, to_toml
 
 from app.plan_service import PlanService
 
@@ -215,11 +215,11 @@ class PlanPage(QWizardPage):
         self.miss_auto.setChecked(True)
         self.miss = QDoubleSpinBox(minimum=0.0, maximum=1.0, singleStep=0.01, decimals=3)
         form = QFormLayout()
-        form.addRow("Engine", self.engine)
-        form.addRow("Context (tokens)", self.ctx)
-        form.addRow("Expert cache (slots per layer)", _pair(self.cache, self.cache_auto))
-        form.addRow("CPU threads", _pair(self.threads, self.threads_auto))
-        form.addRow("Miss fraction uploaded", _pair(self.miss, self.miss_auto))
+        form.addRow(FIELDS["engine"].label, self.engine)
+        form.addRow(FIELDS["ctx"].label, self.ctx)
+        form.addRow(FIELDS["moe_expert_cache_size"].label, _pair(self.cache, self.cache_auto))
+        form.addRow(FIELDS["threads"].label, _pair(self.threads, self.threads_auto))
+        form.addRow(FIELDS["moe_gpu_miss_fraction"].label, _pair(self.miss, self.miss_auto))
         self.table = QTableWidget(0, 4)
         self.table.setHorizontalHeaderLabels(["", "size", "where", "why"])
         self.table.verticalHeader().setVisible(False)
