@@ -20,7 +20,7 @@ from engine.plan.geometry import KV_BYTES, Geometry
 from engine.plan.probe import GpuInfo, Hardware
 from engine.plan.sizing import MIB, balanced_fraction, place, resolve_ctx, workspace_bytes
 
-SCHEMA = 2  # 2: "settings" are the Config the plan was made for; staging and headroom sized as the engine does
+SCHEMA = 2  # 2: "options" hold the planner's assumptions only; staging and headroom sized as the engine does
 # Assumed bandwidths (GB/s), used when nothing better is known; each can be overridden.
 DEFAULT_RAM_GBS = 40.0  # dual-channel DDR4-3200 peaks at 51 GB/s; a CPU pool reaches ~80% of it
 PCIE_LANE_GBS = {1: 0.25, 2: 0.5, 3: 0.985, 4: 1.969, 5: 3.938, 6: 7.563}
@@ -162,8 +162,8 @@ def make_plan(hw: Hardware, g: Geometry, s: Config = Config(), o: PlanOptions = 
                  f"({o.kv_type})"),
         PlanLine("compute workspace", p.workspace_bytes, "gpu", f"estimate: logits, activations and attention scores "
                  f"of a {s.prefill_chunk}-token prefill chunk"),
-        PlanLine("upload staging", p.staging_bytes, "gpu", f"{p.staging_per_layer} slot{'s' * (p.staging_per_layer != 1)} "
-                 "per layer for the misses uploaded in a decode step"),
+        PlanLine("upload staging", p.staging_bytes, "gpu", f"{p.staging_per_layer} "
+                 f"slot{'s' * (p.staging_per_layer != 1)} per layer for the misses uploaded in a decode step"),
         PlanLine("headroom", p.headroom_bytes, "gpu", "left free for the CUDA context, allocator and other programs "
                  "(1 GiB, or an eighth of a smaller budget)"),
         PlanLine("expert cache", cache, "gpu", f"{slots} of {g.n_expert} experts per layer x {len(g.moe_layers)} layers "

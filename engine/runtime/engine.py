@@ -1,5 +1,7 @@
 """The engine's Python API: load a GGUF once, then stream generations from it.
 
+    from engine.moe.hybrid import attach_hybrid
+
     engine = Engine.load("model.gguf", EngineConfig(device="cuda"), attach_experts=attach_hybrid)
     for event in engine.generate(Request(messages=[{"role": "user", "content": "Hi"}])):
         ...
