@@ -1,15 +1,12 @@
 """The wizard's window into the engine's planner, without importing the engine here.
 
-The planner (engine/plan) is pure arithmetic, but importing it pulls in the GGUF reader and
-with it torch, which the app process must never load. So the wizard starts one helper
-process (`python -c HELPER`) that imports the planner once (a few seconds, while the user
-reads the hardware page) and then answers JSON requests line by line in milliseconds: the
-hardware probe, a model's summary and engine choice, the plan for given options (the same
-`make_plan` that `moestudio plan --json` prints), and writing the demo model with progress.
-That is what makes "re-priced live as values change" live rather than 4 s per keystroke.
+The planner (engine/plan) is pure arithmetic, but the model summary it gives imports the GGUF
+reader and the engine's support checks, which the app process must never load. So the wizard
+starts one helper process (`python -m engine.plan.service`) that imports them once and then
+answers JSON requests line by line in milliseconds. That is what makes "re-priced live as
+values change" live rather than 4 s per keystroke.
 """
 from __future__ import annotations
-
 
 import json
 import logging
@@ -23,82 +20,6 @@ from app.engine_manager import PROJECT_ROOT
 from app.logs import APP_LOG
 
 log = logging.getLogger(APP_LOG)
-
-HELPER = r'''
-import json, sys, traceback
-from dataclasses import replace
-out = sys.stdout
-sys.stdout = sys.stderr  # only answers go to the real stdout
-def send(obj):
-    out.write(json.dumps(obj) + "\n"); out.flush()
-send({"id": 0, "ok": True, "result": "starting"})
-from engine.errors import UserError
-from engine.plan.geometry import read_geometry
-from engine.plan.planner import PlanOptions, make_plan
-from engine.plan.probe import GpuInfo, probe_hardware
-hardware = None
-geometries = {}
-def hw():
-    global hardware
-    if hardware is None:
-        hardware = probe_hardware()
-    return hardware
-def geometry(path):
-    if path not in geometries:
-        geometries[path] = read_geometry(path)
-    return geometries[path]
-def model_info(path):
-    from collections import Counter
-    from engine.gguf.reader import ModelFile
-    from engine.server.loader import unsupported_reason
-    g = geometry(path)
-    mf = ModelFile.open(path)
-    types = Counter(t.qtype.name for t in mf.tensors.values())
-    expert_types = Counter(t.qtype.name for n, t in mf.tensors.items() if "_exps." in n)
-    problem = unsupported_reason(mf)
-    return {"geometry": g.to_json(), "quant_types": dict(types.most_common()),
-            "expert_quant_types": dict(expert_types.most_common()),
-            "engine": "llamacpp" if problem else "hybrid", "engine_reason": problem or
-            f"the MoE Studio engine supports {g.arch} and every tensor type of this file"}
-def plan(path, options, assume_gpu_mib=None):
-    h = hw()
-    if assume_gpu_mib:
-        h = replace(h, gpus=(GpuInfo(name=f"assumed GPU with {assume_gpu_mib} MiB",
-                                     total_bytes=assume_gpu_mib << 20, free_bytes=assume_gpu_mib << 20),))
-    g = geometry(path)
-    o = PlanOptions(**options)
-    return make_plan(h, g, o).to_json(h, g, o)
-def demo(rid):
-    from engine.synth.demo import demo_model_path
-    def progress(done, total, name):
-        send({"id": rid, "progress": [done, total, name]})
-    return str(demo_model_path(progress=progress))
-send({"id": 0, "ok": True, "result": "ready"})
-for line in sys.stdin:
-    try:
-        req = json.loads(line)
-    except ValueError:
-        continue
-    rid, op = req.get("id"), req.get("op")
-    try:
-        if op == "probe":
-            result = hw().to_json()
-        elif op == "model_info":
-            result = model_info(req["model"])
-        elif op == "plan":
-            result = plan(req["model"], req.get("options", {}), req.get("assume_gpu_mib"))
-        elif op == "demo":
-            result = demo(rid)
-        else:
-            raise ValueError(f"unknown op {op!r}")
-        send({"id": rid, "ok": True, "result": result})
-    except (UserError, ValueError, TypeError, OSError) as e:
-        send({"id": rid, "ok": False, "error": str(e)})
-    except Exception as e:
-        traceback.print_exc()
-        send({"id": rid, "ok": False, "error": f"{type(e).__name__}: {e}"})
-'''
-
 
 class PlanService(QObject):
     """Requests go out as JSON lines; answers come back to the callbacks on the GUI thread."""
@@ -129,7 +50,7 @@ class PlanService(QObject):
         proc.readyReadStandardError.connect(self._read_err)
         proc.finished.connect(self._finished)
         self._proc = proc
-        proc.start(sys.executable, ["-c", HELPER])
+        proc.start(sys.executable, ["-m", "engine.plan.service"])
 
     def request(self, op: str, on_done: Callable[[Any], None] | None = None,
                 on_error: Callable[[str], None] | None = None,

@@ -70,7 +70,7 @@ class SettingsPanel(QWidget):
         self.preset_label = QLabel()
         ef.addRow("Preset", self.preset_label)
         self.fields: dict[str, QWidget] = {}
-        for name, (_parser, short, help_text) in FIELDS.items():
+        for name, field in FIELDS.items():
             if name in APP_MANAGED:
                 continue
             if name in CHOICES:
@@ -79,7 +79,7 @@ class SettingsPanel(QWidget):
             else:
                 w = QLineEdit()
                 w.setPlaceholderText(_default_text(name))
-            w.setToolTip(f"{flag(name)}{' / ' + short if short else ''}: {help_text}")
+            w.setToolTip(f"{flag(name)}{' / ' + field.short if field.short else ''}: {field.help}")
             if name == "model":
                 row = QWidget()
                 rl = QHBoxLayout(row)
@@ -88,9 +88,9 @@ class SettingsPanel(QWidget):
                 browse.clicked.connect(self._browse)
                 rl.addWidget(w, 1)
                 rl.addWidget(browse)
-                ef.addRow(_label(name), row)
+                ef.addRow(field.label, row)
             else:
-                ef.addRow(_label(name), w)
+                ef.addRow(field.label, w)
             self.fields[name] = w
         self.error = QLabel()
         self.error.setObjectName("settingsError")
@@ -170,18 +170,6 @@ class SettingsPanel(QWidget):
         path, _ = QFileDialog.getOpenFileName(self, "Choose a GGUF model", "", "GGUF models (*.gguf);;All files (*)")
         if path:
             self.fields["model"].setText(path)
-
-
-LABELS = {"model": "Model", "engine": "Engine", "ctx": "Context (tokens)", "threads": "CPU threads",
-          "device": "Device", "moe_expert_cache_size": "Expert cache (slots per layer)",
-          "moe_expert_cache_mib": "Expert cache (MiB)", "moe_gpu_miss_fraction": "Miss fraction uploaded",
-          "moe_profile_adapt": "Expert cache policy", "moe_expert_profile": "Expert profile file",
-          "vram_budget_mib": "VRAM budget (MiB)", "load_mode": "Load mode", "prefill_chunk": "Prefill chunk (tokens)",
-          "n_cpu_moe": "llama.cpp: expert layers on CPU"}
-
-
-def _label(name: str) -> str:
-    return LABELS.get(name) or name.replace("_", " ").capitalize()
 
 
 def _default_text(name: str) -> str:

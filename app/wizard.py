@@ -17,7 +17,7 @@ from PySide6.QtWidgets import (QCheckBox, QComboBox, QDoubleSpinBox, QFileDialog
                                QProgressBar, QPushButton, QSpinBox, QTableWidget, QTableWidgetItem,
                                QVBoxLayout, QWidget, QWizard, QWizardPage)
 
-from engine.config import ENGINES, Config, to_toml
+from engine.config import ENGINES, FIELDS, Config, to_toml
 
 from app.plan_service import PlanService
 
@@ -211,13 +211,15 @@ class PlanPage(QWizardPage):
         self.threads_auto = QCheckBox("auto")
         self.threads_auto.setChecked(True)
         self.threads = QSpinBox(minimum=1, maximum=1024)
-        self.miss = QDoubleSpinBox(minimum=0.0, maximum=1.0, singleStep=0.01, decimals=3, value=0.17)
+        self.miss_auto = QCheckBox("auto")
+        self.miss_auto.setChecked(True)
+        self.miss = QDoubleSpinBox(minimum=0.0, maximum=1.0, singleStep=0.01, decimals=3)
         form = QFormLayout()
-        form.addRow("Engine", self.engine)
-        form.addRow("Context (tokens)", self.ctx)
-        form.addRow("Expert cache (slots per layer)", _pair(self.cache, self.cache_auto))
-        form.addRow("CPU threads", _pair(self.threads, self.threads_auto))
-        form.addRow("Miss fraction uploaded", self.miss)
+        form.addRow(FIELDS["engine"].label, self.engine)
+        form.addRow(FIELDS["ctx"].label, self.ctx)
+        form.addRow(FIELDS["moe_expert_cache_size"].label, _pair(self.cache, self.cache_auto))
+        form.addRow(FIELDS["threads"].label, _pair(self.threads, self.threads_auto))
+        form.addRow(FIELDS["moe_gpu_miss_fraction"].label, _pair(self.miss, self.miss_auto))
         self.table = QTableWidget(0, 4)
         self.table.setHorizontalHeaderLabels(["", "size", "where", "why"])
         self.table.verticalHeader().setVisible(False)
@@ -244,7 +246,8 @@ class PlanPage(QWizardPage):
         for w in (self.ctx, self.cache, self.threads):
             w.valueChanged.connect(self._changed)
         self.miss.valueChanged.connect(self._changed)
-        for cb, spin in ((self.cache_auto, self.cache), (self.threads_auto, self.threads)):
+        for cb, spin in ((self.cache_auto, self.cache), (self.threads_auto, self.threads),
+                         (self.miss_auto, self.miss)):
             cb.toggled.connect(lambda on, s=spin: (s.setEnabled(not on), self._changed()))
             spin.setEnabled(False)
         self._model: str | None = None
@@ -265,22 +268,14 @@ class PlanPage(QWizardPage):
             self.threads.setValue(hw.get("physical_cores", 1))
         self._reprice()
 
-    def options(self) -> dict[str, Any]:
-        o: dict[str, Any] = {"ctx": self.ctx.value(), "miss_fraction": round(self.miss.value(), 4)}
-        if not self.cache_auto.isChecked():
-            o["expert_cache_size"] = self.cache.value()
-        if not self.threads_auto.isChecked():
-            o["threads"] = self.threads.value()
-        return o
-
     def _changed(self, *_a) -> None:
         self._debounce.start()
 
     def _reprice(self) -> None:
         if self._rid is not None:
             self.service.forget(self._rid)  # only the newest answer matters
-        self._rid = self.service.request("plan", self._show, self._failed, model=self._model, options=self.options(),
-                                         assume_gpu_mib=self.assume_gpu_mib)
+        self._rid = self.service.request("plan", self._show, self._failed, model=self._model,
+                                         settings=self.config_values(), assume_gpu_mib=self.assume_gpu_mib)
 
     def _failed(self, err: str) -> None:
         self.plan = None
@@ -306,10 +301,16 @@ class PlanPage(QWizardPage):
         self.table.resizeColumnsToContents()
         self.table.horizontalHeader().setSectionResizeMode(3, QHeaderView.Stretch)
         self.table.resizeRowsToContents()
+        # An "auto" field shows the value the plan picked for it.
         if self.cache_auto.isChecked():
             self.cache.blockSignals(True)
             self.cache.setValue(int(plan["expert_cache"]["slots_per_layer"]))
             self.cache.blockSignals(False)
+        fraction = next((line["value"] for line in lines if line["name"] == "miss fraction"), None)
+        if self.miss_auto.isChecked() and fraction is not None:
+            self.miss.blockSignals(True)
+            self.miss.setValue(fraction)
+            self.miss.blockSignals(False)
         dec = plan["decode"]
         self.summary.setText(f"Plan: <b>{plan['mode'].upper()}</b>; predicted decode ceiling "
                              f"<b>{dec['tokens_per_s']:,} tokens/s</b> (memory-bandwidth bound; real speed is lower). "
@@ -331,12 +332,14 @@ class PlanPage(QWizardPage):
         return True
 
     def config_values(self) -> dict[str, Any]:
+        """The settings of these widgets (engine/config.Config fields): what the plan is priced for
+        and what the preset saves; a field left on auto is left out, so the engine decides."""
         v: dict[str, Any] = {"engine": self.engine.currentText(), "ctx": self.ctx.value()}
         if not self.cache_auto.isChecked():
             v["moe_expert_cache_size"] = self.cache.value()
         if not self.threads_auto.isChecked():
             v["threads"] = self.threads.value()
-        if abs(self.miss.value() - 0.17) > 1e-9:
+        if not self.miss_auto.isChecked():
             v["moe_gpu_miss_fraction"] = round(self.miss.value(), 4)
         return v
 

@@ -58,6 +58,8 @@ class Config:
             value = getattr(self, f.name)
             if value is not None:
                 object.__setattr__(self, f.name, _parse(f.name, value))
+        # The one check across the two ways to size the cache (each field's parser refuses
+        # negatives); the engine's settings pass through here too (runtime/engine.EngineConfig).
         if self.moe_expert_cache_size != "auto" and self.moe_expert_cache_mib is not None:
             raise UserError("give the expert cache as a slot count (moe_expert_cache_size) "
                             "or in MiB (moe_expert_cache_mib), not both")
@@ -126,50 +128,72 @@ def _fraction(v: Any) -> str | float:
     return f
 
 
+def resolve_device(device: str) -> str:
+    """The torch device a `device` setting names: auto is cuda when torch sees a GPU, else cpu."""
+    if device != "auto":
+        return device
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
 def _device(v: Any) -> str:
     if not isinstance(v, str) or not re.fullmatch(r"auto|cpu|cuda(:\d+)?", v):
         raise ValueError("auto, cpu, cuda or cuda:N")
     return v
 
 
-# name -> (parser, short flag or None, help)
-FIELDS: dict[str, tuple[Callable[[Any], Any], str | None, str]] = {
-    "model": (_text, None, "GGUF model file"),
-    "engine": (_choice(ENGINES), None, "hybrid (this engine), llamacpp, or auto: hybrid when it supports "
-               "the model's architecture and quant types (default: auto)"),
-    "host": (_text, None, "address to listen on (default: 127.0.0.1; others need --api-key)"),
-    "port": (_int(0, 65535), None, "TCP port (default: 8080; 0 picks a free one)"),
-    "api_key": (_text, None, f"require this key (Bearer or x-api-key) on every endpoint but /health; "
-                f"or set {API_KEY_ENV}"),
-    "ctx": (_int(0), "-c", "context length in tokens (default: 4096; 0 = the model's training length)"),
-    "threads": (_int(1), "-t", "CPU threads (default: the physical cores)"),
-    "device": (_device, None, "compute device: auto, cpu, cuda, cuda:N (default: auto)"),
-    "moe_expert_cache_size": (_word_or_int(("auto", "all")), None,
-                              "expert slots per layer on the GPU: N, all, or auto (from the memory plan)"),
-    "moe_expert_cache_mib": (_int(0), None, "expert cache size in MiB, split over the layers"),
-    "moe_gpu_miss_fraction": (_fraction, None, "share of expert misses uploaded to the GPU instead of "
-                              "computed on the CPU: auto (measured at load) or 0..1"),
-    "moe_profile_adapt": (_choice(POLICIES), None, "expert cache policy (default: occurrence)"),
-    "moe_expert_profile": (_text, None, "expert profile (GGUF or STRP) to fill the cache from"),
-    "vram_budget_mib": (_int(1), None, "use at most this much VRAM (MiB), e.g. to emulate a smaller GPU"),
-    "load_mode": (_choice(LOAD_MODES), None, "mmap: experts read from the memory-mapped file; none: copied into "
-                  "pinned RAM at load (2.4x faster decode on the H200: uploads are true DMA); auto (default): "
-                  "none on a GPU when the experts take at most half the free RAM, else mmap"),
-    "prefill_chunk": (_int(1), None, "prompt tokens per forward pass (default: 512)"),
-    "n_cpu_moe": (_word_or_int(("auto",)), None, "llamacpp engine on a GPU build: keep the experts of the "
-                  "first N layers on the CPU (auto: from the memory plan)"),
+@dataclass(frozen=True)
+class Field:
+    """Everything about one setting but its type and default (the Config dataclass holds those)."""
+    parse: Callable[[Any], Any]  # a TOML value or a command-line string -> the value, or ValueError
+    label: str  # what the GUI calls it (wizard, settings panel)
+    help: str
+    metavar: str = "N"
+    short: str | None = None  # a short flag beside --name-with-dashes
+
+
+def _choices(options: tuple[str, ...]) -> str:
+    return "{" + ",".join(options) + "}"
+
+
+FIELDS: dict[str, Field] = {
+    "model": Field(_text, "Model", "GGUF model file", "FILE"),
+    "engine": Field(_choice(ENGINES), "Engine", "hybrid (this engine), llamacpp, or auto: hybrid when it supports "
+                    "the model's architecture and quant types (default: auto)", _choices(ENGINES)),
+    "host": Field(_text, "Host", "address to listen on (default: 127.0.0.1; others need --api-key)", "HOST"),
+    "port": Field(_int(0, 65535), "Port", "TCP port (default: 8080; 0 picks a free one)"),
+    "api_key": Field(_text, "API key", f"require this key (Bearer or x-api-key) on every endpoint but /health; "
+                     f"or set {API_KEY_ENV}", "KEY"),
+    "ctx": Field(_int(0), "Context (tokens)", "context length in tokens (default: 4096; 0 = the model's training "
+                 "length)", short="-c"),
+    "threads": Field(_int(1), "CPU threads", "CPU threads (default: the physical cores)", short="-t"),
+    "device": Field(_device, "Device", "compute device: auto, cpu, cuda, cuda:N (default: auto)", "DEVICE"),
+    "moe_expert_cache_size": Field(_word_or_int(("auto", "all")), "Expert cache (slots per layer)",
+                                   "expert slots per layer on the GPU: N, all, or auto (from the memory plan)",
+                                   "auto|all|N"),
+    "moe_expert_cache_mib": Field(_int(0), "Expert cache (MiB)", "expert cache size in MiB, split over the layers"),
+    "moe_gpu_miss_fraction": Field(_fraction, "Miss fraction uploaded", "share of expert misses uploaded to the GPU "
+                                   "instead of computed on the CPU: auto (measured at load) or 0..1", "auto|F"),
+    "moe_profile_adapt": Field(_choice(POLICIES), "Expert cache policy", "expert cache policy (default: occurrence)",
+                               _choices(POLICIES)),
+    "moe_expert_profile": Field(_text, "Expert profile file", "expert profile (GGUF or STRP) to fill the cache from",
+                                "FILE"),
+    "vram_budget_mib": Field(_int(1), "VRAM budget (MiB)", "use at most this much VRAM (MiB), e.g. to emulate a "
+                             "smaller GPU"),
+    "load_mode": Field(_choice(LOAD_MODES), "Load mode", "mmap: experts read from the memory-mapped file; none: "
+                       "copied into pinned RAM at load (2.4x faster decode on the H200: uploads are true DMA); auto "
+                       "(default): none on a GPU when the experts take at most half the free RAM, else mmap",
+                       _choices(LOAD_MODES)),
+    "prefill_chunk": Field(_int(1), "Prefill chunk (tokens)", "prompt tokens per forward pass (default: 512)"),
+    "n_cpu_moe": Field(_word_or_int(("auto",)), "llama.cpp: expert layers on CPU", "llamacpp engine on a GPU build: "
+                       "keep the experts of the first N layers on the CPU (auto: from the memory plan)", "auto|N"),
 }
-
-
-_METAVARS = {"engine": "{" + ",".join(ENGINES) + "}", "host": "HOST", "api_key": "KEY", "device": "DEVICE",
-             "moe_expert_cache_size": "auto|all|N", "moe_gpu_miss_fraction": "auto|F",
-             "moe_profile_adapt": "{" + ",".join(POLICIES) + "}", "moe_expert_profile": "FILE",
-             "load_mode": "{" + ",".join(LOAD_MODES) + "}", "n_cpu_moe": "auto|N"}
 
 
 def _parse(name: str, value: Any) -> Any:
     try:
-        return FIELDS[name][0](value)
+        return FIELDS[name].parse(value)
     except ValueError as e:
         raise UserError(f"{name} must be {e}, got {value!r}") from None
 
@@ -267,10 +291,9 @@ def add_arguments(parser: argparse.ArgumentParser, names: tuple[str, ...] = tupl
     for name in names:
         if name == "model":
             continue  # a positional argument of each command
-        _, short, help_text = FIELDS[name]
-        opts = (short, flag(name)) if short else (flag(name),)
-        parser.add_argument(*opts, dest=name, default=argparse.SUPPRESS, metavar=_METAVARS.get(name, "N"),
-                            help=help_text)
+        field = FIELDS[name]
+        opts = (field.short, flag(name)) if field.short else (flag(name),)
+        parser.add_argument(*opts, dest=name, default=argparse.SUPPRESS, metavar=field.metavar, help=field.help)
     parser.add_argument("--config", type=Path, default=None, help="read settings from this TOML file")
     parser.add_argument("--preset", default=None, help=f"read settings from a named preset ({presets_dir()})")
 

@@ -2,10 +2,11 @@
 
 Without arguments it opens the desktop app, with a subcommand it is the `moestudio` CLI,
 exactly like the console script. It also accepts `-c CODE [ARGS]` and `-m MODULE [ARGS]` the way
-python does, because the app starts its helpers as `sys.executable -c ...` (the engine worker
-in app/engine_manager.py, the planner in app/plan_service.py) and `bench speed` starts
-`sys.executable -m engine.bench.llama_runner`; frozen, `sys.executable` is this program and
-there is no python beside it, so the same commands must work here.
+python does, because the app starts its engine worker as `sys.executable -c ...`
+(app/engine_manager.py) and its planner as `sys.executable -m engine.plan.service`
+(app/plan_service.py), and `bench speed` starts `sys.executable -m engine.bench.llama_runner`;
+frozen, `sys.executable` is this program and there is no python beside it, so the same commands
+must work here.
 """
 from __future__ import annotations
 

@@ -15,14 +15,15 @@ from pathlib import Path
 import torch
 
 
-def run(model: Path, budget: float | None, tokens: int, load_mode: str, out: Path, threads: int, profile: bool,
+def run(model: Path, budget: int | None, tokens: int, load_mode: str, out: Path, threads: int, profile: bool,
         cache: str = "auto") -> dict:
+    from engine.moe.hybrid import attach_hybrid
     from engine.runtime.engine import Engine, EngineConfig
 
     t0 = time.perf_counter()
     engine = Engine.load(model, EngineConfig(device="cuda", n_ctx=tokens + 64, threads=threads,
                                              vram_budget_mib=budget, load_mode=load_mode,
-                                             expert_cache_size=cache))
+                                             moe_expert_cache_size=cache), attach_experts=attach_hybrid)
     load_s = time.perf_counter() - t0
     m, kv = engine.model, engine.cache
     hybrid = m.experts
@@ -77,7 +78,7 @@ def run(model: Path, budget: float | None, tokens: int, load_mode: str, out: Pat
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("model", type=Path)
-    p.add_argument("--budget-mib", type=float)
+    p.add_argument("--budget-mib", type=int)
     p.add_argument("--cache", default="auto", help="expert cache size: auto (from the budget), all or N")
     p.add_argument("--load-modes", default="mmap,none")
     p.add_argument("--tokens", type=int, default=32)

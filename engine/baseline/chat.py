@@ -11,6 +11,8 @@ import sys
 from pathlib import Path
 from typing import Callable, Iterable, Iterator, TextIO
 
+from engine.config import add_arguments, from_args
+
 COMMANDS = "/clear forgets the conversation, /exit or /quit (or Ctrl-D) leaves"
 Complete = Callable[[list[dict[str, str]]], Iterator[str]]  # history -> reply text pieces
 
@@ -19,8 +21,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("chat", help="chat in the terminal (llama.cpp engine; default: the demo model)")
     p.add_argument("model", nargs="?", type=Path, help="GGUF model (default: the random-weight demo model)")
     p.add_argument("--max-tokens", type=int, default=128)
-    p.add_argument("-c", "--ctx", type=int, default=2048)
-    p.add_argument("-t", "--threads", type=int, default=None)
+    add_arguments(p, ("ctx", "threads"))
     p.set_defaults(run=run)
 
 
@@ -66,14 +67,15 @@ def run(args: argparse.Namespace) -> int:
 
     print("MoE Studio terminal chat (llama.cpp engine). The desktop app is `moestudio`; an OpenAI/Anthropic "
           "server is `moestudio serve MODEL`.", file=sys.stderr)
-    model = args.model
+    settings = from_args(args)
+    model = settings.model
     if model is None:
         from engine.synth.demo import demo_model_path
 
         print("Preparing the demo model (random weights: its replies are gibberish)…", file=sys.stderr)
         model = demo_model_path()
     open_model(model, require_moe=False)  # the bounded checks first: llama.cpp aborts on some corrupt files
-    llm = open_llama(model, n_ctx=args.ctx, n_threads=args.threads)
+    llm = open_llama(model, n_ctx=settings.ctx, n_threads=settings.threads)
     print(f"Model: {model}\nType a message; {COMMANDS}.", file=sys.stderr)
 
     def complete(history: list[dict[str, str]]) -> Iterator[str]:

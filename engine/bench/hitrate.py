@@ -68,11 +68,11 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from engine.gguf.reader import ModelFile
+    from engine.gguf.check import open_model
     from engine.runtime.tokenizer import tokenize_text
     from engine.synth.corpus import stdlib_text
 
-    n_expert = int(ModelFile.open(args.model).arch_key("expert_count"))
+    n_expert = int(open_model(args.model).arch_key("expert_count"))
     slots = max(1, round(n_expert * args.cache_share))
     tokens = tokenize_text(args.model, stdlib_text(max_chars=args.tokens * 8))[: args.tokens]
     rates = policy_hit_rates(args.model, tokens, 64, slots, args.miss_fraction)

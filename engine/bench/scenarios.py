@@ -21,6 +21,8 @@ from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
+from engine.config import resolve_device
+
 MiB = 2**20
 
 
@@ -58,7 +60,7 @@ def _write(args: tuple[Scenario, str]) -> str:
     return path
 
 
-def emulated_budget_mib(path: Path, geometry: str, budget_gib: float) -> float:
+def emulated_budget_mib(path: Path, geometry: str, budget_gib: float) -> int:
     """The budget for a model shortened from `geometry` that keeps the full model's expert share."""
     from engine.gguf.reader import ModelFile
     from engine.synth.spec import preset
@@ -69,13 +71,14 @@ def emulated_budget_mib(path: Path, geometry: str, budget_gib: float) -> float:
     other = sum(t.n_bytes for t in mf.tensors.values() if not t.name.startswith("blk."))
     per_layer = layer_dense / n
     room_full = budget_gib * 1024 * MiB - (per_layer * n_full + other)
-    return (per_layer * n + other + room_full * n / n_full) / MiB
+    return round((per_layer * n + other + room_full * n / n_full) / MiB)
 
 
 def run(args: argparse.Namespace) -> int:
     from engine.bench.speed import bench
 
     out: Path = args.dir
+    device = resolve_device(args.device)
     out.mkdir(parents=True, exist_ok=True)
     results_path = out / "results.json"
     results = json.loads(results_path.read_text()) if results_path.exists() else {}
@@ -92,11 +95,11 @@ def run(args: argparse.Namespace) -> int:
             for i, gib in enumerate(s.budgets_gib):
                 key = f"{s.label}@{gib}GiB"
                 path = Path(models[s.label])
-                budget = emulated_budget_mib(path, s.geometry, gib) if s.layers else gib * 1024
+                budget = emulated_budget_mib(path, s.geometry, gib) if s.layers else round(gib * 1024)
                 wanted = tuple(r for r in runs if i == 0 or r in ("hybrid", "llama-split"))  # budget-free runs once
                 if phase == "engine" and s is scenarios[0] and i == 0:
                     wanted += ("hybrid-mmap",)  # the memory map against the default's pinned copies, once
-                res = bench(path, budget, device=args.device, threads=args.threads, n_prompt=args.prompt_tokens,
+                res = bench(path, budget, device=device, threads=args.threads, n_prompt=args.prompt_tokens,
                             n_decode=args.decode_tokens, runs=wanted, result=results.get(key))
                 res["scenario"] = {"label": s.label, "geometry": s.geometry, "routing": s.routing, "budget_gib": gib,
                                    "layers": s.layers}
@@ -150,14 +153,12 @@ def report(results: dict) -> str:
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    import torch
-
     p = sub.add_parser("scenarios", help="the docs/BENCHMARKS.md sweep: geometries x routings x budgets")
     p.add_argument("dir", type=Path, help="models and results.json go here")
     p.add_argument("--phase", default="write,engine,llama,report",
                    help="comma-separated: write, engine, llama, report (default: all)")
     p.add_argument("--only", nargs="*", help="scenario labels to run (default: all)")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default: cuda when there is one)")
     p.add_argument("-t", "--threads", type=int, default=16)
     p.add_argument("--prompt-tokens", type=int, default=512)
     p.add_argument("--decode-tokens", type=int, default=64)

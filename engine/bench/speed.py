@@ -21,9 +21,14 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
+
+from engine.config import resolve_device
+
+if TYPE_CHECKING:
+    import torch
 
 MiB = 2**20
 
@@ -32,6 +37,8 @@ def measure_bandwidths(device: torch.device, threads: int) -> dict[str, float]:
     """GB/s of a host memory read (numpy sums over 2 GiB, on `threads` threads, as the CPU pool
     reads), of a pinned host-to-device copy, and of a device-to-device copy."""
     from concurrent.futures import ThreadPoolExecutor
+
+    import torch
 
     host = np.ones(2**29, np.float32)
     chunks = np.array_split(host, threads)
@@ -65,9 +72,9 @@ def measure_bandwidths(device: torch.device, threads: int) -> dict[str, float]:
 
 
 def _geometry(path: Path) -> dict[str, int]:
-    from engine.gguf.reader import ModelFile
+    from engine.gguf.check import open_model
 
-    mf = ModelFile.open(path)
+    mf = open_model(path)
     expert = sum(t.n_bytes for t in mf.tensors.values() if "_exps." in t.name)
     n_layer = int(mf.arch_key("block_count"))
     moe_layers = sorted({int(t.name.split(".")[1]) for t in mf.tensors.values() if "_exps." in t.name})
@@ -78,16 +85,19 @@ def _geometry(path: Path) -> dict[str, int]:
             "dense_bytes": sum(t.n_bytes for t in mf.tensors.values()) - expert}
 
 
-def run_engine(path: Path, prompt: list[int], stream: list[int], *, device: str, budget_mib: float | None,
+def run_engine(path: Path, prompt: list[int], stream: list[int], *, device: str, budget_mib: int | None,
                cache: str, threads: int, load_mode: str = "auto") -> dict:
+    import torch
+
+    from engine.moe.hybrid import attach_hybrid
     from engine.runtime.engine import Engine, EngineConfig
 
     dev = torch.device(device)
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats(dev)
     engine = Engine.load(path, EngineConfig(device=device, n_ctx=len(prompt) + len(stream) + 8, threads=threads,
-                                            expert_cache_size=cache, vram_budget_mib=budget_mib,
-                                            load_mode=load_mode))
+                                            moe_expert_cache_size=cache, vram_budget_mib=budget_mib,
+                                            load_mode=load_mode), attach_experts=attach_hybrid)
     model, kv = engine.model, engine.cache
     sync = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else (lambda: None)
     model.forward(torch.tensor(prompt[:8]), kv, 0)  # warm-up: kernels, pools...
@@ -158,10 +168,12 @@ def fitting_split(geo: dict[str, int], budget_mib: float, kv_mib: float, workspa
 RUNS = ("hybrid", "hybrid-mmap", "resident", "llama-split", "llama-gpu")
 
 
-def bench(path: Path, budget_mib: float, *, device: str, threads: int, n_prompt: int, n_decode: int,
+def bench(path: Path, budget_mib: int, *, device: str, threads: int, n_prompt: int, n_decode: int,
           runs: tuple[str, ...] = RUNS, result: dict | None = None) -> dict:
     """Adds `runs` to `result` (a new one by default). A run that fails is recorded with its
     error and the others go on: one broken configuration must not cost the whole sweep."""
+    import torch
+
     from engine.runtime.tokenizer import tokenize_text
     from engine.synth.corpus import stdlib_text
 
@@ -219,8 +231,8 @@ def _bounds(result: dict) -> None:
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("speed", help="decode/prefill speed against llama.cpp at a VRAM budget")
     p.add_argument("model", type=Path)
-    p.add_argument("--vram-budget-mib", type=float, required=True)
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--vram-budget-mib", type=int, required=True, help="the VRAM budget to emulate (MiB)")
+    p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default: cuda when there is one)")
     p.add_argument("-t", "--threads", type=int, default=4)
     p.add_argument("--prompt-tokens", type=int, default=512)
     p.add_argument("--decode-tokens", type=int, default=64)
@@ -229,7 +241,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
-    r = bench(args.model, args.vram_budget_mib, device=args.device, threads=args.threads,
+    r = bench(args.model, args.vram_budget_mib, device=resolve_device(args.device), threads=args.threads,
               n_prompt=args.prompt_tokens, n_decode=args.decode_tokens)
     text = json.dumps(r, indent=2, default=float)
     if args.out:

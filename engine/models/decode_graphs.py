@@ -50,11 +50,9 @@ class DecodeGraphs:
         self.broken = False  # capture failed: eager from then on
 
     def _plan(self) -> list[_Segment]:
-        from engine.models.decoder import MoEFFN
-
         segments, first = [], 0
         for i, block in enumerate(self.model.blocks):
-            if isinstance(block.ffn, MoEFFN):
+            if block.is_moe:
                 segments.append(_Segment(range(first, i), i))
                 first = i + 1
         segments.append(_Segment(range(first, len(self.model.blocks)), None))

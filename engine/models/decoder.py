@@ -75,6 +75,10 @@ class Block:
     ffn_norm: torch.Tensor
     ffn: MoEFFN | DenseFFN
 
+    @property
+    def is_moe(self) -> bool:
+        return isinstance(self.ffn, MoEFFN)
+
 
 class Embedding:
     """Token rows decoded on demand from the (memory-mapped) GGUF table."""

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from engine.config import Config
 from engine.layers.moe import ExpertWeights, expert_ffn
 from engine.moe.copier import Copier
 from engine.moe.cpu_pool import CpuExpertPool
@@ -30,16 +31,15 @@ from engine.moe.policy import AdaptParams, Policy
 from engine.moe.slots import LayerSlots, resident_copies, resolve_load_mode
 from engine.moe.step_graph import ExpertStepGraph
 from engine.moe.tune import RouteCosts, balanced_uploads, measure_costs
+from engine.plan.sizing import FRACTION_STEPS, staging_slots
 from engine.runtime.telemetry import CacheCounters, Telemetry
-
-FRACTION_STEPS = 256  # the miss fraction's resolution
 
 
 @dataclass(frozen=True)
 class HybridOptions:
-    slots_per_layer: int
-    miss_fraction: float = 0.17
-    policy: str = "occurrence"
+    slots_per_layer: int  # the expert cache (moe_expert_cache_size) as allocated in each layer
+    miss_fraction: float  # resolved: the setting, or measured for auto (tune.py)
+    policy: str = Config.moe_profile_adapt
     adapt: AdaptParams = AdaptParams()
     threads: int = 2
     top_k: int = 0  # experts per token; sizes the staging slots (0: as many as the fraction of all experts)
@@ -62,6 +62,8 @@ class _Layer:
 
 class HybridExperts:
     """Drop-in for DecoderModel.experts (see engine/layers/moe.Experts)."""
+
+    kind = "hybrid"  # the engine's name in the telemetry
 
     def __init__(self, expert_weights: dict[int, ExpertWeights], device: torch.device | str,
                  options: HybridOptions, pool: CpuExpertPool | None = None):
@@ -313,14 +315,6 @@ class HybridExperts:
         self.pool.close()
 
 
-def staging_slots(miss_fraction: float, n_expert: int, top_k: int) -> int:
-    """Staging slots per layer for one step's uploads: the fraction of a decode step's top-k
-    (rounded up), so a step of many tokens (prefill) uploads at most that many experts and
-    computes its other misses on the CPU; with top_k 0, the fraction of every expert."""
-    step_fraction = round(miss_fraction * FRACTION_STEPS)
-    return -(-step_fraction * (top_k or n_expert) // FRACTION_STEPS)
-
-
 def _member(n_expert: int, experts: np.ndarray) -> np.ndarray:
     """A lookup table: True at `experts` (np.isin costs ~10x more on a handful of ids)."""
     table = np.zeros(n_expert, bool)
@@ -347,12 +341,15 @@ def _use_triton(w: ExpertWeights, x: torch.Tensor, n_pairs: int) -> bool:
 
 
 def attach_hybrid(model, config) -> HybridExperts:
-    """Replaces `model.experts` with a HybridExperts sized from `config` (an EngineConfig).
+    """Replaces `model.experts` with a HybridExperts sized from `config` (an EngineConfig) by
+    engine/plan/sizing.place, the rule `moestudio plan` prints.
 
     If the slots do not fit after all, or an auto-sized cache leaves less than half its headroom
     free once allocated (another program took GPU memory, the allocator's rounding), the cache
     shrinks by a quarter until it fits, and a warning says so."""
-    from engine.moe.budget import free_after_allocation, headroom_bytes, slots_per_layer
+    from engine.moe import budget
+    from engine.plan.geometry import geometry_of
+    from engine.plan.sizing import place
 
     device = torch.device(config.device)
     ws = model.expert_weights
@@ -360,29 +357,27 @@ def attach_hybrid(model, config) -> HybridExperts:
     if load_mode == "none":
         ws = model.expert_weights = resident_copies(ws, pin=device.type == "cuda")
     any_w = next(iter(ws.values()))
-    expert_bytes = sum(t.expert_bytes for t in (any_w.gate, any_w.up, any_w.down))
-    c = model.config
-    kv_bytes = 4 * c.n_layer * config.n_ctx * c.n_head_kv * (c.head_dim_k + c.head_dim_v)  # float32 cache
-    used = (torch.cuda.memory_allocated(device) if device.type == "cuda" else 0) + kv_bytes
+    gpu_free = budget.gpu_free_bytes(device)
     pool = CpuExpertPool(ws, config.threads or 2)
     # Without a GPU an "upload" would only copy RAM to RAM: every miss goes to the CPU pool.
     fraction, tuning, costs = 0.0, None, None
-    if device.type == "cuda":
+    if gpu_free is not None:
         layer = min(ws)
         measured = measure_costs(layer, ws[layer], device, pool)
         costs = RouteCosts(measured["upload_s"], measured["cpu_s"], measured["cpu_row_s"], measured["gpu_s"])
-        fraction = config.miss_fraction
-        if fraction is None:  # auto
-            tuning = measured
-            fraction = round(measured["fraction"] * FRACTION_STEPS) / FRACTION_STEPS
-    staging = staging_slots(fraction, any_w.n_expert, c.n_expert_used)
-    n_slots = slots_per_layer(cache_size=config.expert_cache_size, cache_mib=config.expert_cache_mib,
-                              expert_bytes=expert_bytes, n_expert=any_w.n_expert, n_layers=len(ws), device=device,
-                              vram_budget_mib=config.vram_budget_mib, used_bytes=used, staging_per_layer=staging)
-    auto_sized = config.expert_cache_size in (None, "auto") and config.expert_cache_mib is None
+        if config.moe_gpu_miss_fraction == "auto":
+            tuning, fraction = measured, measured["fraction"]
+        else:
+            fraction = float(config.moe_gpu_miss_fraction)
+    placement = place(geometry_of(model.source), gpu_free, ctx=config.n_ctx, prefill_chunk=config.prefill_chunk,
+                      moe_expert_cache_size=config.moe_expert_cache_size,
+                      moe_expert_cache_mib=config.moe_expert_cache_mib, vram_budget_mib=config.vram_budget_mib,
+                      miss_fraction=fraction)
+    n_slots = placement.slots_per_layer
+    auto_sized = config.moe_expert_cache_size == "auto" and config.moe_expert_cache_mib is None
     while True:
-        options = HybridOptions(slots_per_layer=n_slots, miss_fraction=fraction, policy=config.policy,
-                                threads=config.threads or 2, top_k=c.n_expert_used, route_costs=costs)
+        options = HybridOptions(slots_per_layer=n_slots, miss_fraction=fraction, policy=config.moe_profile_adapt,
+                                threads=config.threads or 2, top_k=model.config.n_expert_used, route_costs=costs)
         try:
             hybrid = HybridExperts(ws, device, options, pool)
         except torch.OutOfMemoryError:
@@ -392,9 +387,12 @@ def attach_hybrid(model, config) -> HybridExperts:
             reason = "out of GPU memory"
         else:
             # The sizing saw the free memory before allocating; another program, or the
-            # allocator's rounding, may have taken some since.
-            left = free_after_allocation(device, config.vram_budget_mib, kv_bytes) if auto_sized and n_slots else None
-            if left is None or left >= headroom_bytes(config.vram_budget_mib) // 2:
+            # allocator's rounding, may have taken some since. The KV cache and the workspace
+            # are still to come.
+            left = budget.free_after_allocation(device, placement.budget_bytes,
+                                                placement.kv_bytes + placement.workspace_bytes) \
+                if auto_sized and n_slots else None
+            if left is None or left >= placement.headroom_bytes // 2:
                 break
             reason = f"only {max(0, left) / 2**20:.0f} MiB of GPU memory left"
             del hybrid
@@ -408,10 +406,10 @@ def attach_hybrid(model, config) -> HybridExperts:
     hybrid.counters.load_mode = load_mode
     hybrid.counters.miss_fraction = fraction
     hybrid.counters.miss_fraction_tuning = tuning
-    if config.expert_profile:
+    if config.moe_expert_profile:
         from engine.moe.profile import load_profile
 
-        hybrid.prefill_residency(load_profile(config.expert_profile, model.source).ranking())
+        hybrid.prefill_residency(load_profile(config.moe_expert_profile, model.source).ranking())
     elif n_slots >= any_w.n_expert:  # every expert fits: load them all now, not on first use
         hybrid.prefill_residency([(layer, e) for layer in sorted(ws) for e in range(ws[layer].n_expert)])
     model.experts = hybrid

@@ -39,7 +39,7 @@ import os
 import struct
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Callable, Union
+from typing import Callable
 
 import numpy as np
 from gguf import GGUFValueType as VT
@@ -96,12 +96,13 @@ class ModelIdentity:
         return cls(n_layer, tuple(range(n_layer)), n_expert)
 
     def describe(self) -> str:
-        moe = "" if len(self.moe_layers) == self.n_layer else f" (MoE: {_spans(self.moe_layers)})"
+        moe = "" if len(self.moe_layers) == self.n_layer else f" (MoE: {describe_layers(self.moe_layers)})"
         shape = f"{self.n_layer} layers{moe} × {self.n_expert} experts"
         return f"{self.arch} with {shape}" if self.arch else shape
 
 
-def _spans(layers: tuple[int, ...]) -> str:
+def describe_layers(layers: tuple[int, ...]) -> str:
+    """Layer numbers as spans: (0, 1, 2, 5) is "0-2, 5"."""
     out, start = [], None
     for i, layer in enumerate(layers):
         start = layer if start is None else start
@@ -585,82 +586,3 @@ def _parse_request(r: object, i: int, weights: dict, base: Path, fail: Callable[
     if not prompt.strip():
         raise fail(f"{where}: empty prompt")
     return CorpusRequest(family, max_tokens, prompt=prompt)
-
-
-# ---- collection ---------------------------------------------------------------------------------
-
-Progress = Callable[[int, int, str], None]  # (requests done, total, family of the last one)
-
-
-class _DecodeCounter:
-    """Wraps the expert executor and counts the experts each decode row routes to, per layer."""
-
-    def __init__(self, executor, moe_layers: tuple[int, ...], n_expert: int) -> None:
-        self.executor, self.n_expert = executor, n_expert
-        self.row = {layer: i for i, layer in enumerate(moe_layers)}
-        self.decoding = False
-        self.reset()
-
-    def reset(self) -> None:
-        self.counts = np.zeros((len(self.row), self.n_expert))
-        self.rows = np.zeros(len(self.row), dtype=np.int64)
-
-    def __call__(self, layer, x, ids, weights):
-        if self.decoding:
-            i = self.row[layer]
-            self.counts[i] += np.bincount(ids.reshape(-1).cpu().numpy(), minlength=self.n_expert)
-            self.rows[i] += ids.shape[0]
-        return self.executor(layer, x, ids, weights)
-
-
-def collect_profile(engine, corpus: Union[Corpus, str, os.PathLike[str]], progress: Progress | None = None,
-                    identity: ModelIdentity | None = None) -> ExpertProfile:
-    """Generates every corpus request greedily on `engine` and scores its experts.
-
-    score(layer, e) = sum over families of weight(family) x mean over the family's requests of
-    (decode rows of the request routed to e) / (decode rows of the request).
-    """
-    from engine.layers.sampler import SamplingParams
-    from engine.runtime.engine import Request
-
-    corpus = corpus if isinstance(corpus, Corpus) else load_corpus(corpus)
-    if identity is None:
-        identity = ModelIdentity.of(engine.model.source)
-    cfg = engine.model.config
-    if tuple(cfg.moe_layers) != identity.moe_layers or cfg.n_expert != identity.n_expert:
-        raise UserError(f"the engine's model ({cfg.arch}, MoE layers {_spans(tuple(cfg.moe_layers))}, "
-                        f"{cfg.n_expert} experts) is not {identity.describe()}")
-    requests = [Request(prompt=r.prompt, messages=r.messages, max_tokens=r.max_tokens,
-                        sampling=SamplingParams(temperature=0.0), ignore_eos=True) for r in corpus.requests]
-    # Refuse before the first (possibly hours-long) generation, not in the middle of the run.
-    for i, request in enumerate(requests):
-        n = len(engine.prompt_tokens(request))
-        if n + 2 > engine.n_ctx:
-            raise UserError(f"request #{i + 1}: its prompt has {n} tokens, which leaves no room to generate "
-                            f"in a context of {engine.n_ctx} tokens")
-
-    counter = _DecodeCounter(engine.model.experts, identity.moe_layers, identity.n_expert)
-    shares = {f: np.zeros((len(identity.moe_layers), identity.n_expert)) for f in corpus.weights}
-    n_requests, n_rows = dict.fromkeys(corpus.weights, 0), dict.fromkeys(corpus.weights, 0)
-    counts = np.zeros_like(counter.counts)
-    engine.model.experts = counter
-    try:
-        for i, (spec, request) in enumerate(zip(corpus.requests, requests)):
-            counter.reset()
-            counter.decoding = False
-            # The first token event comes after prefill; every forward after it is decode. (Row
-            # counts cannot tell: a prompt whose prefix is cached prefills in one row.)
-            for _ in engine.generate(request):
-                counter.decoding = True
-            rows = int(counter.rows[0])
-            shares[spec.family] += counter.counts / rows
-            counts += counter.counts
-            n_requests[spec.family] += 1
-            n_rows[spec.family] += rows
-            if progress is not None:
-                progress(i + 1, len(requests), spec.family)
-    finally:
-        engine.model.experts = counter.executor
-    scores = sum(corpus.weights[f] * shares[f] / n_requests[f] for f in corpus.weights)
-    workload = tuple(Workload(f, corpus.weights[f], n_requests[f], n_rows[f]) for f in corpus.weights)
-    return ExpertProfile(identity, scores, counts, workload)

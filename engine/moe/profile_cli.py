@@ -2,10 +2,21 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING, Callable
 
+from engine.config import add_arguments, from_args, resolve_device
 from engine.errors import UserError
+
+if TYPE_CHECKING:
+    from engine.moe.profile import Corpus, ExpertProfile, ModelIdentity
+
+
+# The engine settings a collection runs with: serve's flags, names and defaults.
+COLLECT_SETTINGS = ("ctx", "threads", "device", "prefill_chunk", "moe_expert_cache_size", "moe_expert_cache_mib",
+                    "moe_gpu_miss_fraction", "load_mode", "vram_budget_mib")
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -21,8 +32,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    '"prompt"|"prompt_file"|"messages", "max_tokens"}]}')
     c.add_argument("-o", "--output", required=True, type=Path, help="profile to write: .gguf or .strp")
     c.add_argument("--slots", type=int, help="STRP only: the cache size the ranking is for (ranks at most N)")
-    c.add_argument("--device", default="cpu")
-    c.add_argument("-c", "--ctx", type=int, default=4096, help="context length (default 4096)")
+    add_arguments(c, COLLECT_SETTINGS)
     c.set_defaults(run=_collect)
 
     s = psub.add_parser("show", help="print a profile's geometry, identity and hottest experts")
@@ -46,13 +56,16 @@ def _open_model(path: Path):
 
 
 def _collect(args: argparse.Namespace) -> int:
-    from engine.moe.profile import ModelIdentity, collect_profile, load_corpus, profile_format, save_profile
+    from engine.moe.hybrid import attach_hybrid
+    from engine.moe.profile import ModelIdentity, load_corpus, profile_format, save_profile
     from engine.runtime.engine import Engine, EngineConfig
 
     profile_format(args.output, args.slots)  # refuse a bad output before hours of generation
     corpus = load_corpus(args.corpus)
     identity = ModelIdentity.of(_open_model(args.model))
-    engine = Engine.load(args.model, EngineConfig(device=args.device, n_ctx=args.ctx))
+    settings = from_args(args)
+    engine = Engine.load(args.model, EngineConfig.from_settings(settings, resolve_device(settings.device)),
+                         attach_experts=attach_hybrid)
 
     def progress(done: int, total: int, family: str) -> None:
         print(f"profile: {done}/{total} requests done ({family})", file=sys.stderr, flush=True)
@@ -118,3 +131,89 @@ def _convert(args: argparse.Namespace) -> int:
               "pass --model MODEL to record the model's", file=sys.stderr)
     print(f"wrote {args.output}")
     return 0
+
+
+# ---- collection (the engine's generations scored into a profile) ----------------------------------
+
+Progress = Callable[[int, int, str], None]  # (requests done, total, family of the last one)
+
+
+class _DecodeCounter:
+    """Wraps the expert executor and counts the experts each decode row routes to, per layer."""
+
+    def __init__(self, executor, moe_layers: tuple[int, ...], n_expert: int) -> None:
+        self.executor, self.n_expert = executor, n_expert
+        self.row = {layer: i for i, layer in enumerate(moe_layers)}
+        self.decoding = False
+        self.reset()
+
+    def reset(self) -> None:
+        import numpy as np
+
+        self.counts = np.zeros((len(self.row), self.n_expert))
+        self.rows = np.zeros(len(self.row), dtype=np.int64)
+
+    def __call__(self, layer, x, ids, weights):
+        import numpy as np
+
+        if self.decoding:
+            i = self.row[layer]
+            self.counts[i] += np.bincount(ids.reshape(-1).cpu().numpy(), minlength=self.n_expert)
+            self.rows[i] += ids.shape[0]
+        return self.executor(layer, x, ids, weights)
+
+
+def collect_profile(engine, corpus: Corpus | str | os.PathLike[str], progress: Progress | None = None,
+                    identity: ModelIdentity | None = None) -> ExpertProfile:
+    """Generates every corpus request greedily on `engine` and scores its experts.
+
+    score(layer, e) = sum over families of weight(family) x mean over the family's requests of
+    (decode rows of the request routed to e) / (decode rows of the request).
+    """
+    from engine.layers.sampler import SamplingParams
+    from engine.moe.profile import Corpus, ExpertProfile, ModelIdentity, Workload, describe_layers, load_corpus
+    from engine.runtime.engine import Request
+
+    import numpy as np
+
+    corpus = corpus if isinstance(corpus, Corpus) else load_corpus(corpus)
+    if identity is None:
+        identity = ModelIdentity.of(engine.model.source)
+    cfg = engine.model.config
+    if tuple(cfg.moe_layers) != identity.moe_layers or cfg.n_expert != identity.n_expert:
+        raise UserError(f"the engine's model ({cfg.arch}, MoE layers {describe_layers(tuple(cfg.moe_layers))}, "
+                        f"{cfg.n_expert} experts) is not {identity.describe()}")
+    requests = [Request(prompt=r.prompt, messages=r.messages, max_tokens=r.max_tokens,
+                        sampling=SamplingParams(temperature=0.0), ignore_eos=True) for r in corpus.requests]
+    # Refuse before the first (possibly hours-long) generation, not in the middle of the run.
+    for i, request in enumerate(requests):
+        n = len(engine.prompt_tokens(request))
+        if n + 2 > engine.n_ctx:
+            raise UserError(f"request #{i + 1}: its prompt has {n} tokens, which leaves no room to generate "
+                            f"in a context of {engine.n_ctx} tokens")
+
+    counter = _DecodeCounter(engine.model.experts, identity.moe_layers, identity.n_expert)
+    shares = {f: np.zeros((len(identity.moe_layers), identity.n_expert)) for f in corpus.weights}
+    n_requests, n_rows = dict.fromkeys(corpus.weights, 0), dict.fromkeys(corpus.weights, 0)
+    counts = np.zeros_like(counter.counts)
+    engine.model.experts = counter
+    try:
+        for i, (spec, request) in enumerate(zip(corpus.requests, requests)):
+            counter.reset()
+            counter.decoding = False
+            # The first token event comes after prefill; every forward after it is decode. (Row
+            # counts cannot tell: a prompt whose prefix is cached prefills in one row.)
+            for _ in engine.generate(request):
+                counter.decoding = True
+            rows = int(counter.rows[0])
+            shares[spec.family] += counter.counts / rows
+            counts += counter.counts
+            n_requests[spec.family] += 1
+            n_rows[spec.family] += rows
+            if progress is not None:
+                progress(i + 1, len(requests), spec.family)
+    finally:
+        engine.model.experts = counter.executor
+    scores = sum(corpus.weights[f] * shares[f] / n_requests[f] for f in corpus.weights)
+    workload = tuple(Workload(f, corpus.weights[f], n_requests[f], n_rows[f]) for f in corpus.weights)
+    return ExpertProfile(identity, scores, counts, workload)

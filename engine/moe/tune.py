@@ -3,7 +3,8 @@
 A miss can be uploaded (host -> GPU over PCIe, then computed there in microseconds) or
 computed by the CPU pool from RAM; the two run at the same time, so a layer step with m misses
 takes max(u * t_upload, (m - u) * t_cpu) for u uploads, which is least at
-u / m = t_cpu / (t_upload + t_cpu). On a desktop (PCIe 4.0 ~25 GB/s, dual-channel RAM) the
+u / m = t_cpu / (t_upload + t_cpu) (engine/plan/sizing.balanced_fraction, which the planner
+feeds with bandwidths instead). On a desktop (PCIe 4.0 ~25 GB/s, dual-channel RAM) the
 two are close; on the H200 machine uploads win (pinned copies at ~50 GB/s). Both times are
 taken on real experts of the model, from the memory the engine will read at run time.
 
@@ -24,6 +25,7 @@ from dataclasses import dataclass
 
 from engine.layers.moe import ExpertWeights, expert_ffn
 from engine.moe.cpu_pool import CpuExpertPool
+from engine.plan.sizing import balanced_fraction
 from engine.quant.dequant import dequantize
 
 SAMPLES = 4  # experts timed each way (distinct ones: first-touch costs included, as in decode)
@@ -102,4 +104,4 @@ def measure_costs(layer: int, w: ExpertWeights, device: torch.device, pool: CpuE
     sync(device)
     t_gpu = (time.perf_counter() - start) / SAMPLES
     return {"upload_s": t_upload, "cpu_s": t_cpu, "cpu_row_s": t_row, "gpu_s": t_gpu,
-            "fraction": t_cpu / (t_upload + t_cpu)}
+            "fraction": balanced_fraction(t_upload, t_cpu)}

@@ -5,25 +5,25 @@ import argparse
 import json
 import sys
 from dataclasses import replace
-from pathlib import Path
 
+from engine.config import add_arguments, flag, from_args
 from engine.errors import UserError
+
+
+# The settings a plan depends on: the same flags, names and checks as `moestudio serve`.
+PLAN_SETTINGS = ("ctx", "threads", "prefill_chunk", "moe_expert_cache_size", "moe_expert_cache_mib",
+                 "moe_gpu_miss_fraction", "vram_budget_mib")
 
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("plan", help="propose a memory plan (expert cache, threads) for a model on this machine",
                        description="Reads the hardware (NVML, psutil) and the model's geometry and proposes where "
-                       "each part goes, with the predicted decode ceiling.")
-    p.add_argument("model", type=Path, help="GGUF model file")
-    p.add_argument("-c", "--ctx", type=int, help="context length to plan for (default: 4096, or the model's "
-                   "training context if shorter; the server does the same)")
+                       "each part goes, with the predicted decode ceiling; the engine sizes its expert cache by "
+                       "the same rule.")
+    p.add_argument("model", nargs="?", help="GGUF model file (or `model` in --config/--preset)")
+    add_arguments(p, PLAN_SETTINGS)
     p.add_argument("--json", action="store_true", help="print the plan as JSON (what the wizard shows)")
-    p.add_argument("--vram-budget-mib", type=int, help="use at most this much VRAM")
     p.add_argument("--kv-type", choices=("f16", "f32"), default="f32", help="KV cache type (engine: f32)")
-    p.add_argument("--moe-expert-cache-size", help="expert slots per layer: N, all or auto (default)")
-    p.add_argument("--moe-expert-cache-mib", type=int, help="expert cache in MiB")
-    p.add_argument("--moe-gpu-miss-fraction", type=float, help="share of misses uploaded (default 0.17)")
-    p.add_argument("-t", "--threads", type=int, help="CPU threads (default: physical cores)")
     p.add_argument("--assume-gpu-mib", type=int, help="plan for a GPU with this much free VRAM instead of the "
                    "probed one (e.g. to compare cards)")
     for dev in ("vram", "ram", "pcie"):
@@ -31,36 +31,23 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(run=run)
 
 
-def _options(args: argparse.Namespace, ctx: int):
-    from engine.config import Config
-    from engine.plan.planner import DEFAULT_MISS_FRACTION, PlanOptions
-
-    cfg = Config(ctx=ctx, moe_expert_cache_size=args.moe_expert_cache_size or "auto",
-                 moe_expert_cache_mib=args.moe_expert_cache_mib, vram_budget_mib=args.vram_budget_mib,
-                 threads=args.threads, moe_gpu_miss_fraction=(DEFAULT_MISS_FRACTION if args.moe_gpu_miss_fraction
-                                                              is None else args.moe_gpu_miss_fraction))
-    return PlanOptions(ctx=cfg.ctx, kv_type=args.kv_type, vram_budget_mib=cfg.vram_budget_mib,
-                       expert_cache_size=cfg.moe_expert_cache_size, expert_cache_mib=cfg.moe_expert_cache_mib,
-                       miss_fraction=cfg.miss_fraction, threads=cfg.threads, vram_gbs=args.vram_gbs,
-                       ram_gbs=args.ram_gbs, pcie_gbs=args.pcie_gbs)
-
-
 def run(args: argparse.Namespace, nvml: object = True) -> int:
     """`nvml` is the probe seam (tests pass a fake NVML module)."""
     from engine.plan.geometry import read_geometry
-    from engine.plan.planner import make_plan
+    from engine.plan.planner import PlanOptions, make_plan
     from engine.plan.probe import GpuInfo, probe_hardware
 
-    geometry = read_geometry(args.model)
+    settings = from_args(args)
+    if not settings.model:
+        raise UserError("which model? give MODEL.gguf, or `model` in --config/--preset")
+    geometry = read_geometry(settings.model)
     hardware = probe_hardware(nvml)
     if args.assume_gpu_mib:
         gpu = GpuInfo(name=f"assumed GPU with {args.assume_gpu_mib} MiB", total_bytes=args.assume_gpu_mib << 20,
                       free_bytes=args.assume_gpu_mib << 20)
         hardware = replace(hardware, gpus=(gpu,))
-    if args.ctx is not None and args.ctx > geometry.n_ctx_train:
-        raise UserError(f"--ctx {args.ctx} exceeds the model's training context {geometry.n_ctx_train}")
-    options = _options(args, args.ctx or min(4096, geometry.n_ctx_train))
-    plan = make_plan(hardware, geometry, options)
+    options = PlanOptions(kv_type=args.kv_type, vram_gbs=args.vram_gbs, ram_gbs=args.ram_gbs, pcie_gbs=args.pcie_gbs)
+    plan = make_plan(hardware, geometry, settings, options)
     if args.json:
         json.dump(plan.to_json(hardware, geometry, options), sys.stdout, indent=2)
         print()
@@ -75,5 +62,5 @@ def run(args: argparse.Namespace, nvml: object = True) -> int:
         print(f"  {line.name:<22}{figure}  {line.where:<4} {line.explain}")
     for warning in plan.warnings:
         print(f"warning: {warning}")
-    print("serve with: " + " ".join(f"--{k.replace('_', '-')} {v}" for k, v in plan.settings.items()))
+    print("serve with: " + " ".join(f"{flag(k)} {v}" for k, v in plan.settings.items()))
     return 0

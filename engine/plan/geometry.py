@@ -75,13 +75,18 @@ def _kv_values_per_token(mf: Any, n_layer: int, n_head: int) -> int:
 
 def read_geometry(path: str | Path) -> Geometry:
     # Imported here: the GUI imports this module to re-price plans, which reads no file.
-    from engine.gguf.check import check_model
-    from engine.gguf.reader import GGUFError, ModelFile
+    from engine.gguf.check import open_model
 
-    path = Path(path)
+    # Types and ranges of what is read are checked here; MoE-ness is refused by geometry_of.
+    return geometry_of(open_model(path, require_moe=False))
+
+
+def geometry_of(mf: Any) -> Geometry:
+    """The geometry of an opened engine.gguf.reader.ModelFile (the engine sizes from its own)."""
+    from engine.gguf.reader import GGUFError
+
+    path = Path(mf.path)
     try:
-        mf = ModelFile.open(path)
-        check_model(mf, require_moe=False)  # types and ranges of what is read below; MoE-ness is refused below
         n_layer = int(mf.arch_key("block_count"))
         n_head = int(mf.arch_key("attention.head_count"))
         n_expert = int(mf.arch_key("expert_count", 0) or 0)
@@ -109,5 +114,5 @@ def read_geometry(path: str | Path) -> Geometry:
             experts_bytes_total=sum(per_layer.values()), dense_bytes=dense, embedding_bytes=embedding,
             kv_values_per_token=_kv_values_per_token(mf, n_layer, n_head),
         )
-    except (GGUFError, OSError) as e:
-        raise UserError(f"cannot read {path}: {e}") from None
+    except GGUFError as e:  # its message starts with the path
+        raise UserError(f"cannot read the model: {e}") from None

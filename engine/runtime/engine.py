@@ -1,6 +1,8 @@
 """The engine's Python API: load a GGUF once, then stream generations from it.
 
-    engine = Engine.load("model.gguf", EngineConfig(device="cuda"))
+    from engine.moe.hybrid import attach_hybrid
+
+    engine = Engine.load("model.gguf", EngineConfig(device="cuda"), attach_experts=attach_hybrid)
     for event in engine.generate(Request(messages=[{"role": "user", "content": "Hi"}])):
         ...
 
@@ -13,36 +15,54 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterator, Union
+from typing import Any, Callable, Iterator, Union
 
 import torch
 
+from engine.config import Config
 from engine.errors import UserError
 from engine.layers.sampler import Sampler, SamplingParams
+from engine.plan.sizing import resolve_ctx
 from engine.runtime.stops import StopMatcher, Utf8Decoder
 from engine.runtime.telemetry import Telemetry
 from engine.runtime.tokenizer import Tokenizer
 
 Progress = Callable[[str, float], None]  # (stage, fraction 0..1)
+# Replaces a built model's `experts` (engine/layers/moe.Experts) and returns the executor, which
+# names its `kind` and carries `counters` for the telemetry: engine/moe/hybrid.attach_hybrid.
+AttachExperts = Callable[[Any, "EngineConfig"], Any]
+
+
+# The settings the engine shares with engine/config.Config: same names, defaults and checks.
+SHARED_SETTINGS = ("threads", "prefill_chunk", "moe_expert_cache_size", "moe_expert_cache_mib",
+                   "moe_gpu_miss_fraction", "moe_profile_adapt", "moe_expert_profile", "load_mode",
+                   "vram_budget_mib")
 
 
 @dataclass(frozen=True)
 class EngineConfig:
-    device: str = "cpu"
-    n_ctx: int = 4096
-    threads: int | None = None
-    prefill_chunk: int = 512
-    # Expert execution. "reference": every expert dequantized on `device` (the exactness
-    # baseline). "hybrid": resident experts in slots on `device`, misses on the ggml CPU pool
-    # (with cache size 0 on a CPU-only machine this is the fast CPU path).
-    experts: str = "hybrid"
-    expert_cache_size: str | int | None = "auto"  # N, "all", "auto"
-    expert_cache_mib: float | None = None
-    miss_fraction: float | None = None  # None: measured at load (engine/moe/tune.py)
-    policy: str = "occurrence"
-    expert_profile: str | None = None
-    load_mode: str = "auto"  # mmap, none or auto (engine/moe/slots.resolve_load_mode)
-    vram_budget_mib: float | None = None
+    device: str = "cpu"  # a torch device (engine/config.resolve_device turns "auto" into one)
+    n_ctx: int = Config.ctx  # Config's `ctx`: 0 is the model's training length
+    threads: int | None = Config.threads
+    prefill_chunk: int = Config.prefill_chunk
+    moe_expert_cache_size: str | int = Config.moe_expert_cache_size
+    moe_expert_cache_mib: int | None = Config.moe_expert_cache_mib
+    moe_gpu_miss_fraction: str | float = Config.moe_gpu_miss_fraction
+    moe_profile_adapt: str = Config.moe_profile_adapt
+    moe_expert_profile: str | None = Config.moe_expert_profile
+    load_mode: str = Config.load_mode
+    vram_budget_mib: int | None = Config.vram_budget_mib
+
+    def __post_init__(self) -> None:
+        checked = Config(ctx=self.n_ctx, **{name: getattr(self, name) for name in SHARED_SETTINGS})
+        for name in SHARED_SETTINGS:
+            object.__setattr__(self, name, getattr(checked, name))
+
+    @classmethod
+    def from_settings(cls, settings: Config, device: str, **overrides: Any) -> EngineConfig:
+        """The engine's part of the user's settings, on a resolved torch `device`; `overrides` win."""
+        shared = {name: getattr(settings, name) for name in SHARED_SETTINGS}
+        return cls(**{"device": device, "n_ctx": settings.ctx, **shared, **overrides})
 
 
 @dataclass
@@ -127,14 +147,18 @@ class Completion:
 class Engine:
     def __init__(self, model, tokenizer: Tokenizer, config: EngineConfig):
         self.model, self.tokenizer, self.config = model, tokenizer, config
-        self.n_ctx = min(config.n_ctx, model.config.n_ctx_train) if config.n_ctx > 0 else model.config.n_ctx_train
+        self.n_ctx = resolve_ctx(config.n_ctx, model.config.n_ctx_train)
         self.cache = model.new_cache(self.n_ctx)
         self._cached: list[int] = []  # tokens whose K/V the cache holds, in order
         self._lock = threading.Lock()
         self.telemetry = Telemetry("moestudio", tokenizer.path.name)
 
     @classmethod
-    def load(cls, path: str | Path, config: EngineConfig = EngineConfig(), progress: Progress | None = None) -> "Engine":
+    def load(cls, path: str | Path, config: EngineConfig = EngineConfig(), progress: Progress | None = None,
+             attach_experts: AttachExperts | None = None) -> "Engine":
+        """Without `attach_experts` the model keeps its reference expert executor (every expert
+        dequantized on the device: the exactness baseline); callers pass the hybrid executor's
+        (engine/moe/hybrid.attach_hybrid), which the runtime does not import."""
         from engine.models import build_model
 
         report = progress or (lambda stage, fraction: None)
@@ -142,19 +166,15 @@ class Engine:
             torch.set_num_threads(config.threads)
         report("reading model", 0.0)
         model = build_model(path, config.device)
-        hybrid = None
-        if config.experts == "hybrid":
-            from engine.moe.hybrid import attach_hybrid
-
+        executor = None
+        if attach_experts is not None:
             report("filling the expert cache", 0.5)
-            hybrid = attach_hybrid(model, config)
-        elif config.experts != "reference":
-            raise UserError(f"unknown expert execution {config.experts!r} (hybrid or reference)")
+            executor = attach_experts(model, config)
         report("loading tokenizer", 0.9)
         engine = cls(model, Tokenizer(path), config)
-        if hybrid is not None:
-            engine.telemetry.engine = "hybrid"
-            engine.telemetry.cache = hybrid.counters
+        if executor is not None:
+            engine.telemetry.engine = executor.kind
+            engine.telemetry.cache = executor.counters
         report("ready", 1.0)
         return engine
 

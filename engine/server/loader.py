@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
-from engine.config import Config
+from engine.config import Config, resolve_device
 from engine.errors import UserError
 
 if TYPE_CHECKING:
@@ -65,18 +65,11 @@ def _threads(cfg: Config) -> int:
 
 
 def _hybrid(cfg: Config, progress: Progress):
-    import torch
-
+    from engine.moe.hybrid import attach_hybrid
     from engine.runtime.engine import Engine, EngineConfig
 
-    device = cfg.device if cfg.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
-    # The hybrid engine (engine/moe) consumes the moe_* options: cache size, miss fraction, policy, profile.
-    config = EngineConfig(device=device, n_ctx=cfg.ctx, threads=_threads(cfg), prefill_chunk=cfg.prefill_chunk,
-                          experts="hybrid", expert_cache_size=cfg.moe_expert_cache_size,
-                          expert_cache_mib=cfg.moe_expert_cache_mib, miss_fraction=cfg.miss_fraction,
-                          policy=cfg.moe_profile_adapt, expert_profile=cfg.moe_expert_profile,
-                          load_mode=cfg.load_mode, vram_budget_mib=cfg.vram_budget_mib)
-    return Engine.load(cfg.model, config, progress)
+    config = EngineConfig.from_settings(cfg, resolve_device(cfg.device), threads=_threads(cfg))
+    return Engine.load(cfg.model, config, progress, attach_experts=attach_hybrid)
 
 
 def _n_cpu_moe(cfg: Config) -> int:
@@ -87,8 +80,7 @@ def _n_cpu_moe(cfg: Config) -> int:
     from engine.plan.planner import PlanOptions, make_plan
     from engine.plan.probe import probe_hardware
 
-    plan = make_plan(probe_hardware(), read_geometry(cfg.model),
-                     PlanOptions(ctx=cfg.ctx or 4096, kv_type="f16", vram_budget_mib=cfg.vram_budget_mib))
+    plan = make_plan(probe_hardware(), read_geometry(cfg.model), cfg, PlanOptions(kv_type="f16"))
     return int(plan.settings.get("n_cpu_moe", 0))
 
 

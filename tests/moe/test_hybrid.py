@@ -125,11 +125,13 @@ def test_a_slot_is_never_read_before_its_copy_lands(make_model, prompt_text, mon
 
 
 def test_counters_and_residency_reach_the_telemetry_snapshot(make_model, prompt_text):
+    from engine.moe.hybrid import attach_hybrid
     from engine.runtime.engine import Engine, EngineConfig, Request
     from engine.layers.sampler import SamplingParams
 
     path = make_model("qwen3moe", QT.Q4_K)
-    engine = Engine.load(path, EngineConfig(expert_cache_size=4, miss_fraction=0.5, policy="occurrence"))
+    engine = Engine.load(path, EngineConfig(moe_expert_cache_size=4, moe_gpu_miss_fraction=0.5,
+                                            moe_profile_adapt="occurrence"), attach_experts=attach_hybrid)
     list(engine.generate(Request(prompt=prompt_text[:200], max_tokens=16, ignore_eos=True,
                                  sampling=SamplingParams(temperature=0))))
     snap = engine.telemetry.snapshot()
@@ -165,12 +167,13 @@ def test_load_mode_none_reads_ram_copies_and_gives_the_same_tokens(make_model, p
     """--load-mode none: the CPU pool and the uploads read RAM copies of the experts (not the
     memory map), and generation is unchanged; auto means mmap without a GPU."""
     from engine.layers.sampler import SamplingParams
+    from engine.moe.hybrid import attach_hybrid
     from engine.runtime.engine import Engine, EngineConfig, Request
 
     path = make_model("qwen3moe")
     out = {}
     for mode in ("auto", "none"):
-        engine = Engine.load(path, EngineConfig(n_ctx=256, load_mode=mode))
+        engine = Engine.load(path, EngineConfig(n_ctx=256, load_mode=mode), attach_experts=attach_hybrid)
         try:
             mapped = engine.model.source.torch_raw("blk.0.ffn_gate_exps.weight").data_ptr()
             assert (engine.model.expert_weights[0].gate.raw.data_ptr() == mapped) == (mode == "auto")

@@ -15,8 +15,10 @@ from gguf import GGUFReader, GGUFValueType, GGUFWriter
 
 from engine.errors import UserError
 from engine.gguf.reader import ModelFile
-from engine.moe.profile import (MAX_REQUESTS, ExpertProfile, ModelIdentity, collect_profile, load_corpus,
+from engine.moe.profile import (MAX_REQUESTS, ExpertProfile, ModelIdentity, load_corpus,
                                 load_profile, read_profile, read_strp, save_profile)
+from engine.moe.hybrid import attach_hybrid
+from engine.moe.profile_cli import collect_profile
 from engine.runtime.engine import Engine, EngineConfig
 from engine.synth.corpus import stdlib_text
 
@@ -47,7 +49,7 @@ def collected(tiny, identity, texts, tmp_path_factory):
         {"family": "chat", "messages": [{"role": "user", "content": texts[2]}], "max_tokens": 9},
     ]}
     corpus = write_corpus(tmp, doc, {"a.txt": texts[0]})
-    engine = Engine.load(tiny, EngineConfig())
+    engine = Engine.load(tiny, EngineConfig(), attach_experts=attach_hybrid)
     calls: list[list[tuple[int, np.ndarray]]] = [[]]
     executor = engine.model.experts
 
@@ -128,7 +130,7 @@ def test_collection_on_a_model_with_a_leading_dense_layer(make_model, deepseek, 
     # The same prompt twice: the second prefill reuses the cached prefix and runs a single row,
     # which must not count as decode.
     doc = {"version": 1, "weights": {"a": 1}, "requests": [{"family": "a", "prompt": texts[3], "max_tokens": 5}] * 2}
-    engine = Engine.load(make_model("deepseek2"), EngineConfig())
+    engine = Engine.load(make_model("deepseek2"), EngineConfig(), attach_experts=attach_hybrid)
     profile = collect_profile(engine, write_corpus(tmp_path, doc))
     assert profile.identity == deepseek and profile.counts.shape == (2, 8)
     assert profile.workload[0].decode_rows == 10
@@ -364,7 +366,7 @@ def test_corpus_files_and_json(tmp_path):
 
 
 def test_a_prompt_that_fills_the_context_is_refused_before_generating(tiny, texts, tmp_path):
-    engine = Engine.load(tiny, EngineConfig(n_ctx=32))
+    engine = Engine.load(tiny, EngineConfig(n_ctx=32), attach_experts=attach_hybrid)
     generated = []
     engine.generate = lambda *a, **k: generated.append(a) or iter(())
     doc = {"version": 1, "weights": {"a": 1}, "requests": [

@@ -11,7 +11,9 @@ import pytest
 
 from engine.plan import cli as plan_cli
 from engine.plan.geometry import Geometry, read_geometry
-from engine.plan.planner import HEADROOM_BYTES, PlanOptions, make_plan
+from engine.config import Config
+from engine.plan.planner import PlanOptions, make_plan
+from engine.plan.sizing import HEADROOM_BYTES
 from engine.plan.probe import Hardware, probe_hardware
 
 GIB, MIB = 1 << 30, 1 << 20
@@ -80,7 +82,7 @@ def test_cpu_plan_json_on_this_machine(make_model):
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     plan = json.loads(r.stdout)
-    assert plan["schema"] == 1 and plan["mode"] in ("cpu", "gpu")
+    assert plan["schema"] == 2 and plan["mode"] in ("cpu", "gpu")
     for line in plan["lines"]:
         assert set(line) == {"name", "bytes", "where", "explain", "value"} and line["explain"]
     names = [line["name"] for line in plan["lines"]]
@@ -100,9 +102,9 @@ def test_plan_cli_with_the_fake_gpu(make_model, capsys):
     assert plan["bandwidth_gbs"]["vram"] == round(272 * 0.8, 1)
 
 
-@pytest.mark.parametrize("gib, slots", [(8, 41), (12, 75), (24, 128)])
+@pytest.mark.parametrize("gib, slots", [(8, 40), (12, 73), (24, 128)])
 def test_qwen3_30b_at_8_12_24_gib(gib, slots):
-    plan = make_plan(machine(gib * 1024), Q3, PlanOptions(ctx=4096))
+    plan = make_plan(machine(gib * 1024), Q3, Config(ctx=4096))
     assert plan.mode == "gpu" and plan.fits and not plan.warnings
     assert plan.expert_cache["slots_per_layer"] == slots
     gpu_bytes = sum(line.bytes for line in plan.lines if line.where == "gpu")
@@ -113,16 +115,16 @@ def test_qwen3_30b_at_8_12_24_gib(gib, slots):
 def test_more_vram_means_faster_and_budget_caps():
     speeds = [make_plan(machine(m), Q3).decode["tokens_per_s"] for m in (8192, 12288, 24576)]
     assert speeds == sorted(speeds) and len(set(speeds)) == 3
-    capped = make_plan(machine(24576), Q3, PlanOptions(vram_budget_mib=8192))
+    capped = make_plan(machine(24576), Q3, Config(vram_budget_mib=8192))
     assert capped.expert_cache == {**make_plan(machine(8192), Q3).expert_cache, "vram_budget_bytes": 8 * GIB}
 
 
 def test_overrides_and_warnings():
-    too_big = make_plan(machine(8192), Q3, PlanOptions(expert_cache_size="all"))
+    too_big = make_plan(machine(8192), Q3, Config(moe_expert_cache_size="all"))
     assert not too_big.fits and "larger than the VRAM left" in too_big.warnings[0]
     no_room = make_plan(machine(1024), Q3)
     assert not no_room.fits and no_room.expert_cache["slots_per_layer"] == 0 and "lower -c" in no_room.warnings[0]
-    given = make_plan(machine(8192), Q3, PlanOptions(ram_gbs=80, miss_fraction=0))
+    given = make_plan(machine(8192), Q3, Config(moe_gpu_miss_fraction=0), PlanOptions(ram_gbs=80))
     assert given.bandwidth_gbs["sources"]["ram"] == "given" and given.decode["bytes_per_token"]["pcie"] == 0
     cpu = make_plan(machine(None), Q3)
     assert cpu.mode == "cpu" and cpu.decode["tokens_per_s"] == round(40e9 / (Q3.dense_bytes + Q3.active_expert_bytes), 1)
@@ -131,13 +133,37 @@ def test_overrides_and_warnings():
 def test_the_gui_can_reprice_from_the_json_without_torch():
     plan = make_plan(machine(8192), Q3)
     doc = plan.to_json(machine(8192), Q3, PlanOptions())
-    again = make_plan(Hardware.from_json(doc["hardware"]), Geometry.from_json(doc["model"]), PlanOptions(ctx=8192))
+    again = make_plan(Hardware.from_json(doc["hardware"]), Geometry.from_json(doc["model"]), Config(ctx=8192))
     assert again.expert_cache["slots_per_layer"] < plan.expert_cache["slots_per_layer"]  # a longer context costs slots
     code = "import sys, engine.plan.planner, engine.config; sys.exit('torch' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
 
 
-def test_headroom_matches_the_engine():
-    from engine.moe.budget import HEADROOM_BYTES as ENGINE_HEADROOM
+def test_miss_fraction_auto_is_estimated_and_a_given_one_kept():
+    auto = make_plan(machine(8192), Q3)
+    line = next(line for line in auto.lines if line.name == "miss fraction")
+    pcie, ram = auto.bandwidth_gbs["pcie"], auto.bandwidth_gbs["ram"]
+    assert abs(line.value - pcie / (pcie + ram)) <= 1 / 256 and "auto" in line.explain
+    assert auto.settings["moe_gpu_miss_fraction"] == "auto"
+    given = make_plan(machine(8192), Q3, Config(moe_gpu_miss_fraction=0.17))
+    assert next(line.value for line in given.lines if line.name == "miss fraction") == 0.17
+    assert given.settings["moe_gpu_miss_fraction"] == 0.17
 
-    assert HEADROOM_BYTES == ENGINE_HEADROOM
+
+def test_ctx_0_plans_the_training_length():
+    plan = make_plan(machine(24576), Q3, Config(ctx=0))
+    kv = next(line for line in plan.lines if line.name == "KV cache")
+    assert plan.settings["ctx"] == Q3.n_ctx_train and kv.bytes == Q3.kv_bytes(Q3.n_ctx_train)
+
+
+def test_plan_takes_serves_flags_and_presets(make_model, capsys, tmp_path):
+    preset = tmp_path / "p.toml"
+    preset.write_text('moe_expert_cache_size = 3\nmoe_gpu_miss_fraction = "auto"\n')
+    parser = argparse.ArgumentParser()
+    plan_cli.register(parser.add_subparsers())
+    args = parser.parse_args(["plan", str(make_model("qwen3moe")), "--json", "--config", str(preset),
+                              "--moe-gpu-miss-fraction", "auto", "-c", "0"])
+    assert plan_cli.run(args, nvml=FakeNVML()) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["expert_cache"]["slots_per_layer"] == 3 and plan["settings"]["moe_gpu_miss_fraction"] == "auto"
+    assert plan["settings"]["ctx"] == plan["model"]["n_ctx_train"]

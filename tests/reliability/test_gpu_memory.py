@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from engine.moe import slots as slots_module
+from engine.moe.hybrid import attach_hybrid
 from engine.runtime.engine import Engine, EngineConfig, Request
 
 
@@ -37,7 +38,8 @@ def test_cache_shrinks_when_slot_allocation_runs_out_of_memory(make_model, monke
 
     monkeypatch.setattr(slots_module.LayerSlots, "__init__", allocate)
     with pytest.warns(RuntimeWarning, match=r"out of GPU memory with 8 expert slots per layer; shrinking") as record:
-        engine = Engine.load(path, EngineConfig(expert_cache_size="all", n_ctx=256))
+        engine = Engine.load(path, EngineConfig(moe_expert_cache_size="all", n_ctx=256),
+                             attach_experts=attach_hybrid)
     assert shrunk_to(record) == ["6", "4", "3"]
     assert_generates_with(engine, slots_per_layer=3)
 
@@ -56,12 +58,12 @@ def test_auto_sized_cache_shrinks_when_too_little_memory_is_left_after_allocatin
         real_init(self, w, n_slots, n_staging, device, copier)
 
     monkeypatch.setattr(slots_module.LayerSlots, "__init__", allocate)
-    monkeypatch.setattr(budget, "slots_per_layer", lambda **_: 8)
+    monkeypatch.setattr(budget, "gpu_free_bytes", lambda device: 16 << 30)  # room for every expert; 1 GiB headroom
     monkeypatch.setattr(budget, "free_after_allocation",
-                        lambda device, vram_budget_mib, pending_bytes: 2**30 if allocated[-1] <= 4 else 100 * 2**20)
+                        lambda device, budget_bytes, pending_bytes: 2**30 if allocated[-1] <= 4 else 100 * 2**20)
     with pytest.warns(RuntimeWarning, match=r"only 100 MiB of GPU memory left with 8 expert slots per layer; "
                                             r"shrinking the expert cache to 6") as record:
-        engine = Engine.load(path, EngineConfig(n_ctx=256))
+        engine = Engine.load(path, EngineConfig(n_ctx=256), attach_experts=attach_hybrid)
     assert shrunk_to(record) == ["6", "4"]
     assert_generates_with(engine, slots_per_layer=4)
 
@@ -70,7 +72,8 @@ def test_a_fixed_cache_size_is_not_second_guessed(make_model, monkeypatch):
     from engine.moe import budget
 
     monkeypatch.setattr(budget, "free_after_allocation", lambda *_: 0)
-    engine = Engine.load(make_model("qwen3moe"), EngineConfig(expert_cache_size=5, n_ctx=256))
+    engine = Engine.load(make_model("qwen3moe"), EngineConfig(moe_expert_cache_size=5, n_ctx=256),
+                         attach_experts=attach_hybrid)
     try:
         assert engine.telemetry.cache.slots_per_layer == 5
     finally:
@@ -85,7 +88,7 @@ def test_no_memory_at_all_is_an_error_not_a_loop(make_model, monkeypatch):
 
     monkeypatch.setattr(slots_module.LayerSlots, "__init__", allocate)
     with pytest.warns(RuntimeWarning, match="shrinking"), pytest.raises(torch.OutOfMemoryError):
-        Engine.load(path, EngineConfig(expert_cache_size=2, n_ctx=256))
+        Engine.load(path, EngineConfig(moe_expert_cache_size=2, n_ctx=256), attach_experts=attach_hybrid)
 
 
 @pytest.mark.gpu
@@ -94,7 +97,8 @@ def test_small_vram_budget_is_honoured_on_cuda(make_model):
     path = make_model("qwen3moe")
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
-    engine = Engine.load(path, EngineConfig(device="cuda", n_ctx=256, vram_budget_mib=32))
+    engine = Engine.load(path, EngineConfig(device="cuda", n_ctx=256, vram_budget_mib=32),
+                         attach_experts=attach_hybrid)
     try:
         list(engine.generate(Request(prompt="def main():", max_tokens=8, ignore_eos=True)))
         assert torch.cuda.max_memory_allocated() - base <= 32 * 2**20

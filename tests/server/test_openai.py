@@ -18,9 +18,10 @@ def client(server):
 def reference(tiny_model):
     """The same greedy request run by the engine in this process: what the server must return."""
     from engine.layers.sampler import SamplingParams
+    from engine.moe.hybrid import attach_hybrid
     from engine.runtime.engine import Engine, EngineConfig, Request
 
-    engine = Engine.load(tiny_model, EngineConfig(n_ctx=1024))
+    engine = Engine.load(tiny_model, EngineConfig(n_ctx=1024), attach_experts=attach_hybrid)
     return list(engine.generate(Request(messages=MESSAGES, max_tokens=24, sampling=SamplingParams(temperature=0))))[-1]
 
 

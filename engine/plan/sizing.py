@@ -1,0 +1,107 @@
+"""Where a model's parts go on the GPU: the one sizing rule of the wizard, `moestudio plan` and
+the engine.
+
+`place` is pure arithmetic over a model's geometry, the GPU memory the machine has free for
+this engine, and the user's settings: dense weights, the KV cache at the resolved context,
+the compute workspace, the upload staging slots, a headroom, and what is left becomes expert
+slots (the same number in every MoE layer). The planner prints it; the engine allocates
+exactly that many slots and then only measures free memory again, shrinking the cache with a
+warning if another program took some in the meantime (engine/moe/hybrid.attach_hybrid).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from engine.plan.geometry import Geometry
+
+MIB = 1 << 20
+HEADROOM_BYTES = 1 << 30  # left free for the CUDA context, allocator, graphs and other programs
+FRACTION_STEPS = 256  # the miss fraction's resolution (the executor counts uploads in these steps)
+
+
+def resolve_ctx(ctx: int, n_ctx_train: int) -> int:
+    """The context the engine runs: 0 is the model's training length; more than that is capped to it."""
+    return n_ctx_train if ctx <= 0 else min(ctx, n_ctx_train)
+
+
+def quantized_fraction(fraction: float) -> float:
+    return round(fraction * FRACTION_STEPS) / FRACTION_STEPS
+
+
+def balanced_fraction(upload_s: float, cpu_s: float) -> float:
+    """The share of misses to upload when uploads and the CPU pool run side by side: a step of m
+    misses takes max(u * upload_s, (m - u) * cpu_s), least at u / m = cpu_s / (upload_s + cpu_s)."""
+    return quantized_fraction(cpu_s / (upload_s + cpu_s))
+
+
+def staging_slots(miss_fraction: float, n_expert: int, top_k: int) -> int:
+    """Staging slots per layer for one step's uploads: the fraction of a decode step's top-k
+    (rounded up), so a step of many tokens (prefill) uploads at most that many experts and
+    computes its other misses on the CPU; with top_k 0, the fraction of every expert."""
+    step_fraction = round(miss_fraction * FRACTION_STEPS)
+    return -(-step_fraction * (top_k or n_expert) // FRACTION_STEPS)
+
+
+def workspace_bytes(g: Geometry, ctx: int, prefill_chunk: int) -> int:
+    """Scratch memory of one prefill chunk: logits, activations and attention scores."""
+    logits = g.n_vocab * prefill_chunk * 4
+    activations = prefill_chunk * (6 * g.n_embd + 3 * g.n_expert_used * g.n_ff_exp) * 4
+    scores = g.n_head * prefill_chunk * ctx * 4
+    return logits + activations + scores
+
+
+@dataclass(frozen=True)
+class Placement:
+    ctx: int  # resolved: 0 became the training length
+    budget_bytes: int  # GPU memory this engine may use: the free memory, capped by vram_budget_mib
+    dense_bytes: int
+    kv_bytes: int
+    workspace_bytes: int
+    staging_per_layer: int  # upload slots in each MoE layer
+    staging_bytes: int
+    headroom_bytes: int
+    slots_per_layer: int
+    cache_bytes: int
+    free_for_experts: int  # budget less everything but the expert cache (negative: it does not fit)
+
+    @property
+    def fits(self) -> bool:
+        return self.free_for_experts >= 0 and self.cache_bytes <= self.free_for_experts
+
+
+def place(g: Geometry, gpu_free_bytes: int | None, *, ctx: int, prefill_chunk: int,
+          moe_expert_cache_size: str | int, moe_expert_cache_mib: int | None,
+          vram_budget_mib: int | None, miss_fraction: float, kv_type: str = "f32") -> Placement:
+    """`gpu_free_bytes` is what the GPU has free before this engine allocates anything (None: no
+    GPU, so no auto-sized slots: every expert then runs in ggml's CPU pool). `miss_fraction` is
+    resolved (given, or measured/estimated for auto): it sizes the staging slots. The settings
+    come checked from engine/config.Config (an EngineConfig passes through it too)."""
+    ctx = resolve_ctx(ctx, g.n_ctx_train)
+    layers = len(g.moe_layers)
+    per_slot = g.expert_bytes * layers  # one slot in every MoE layer
+    if gpu_free_bytes is None:
+        budget = 0
+    else:
+        budget = gpu_free_bytes if vram_budget_mib is None else min(gpu_free_bytes, vram_budget_mib * MIB)
+    kv, work = g.kv_bytes(ctx, kv_type), workspace_bytes(g, ctx, prefill_chunk)
+    headroom = min(HEADROOM_BYTES, budget // 8)  # an emulated small GPU keeps a proportionate eighth
+    room = budget - g.dense_bytes - kv - work - headroom  # for experts: cached and staging
+    staging = staging_slots(miss_fraction, g.n_expert, g.n_expert_used)
+    if moe_expert_cache_mib is not None:
+        slots = min(g.n_expert, moe_expert_cache_mib * MIB // per_slot)
+    elif moe_expert_cache_size == "all":
+        slots = g.n_expert
+    elif moe_expert_cache_size != "auto":
+        slots = min(int(moe_expert_cache_size), g.n_expert)
+    elif gpu_free_bytes is None:
+        slots = 0
+    elif room // per_slot >= g.n_expert:
+        slots = g.n_expert
+    else:
+        slots = max(0, room // per_slot - staging)
+    if slots == g.n_expert or gpu_free_bytes is None:
+        staging = 0  # every expert resident: nothing to upload (without a GPU: nothing to upload to)
+    return Placement(ctx=ctx, budget_bytes=budget, dense_bytes=g.dense_bytes, kv_bytes=kv, workspace_bytes=work,
+                     staging_per_layer=staging, staging_bytes=staging * per_slot, headroom_bytes=headroom,
+                     slots_per_layer=slots, cache_bytes=slots * per_slot,
+                     free_for_experts=room - staging * per_slot)
