@@ -65,8 +65,6 @@ def run(args: argparse.Namespace) -> int:
     from engine.baseline.llama_load import open_llama
     from engine.gguf.check import open_model
 
-    print("MoE Studio terminal chat (llama.cpp engine). The desktop app is `moestudio`; an OpenAI/Anthropic "
-          "server is `moestudio serve MODEL`.", file=sys.stderr)
     settings = from_args(args)
     model = settings.model
     if model is None:
@@ -75,6 +73,8 @@ def run(args: argparse.Namespace) -> int:
         print("Preparing the demo model (random weights: its replies are gibberish)…", file=sys.stderr)
         model = demo_model_path()
     open_model(model, require_moe=False)  # the bounded checks first: llama.cpp aborts on some corrupt files
+    print("MoE Studio terminal chat (llama.cpp engine). The desktop app is `moestudio`; an OpenAI/Anthropic "
+          "server is `moestudio serve MODEL`.", file=sys.stderr)
     llm = open_llama(model, n_ctx=settings.ctx, n_threads=settings.threads)
     print(f"Model: {model}\nType a message; {COMMANDS}.", file=sys.stderr)
 
