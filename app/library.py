@@ -63,6 +63,13 @@ class ModelEntry:
         return f"{self.display_name} ({self.info.main_quant})" if self.info else f"{Path(self.path).name} (unreadable)"
 
 
+def human_size(n: int) -> str:
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= scale:
+            return f"{n / scale:,.1f} {unit}"
+    return f"{n} B"
+
+
 def read_model_info(path: str | os.PathLike[str]) -> ModelInfo:
     """The header's summary, or a UserError (GGUFError) saying why the file is not a usable model."""
     from engine.gguf.reader import ModelFile  # numpy and the gguf package only; kept out of app start

@@ -18,19 +18,13 @@ from PySide6.QtWidgets import (QAbstractItemView, QFileDialog, QHBoxLayout, QHea
 
 from engine.errors import UserError
 
-from app.library import ModelEntry, ModelLibrary
+from app.download_dialog import DownloadDialog
+from app.library import ModelEntry, ModelLibrary, human_size
 from app.plan_service import PlanService
 from app.tasks import TaskManager
 
 COLUMNS = ("Name", "Architecture", "Experts", "Quant types", "Size", "Fits this machine", "Last used")
 FIT_COLUMN = COLUMNS.index("Fits this machine")
-
-
-def human_size(n: int) -> str:
-    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if n >= scale:
-            return f"{n / scale:,.1f} {unit}"
-    return f"{n} B"
 
 
 def when_text(t: float | None, now: float | None = None) -> str:
@@ -55,7 +49,6 @@ def fit_text(plan: dict) -> str:
 class ModelsPanel(QWidget):
     useRequested = Signal(str)  # a model path: restart the engine on it
     modelsChanged = Signal(list)  # list[ModelEntry], after every listing
-    downloadRequested = Signal()
 
     def __init__(self, library: ModelLibrary, tasks: TaskManager, parent: QWidget | None = None):
         super().__init__(parent)
@@ -63,6 +56,7 @@ class ModelsPanel(QWidget):
         self.entries: list[ModelEntry] = []
         self.fits: dict[str, str] = {}  # path -> the planner's verdict text, kept across listings
         self.plan_service: PlanService | None = None
+        self.download_dialog: DownloadDialog | None = None  # made on first use
         self.current_model: str | None = None
         self._listing = False
 
@@ -94,7 +88,7 @@ class ModelsPanel(QWidget):
         self.use_btn.clicked.connect(self._use_selected)
         self.open_btn.clicked.connect(self._open_file)
         self.forget_btn.clicked.connect(self._forget_selected)
-        self.download_btn.clicked.connect(self.downloadRequested)
+        self.download_btn.clicked.connect(self.open_download)
         self.folder_btn.clicked.connect(lambda: QDesktopServices.openUrl(QUrl.fromLocalFile(str(library.models_dir))))
         self.refresh_btn.clicked.connect(self.refresh)
         buttons = QHBoxLayout()
@@ -161,10 +155,13 @@ class ModelsPanel(QWidget):
         if not e.info.n_expert:
             self._set_fit(e.path, "dense model: runs with the llama.cpp engine")
             return
+        self.planner().request("plan", lambda plan, p=e.path: self._set_fit(p, fit_text(plan)),
+                                  lambda err, p=e.path: self._set_fit(p, f"unknown: {err}"), model=e.path, options={})
+
+    def planner(self) -> PlanService:
         if self.plan_service is None:
             self.plan_service = PlanService(self)
-        self.plan_service.request("plan", lambda plan, p=e.path: self._set_fit(p, fit_text(plan)),
-                                  lambda err, p=e.path: self._set_fit(p, f"unknown: {err}"), model=e.path, options={})
+        return self.plan_service
 
     def _set_fit(self, path: str, text: str) -> None:
         self.fits[path] = text
@@ -183,6 +180,8 @@ class ModelsPanel(QWidget):
             item.setFont(font)
 
     def stop(self) -> None:
+        if self.download_dialog is not None:
+            self.download_dialog.close()  # cancels a running download (resumable)
         if self.plan_service is not None:
             self.plan_service.stop()
 
@@ -219,6 +218,13 @@ class ModelsPanel(QWidget):
         self.error.setText("")
         self.refresh()
         return True
+
+    def open_download(self) -> None:
+        if self.download_dialog is None:
+            self.download_dialog = DownloadDialog(self.library.models_dir, self.tasks, self.planner(), self)
+            self.download_dialog.downloaded.connect(lambda _path: self.refresh())
+        self.download_dialog.show()
+        self.download_dialog.raise_()
 
     def _open_file(self) -> None:
         path, _ = QFileDialog.getOpenFileName(self, "Open a GGUF model", "", "GGUF models (*.gguf);;All files (*)")

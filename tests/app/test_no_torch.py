@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-PURE = ["app.paths", "app.address", "app.library", "app.credentials", "app.worker_state", "app.log_buffer", "app.logs", "app.api_client",
+PURE = ["app.paths", "app.address", "app.library", "app.downloads", "app.credentials", "app.worker_state", "app.log_buffer", "app.logs", "app.api_client",
         "app.store", "app.settings", "app.chat.session", "app.chat.markdown", "app.dashboard.series",
         "app.desktop_entry"]  # install-desktop runs before any Qt GUI and must stay cheap
 
