@@ -47,6 +47,8 @@ class DownloadDialog(QDialog):
         self.query = QLineEdit(placeholderText="Search GGUF models, e.g. qwen3 30b a3b", clearButtonEnabled=True)
         self.search_btn = QPushButton("Search")
         self.repos = QListWidget()
+        self.repos.setHorizontalScrollBarPolicy(Qt.ScrollBarAlwaysOff)  # long names end in "…" (full in the tooltip)
+        self.repos.setTextElideMode(Qt.ElideRight)
         self.files = QTableWidget(0, len(FILE_COLUMNS))
         self.files.setHorizontalHeaderLabels(FILE_COLUMNS)
         self.files.setSelectionBehavior(QAbstractItemView.SelectRows)
@@ -108,7 +110,7 @@ class DownloadDialog(QDialog):
         for h in hits:
             item = QListWidgetItem(f"{h.repo_id}  ({h.downloads:,} downloads)")
             item.setData(Qt.UserRole, h.repo_id)
-            item.setToolTip(h.repo_id)
+            item.setToolTip(f"{h.repo_id}: {h.downloads:,} downloads, {h.likes:,} likes")
             self.repos.addItem(item)
         self.status.setText(f"{len(hits)} GGUF repositories" if hits else "No GGUF repositories match; "
                             "try fewer or other words")

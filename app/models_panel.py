@@ -59,6 +59,7 @@ class ModelsPanel(QWidget):
         self.download_dialog: DownloadDialog | None = None  # made on first use
         self.current_model: str | None = None
         self._listing = False
+        self._stopped = False  # after stop(): a listing still in flight must not start the planner helper
 
         self.table = QTableWidget(0, len(COLUMNS))
         self.table.setHorizontalHeaderLabels(COLUMNS)
@@ -113,7 +114,7 @@ class ModelsPanel(QWidget):
     # ---- listing -------------------------------------------------------------------------------
     def refresh(self) -> None:
         """Lists the library again (off the GUI thread: new files' headers are read)."""
-        if self._listing:
+        if self._listing or self._stopped:
             return
         self._listing = True
 
@@ -125,6 +126,8 @@ class ModelsPanel(QWidget):
 
     def _show(self, entries: list[ModelEntry]) -> None:
         self._listing = False
+        if self._stopped:
+            return
         selected = self.selected_path()
         self.entries = entries
         self.table.setRowCount(len(entries))
@@ -180,6 +183,7 @@ class ModelsPanel(QWidget):
             item.setFont(font)
 
     def stop(self) -> None:
+        self._stopped = True
         if self.download_dialog is not None:
             self.download_dialog.close()  # cancels a running download (resumable)
         if self.plan_service is not None:

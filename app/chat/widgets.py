@@ -238,6 +238,7 @@ class ChatWidget(QWidget):
                                       "(the Models tab lists, adds and downloads models)")
         self.model_picker.setSizeAdjustPolicy(QComboBox.AdjustToMinimumContentsLengthWithIcon)
         self.model_picker.setMinimumContentsLength(24)
+        self.model_picker.setPlaceholderText("no model yet: see the Models tab")
         self.model_picker.activated.connect(self._model_picked)
         meter = QHBoxLayout()
         meter.addWidget(QLabel("Model"))
