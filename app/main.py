@@ -27,10 +27,10 @@ from app.address import check_address
 from app.api_panel import ApiPanel
 from app.chat.controller import ChatController
 from app.chat.widgets import ChatWidget
+from app.credentials import save_api_key
 from app.dashboard.streamer import StatsStreamer
 from app.dashboard.widgets import DashboardWidget
 from app.desktop_entry import APP_ID, ICON_SVG
-from app.credentials import save_api_key
 from app.dialogs import CrashDialog, ErrorDialog
 from app.engine_manager import EngineManager, LaunchSpec, default_command
 from app.library import ModelEntry, ModelLibrary
@@ -82,11 +82,11 @@ class MainWindow(QMainWindow):
         self.dashboard = DashboardWidget()
         self.logs = LogsWidget(self.engine.logs, self.paths.log)
         self.settings_panel = SettingsPanel()
+        self.api_panel = ApiPanel()
         self.tabs.addTab(self.chat, "Chat")
         self.tabs.addTab(self.models_panel, "Models")
         self.tabs.addTab(self.dashboard, "Dashboard")
         self.tabs.addTab(self.logs, "Logs")
-        self.api_panel = ApiPanel()
         self.tabs.addTab(self.settings_panel, "Settings")
         self.tabs.addTab(self.api_panel, "API")
         self.setCentralWidget(self.tabs)

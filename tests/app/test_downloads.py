@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
-from PySide6.QtCore import Qt, QTimer
+from PySide6.QtCore import QTimer
 
 from app.downloads import (Cancelled, ChecksumMismatch, Speed, destination, download, eta_text, fit_estimate,
                            partial_bytes, repo_choices, search_gguf_repos)
