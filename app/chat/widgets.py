@@ -12,7 +12,7 @@ from PySide6.QtGui import QGuiApplication, QKeyEvent, QTextDocument
 from PySide6.QtWidgets import (QAbstractItemView, QComboBox, QDoubleSpinBox, QFileDialog, QFormLayout, QFrame,
                                QHBoxLayout, QInputDialog, QLabel, QLineEdit, QListWidget, QListWidgetItem, QMessageBox,
                                QPlainTextEdit, QProgressBar, QPushButton, QScrollArea, QSpinBox, QSplitter,
-                               QStyledItemDelegate, QToolButton, QVBoxLayout, QWidget)
+                               QSizePolicy, QStyledItemDelegate, QToolButton, QVBoxLayout, QWidget)
 
 from app.chat.controller import ChatController
 from app.chat.markdown import code_blocks, display_markdown
@@ -236,13 +236,15 @@ class ChatWidget(QWidget):
         # the header: which model answers (a picker over the model library) and the context meter
         self.model_picker = QComboBox(toolTip="The model the engine runs; choosing another restarts the engine on it "
                                       "(the Models tab lists, adds and downloads models)")
-        self.model_picker.setSizeAdjustPolicy(QComboBox.AdjustToMinimumContentsLengthWithIcon)
-        self.model_picker.setMinimumContentsLength(24)
+        # as wide as the header has room for, 140-420 px: its hints follow the longest name and the placeholder
+        self.model_picker.setSizePolicy(QSizePolicy.Ignored, QSizePolicy.Fixed)
+        self.model_picker.setMinimumWidth(140)
+        self.model_picker.setMaximumWidth(420)
         self.model_picker.setPlaceholderText("no model yet: see the Models tab")
         self.model_picker.activated.connect(self._model_picked)
         meter = QHBoxLayout()
         meter.addWidget(QLabel("Model"))
-        meter.addWidget(self.model_picker)
+        meter.addWidget(self.model_picker, 1)
         meter.addStretch(1)
         meter.addWidget(self.context_label)
         meter.addWidget(self.context_bar)

@@ -97,7 +97,10 @@ def test_models_and_api_tabs_fit_at_1024x640(small_window, qtbot, make_model):
     win.models_panel.refresh()
     qtbot.waitUntil(lambda: win.models_panel.table.rowCount() == 1, timeout=10000)
     win.chat.set_models([(e.path, e.label) for e in win.models_panel.entries], win.models_panel.entries[0].path)
+    win.chat.settings_btn.setChecked(True)  # the widest chat layout
+    win.chat.set_context_size(131072)
     _settle(qtbot)
+    assert win.size() == SMALL and win.chat.model_picker.width() >= 140
     _labels_fit(win.chat)  # the header's model picker beside the context meter
     for tab in (win.models_panel, win.api_panel):
         win.tabs.setCurrentWidget(tab)
