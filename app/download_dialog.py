@@ -38,11 +38,13 @@ class DownloadDialog(QDialog):
         self.models_dir, self.tasks = models_dir, tasks
         self.hardware: dict | None = None
         self.choices: list[HubChoice] = []
+        self._repo: str | None = None
         self.busy = False
         self._cancel: threading.Event | None = None
         self._bridge = _ProgressBridge(self)
         self._bridge.progress.connect(self._progress)
-        plan_service.request("probe", self._hardware_known, lambda _err: None)
+        self._probe_error: str | None = None
+        plan_service.request("probe", self._hardware_known, self._probe_failed)
 
         self.query = QLineEdit(placeholderText="Search GGUF models, e.g. qwen3 30b a3b", clearButtonEnabled=True)
         self.search_btn = QPushButton("Search")
@@ -118,8 +120,10 @@ class DownloadDialog(QDialog):
     def _open_repo(self, repo_id: str) -> None:
         self.files.setRowCount(0)
         self.choices = []
+        self._repo = repo_id  # an answer for a repo clicked earlier is dropped
         self.status.setText(f"Reading the files of {repo_id}\u2026")
-        self.tasks.run(lambda: repo_choices(repo_id), self._show_files, self._failed)
+        self.tasks.run(lambda: repo_choices(repo_id), lambda c: repo_id == self._repo and self._show_files(c),
+                       self._failed)
 
     def _show_files(self, choices: list[HubChoice]) -> None:
         self.choices = choices
@@ -129,7 +133,9 @@ class DownloadDialog(QDialog):
         self._update_buttons()
 
     def _fill_files(self) -> None:
+        """The table from `choices`, the selected row kept (the fit and On disk columns change)."""
         choices = self.choices
+        selected = self.files.selectionModel().selectedRows()
         self.files.setRowCount(len(choices))
         for row, c in enumerate(choices):
             parts = f" ({len(c.files)} parts)" if len(c.files) > 1 else ""
@@ -140,14 +146,21 @@ class DownloadDialog(QDialog):
                 item = QTableWidgetItem(text)
                 item.setToolTip(text)
                 self.files.setItem(row, col, item)
+        if selected and selected[0].row() < len(choices):
+            self.files.selectRow(selected[0].row())
 
     def _fit(self, c: HubChoice) -> str:
-        return fit_estimate(c.size, self.hardware)[1] if self.hardware else "checking\u2026"
+        if self.hardware:
+            return fit_estimate(c.size, self.hardware)[1]
+        return f"unknown ({self._probe_error})" if self._probe_error else "checking\u2026"
+
+    def _probe_failed(self, error: str) -> None:
+        self._probe_error = error.splitlines()[0] if error else "the hardware probe failed"
+        self._fill_files()
 
     def _hardware_known(self, hardware: dict) -> None:
         self.hardware = hardware
-        for row, c in enumerate(self.choices):
-            self.files.item(row, 3).setText(self._fit(c))
+        self._fill_files()
 
     def _failed(self, e: BaseException) -> None:
         self.status.setText("")
@@ -210,11 +223,7 @@ class DownloadDialog(QDialog):
         self._refresh_rows()
 
     def _refresh_rows(self) -> None:
-        """The On disk column again, the selection kept."""
-        rows = self.files.selectionModel().selectedRows()
         self._fill_files()
-        if rows:
-            self.files.selectRow(rows[0].row())
         self._update_buttons()
 
     def closeEvent(self, event) -> None:

@@ -158,6 +158,9 @@ class ModelLibrary:
             for p in self._state.opened:
                 seen.setdefault(p, True)
             out = [self._entry(Path(p), opened) for p, opened in seen.items()]
+            # what is gone from the folder is forgotten (opened files stay, shown as missing)
+            self._state.headers = {k: v for k, v in self._state.headers.items() if k in seen}
+            self._state.last_used = {k: v for k, v in self._state.last_used.items() if k in seen}
             self._save()
         return sorted(out, key=lambda e: (-(e.last_used or 0), e.display_name.lower()))
 
