@@ -60,6 +60,8 @@ def test_address_is_stable_across_two_engine_starts_and_shown_with_copy(qtbot, w
     assert QApplication.clipboard().text() == url
     assert window.api_panel.openai_url.text() == url + "/v1"
     assert window.engine.stored_api_key not in window.api_panel.example.toPlainText()  # masked until revealed
+    window.api_panel.key.parent().copy_button.click()
+    assert QApplication.clipboard().text() == window.engine.api_key == window.engine.stored_api_key
 
 
 def test_api_tab_changes_port_and_key_and_restarts(qtbot, window, app_paths):
