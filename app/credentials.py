@@ -1,10 +1,13 @@
-"""The API key the app gives its engine worker: generated once, kept readable by this user only."""
+"""The API key the app gives its engine worker: generated once (or set by the user in the API tab),
+kept readable by this user only."""
 from __future__ import annotations
 
 import os
 import secrets
 import stat
 from pathlib import Path
+
+from engine.errors import UserError
 
 
 def _private_folder(folder: Path) -> None:
@@ -27,7 +30,20 @@ def load_or_create_api_key(path: Path) -> str:
             return key
     except FileNotFoundError:
         pass
-    key = secrets.token_urlsafe(32)
+    return save_api_key(path, new_api_key())
+
+
+def new_api_key() -> str:
+    return secrets.token_urlsafe(32)
+
+
+def save_api_key(path: Path, key: str) -> str:
+    """Writes the key (a user's own or a new one) readable by this user only; returns it."""
+    key = key.strip()
+    if not key or any(c.isspace() for c in key):
+        raise UserError("API key: give non-empty text without spaces")
+    path = Path(path)
+    _private_folder(path.parent)
     tmp = path.with_name(path.name + ".new")
     tmp.unlink(missing_ok=True)  # a leftover could have any mode: O_EXCL makes a fresh 0600 file
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)

@@ -1,7 +1,10 @@
 """The engine worker process: start, staged load progress, logs, crash handling, restart, stop.
 
-`moestudio serve` runs in a QProcess on a free loopback port with a generated API key (given
-through the environment, so it stays out of `ps`). Its stdout and stderr feed the logs panel
+`moestudio serve` runs in a QProcess on the fixed address of the app settings (app/address.py)
+with the API key kept in the config folder (given through the environment, so it stays out of
+`ps`). A port another program holds is found before the start (and if the worker still loses the
+race, from its error) and reported through `portBusy` with the next free port, never silently
+swapped: tools configured against the address would break. Its stdout and stderr feed the logs panel
 and a rotating file. /health is polled (off the GUI thread) for the load progress. A crash is
 classified from the stderr tail (app/worker_state.py) and restarted automatically at most
 `max_restarts` times in a row when a retry can help. Quitting terminates the worker, waits,
@@ -28,6 +31,7 @@ from typing import Callable
 
 from PySide6.QtCore import QObject, QProcess, QProcessEnvironment, QTimer, Signal
 
+from app.address import DEFAULT_API_HOST, base_url, next_free_port, port_in_use
 from app.api_client import ApiClient
 from app.credentials import load_or_create_api_key
 from app.log_buffer import LogBuffer, LogLine
@@ -53,14 +57,16 @@ LAUNCHER = (
 
 @dataclass(frozen=True)
 class LaunchSpec:
-    """What to run: the model, the preset/config file, and any extra serve flags."""
+    """What to run: the model, the preset/config file, the address, and any extra serve flags."""
     model: str
     config_file: Path | None = None
     extra_args: tuple[str, ...] = ()
     api_key: str | None = None  # a key the preset itself sets wins over the app's (the server reads it)
+    host: str = DEFAULT_API_HOST
+    port: int = 0  # 0: a free port chosen at each start (tests); the app passes its fixed port
 
     def serve_args(self, port: int) -> list[str]:
-        args = ["serve", self.model, "--host", "127.0.0.1", "--port", str(port)]
+        args = ["serve", self.model, "--host", self.host, "--port", str(port)]
         if self.config_file:
             args += ["--config", str(self.config_file)]
         return args + list(self.extra_args)
@@ -83,6 +89,7 @@ class EngineManager(QObject):
     crashed = Signal(object, bool)  # Crash, will restart automatically
     ready = Signal(dict)  # the /health answer
     restarting = Signal(int)  # attempt number
+    portBusy = Signal(str, int, int)  # host, the taken port, the next free one (0: none found)
 
     POLL_MS = 250
 
@@ -115,7 +122,7 @@ class EngineManager(QObject):
     # ---- public API ------------------------------------------------------------------------
     @property
     def base_url(self) -> str | None:
-        return f"http://127.0.0.1:{self.port}" if self.port else None
+        return base_url(self.spec.host, self.port) if self.port and self.spec else None
 
     @property
     def pid(self) -> int | None:
@@ -182,7 +189,11 @@ class EngineManager(QObject):
     def _launch(self) -> None:
         self._generation += 1
         self.api_key = self.spec.api_key or self.stored_api_key
-        self.port = free_port()
+        if self.spec.port and port_in_use(self.spec.host, self.spec.port):
+            self.port = None
+            self._port_busy(self.spec.port)
+            return
+        self.port = self.spec.port or free_port()
         self.health, self._health_error = {}, None
         self._stopping_on_purpose = False
         self._poll_in_flight = False
@@ -249,8 +260,19 @@ class EngineManager(QObject):
         crash = classify_crash(self.logs.tail(60), None if sig else code, sig, self._health_error)
         self._crash(crash)
 
+    def _port_busy(self, port: int) -> None:
+        host = self.spec.host
+        suggestion = next_free_port(host, port)
+        self._log_app(f"port {port} on {host} is in use by another program"
+                      + (f"; port {suggestion} is free" if suggestion else "") + ": the engine was not started")
+        self._set_state(State.STOPPED)
+        self.portBusy.emit(host, port, suggestion or 0)
+
     def _crash(self, crash: Crash, allow_restart: bool = True) -> None:
         self.last_crash = crash
+        if crash.cause == Cause.PORT_IN_USE and self.spec.port:  # another program bound it after our check
+            self._port_busy(self.spec.port)
+            return
         restart = allow_restart and self.policy.should_restart(crash)
         self._log_app(f"engine crashed: {crash.title}: {crash.summary}"
                       + (f" (automatic restart {self.policy.restarts_in_row} of {self.policy.max_restarts})"

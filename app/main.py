@@ -1,6 +1,6 @@
 """The main window and `main()`: what `moestudio` (no subcommand) and `./dev.sh app` open.
 
-Tabs: Chat, Dashboard, Logs, Settings & API. The Engine menu holds the setup wizard, start,
+Tabs: Chat, Models, Dashboard, Logs, Settings, API. The Engine menu holds the setup wizard, start,
 stop, restart and cancel; the status bar shows the engine's state, load progress and address.
 First run (no preset yet) opens the wizard, which offers the demo model. Errors go to a dialog
 with a "Copy details" button and to app.log, never to a bare traceback.
@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import sys
 import traceback
 from pathlib import Path
@@ -22,18 +23,23 @@ from PySide6.QtWidgets import (QApplication, QLabel, QMainWindow, QMessageBox, Q
 from engine.config import Config
 from engine.errors import UserError
 
+from app.address import check_address
+from app.api_panel import ApiPanel
 from app.chat.controller import ChatController
 from app.chat.widgets import ChatWidget
+from app.credentials import save_api_key
 from app.dashboard.streamer import StatsStreamer
 from app.dashboard.widgets import DashboardWidget
 from app.desktop_entry import APP_ID, ICON_SVG
 from app.dialogs import CrashDialog, ErrorDialog
 from app.engine_manager import EngineManager, LaunchSpec, default_command
+from app.library import ModelEntry, ModelLibrary
 from app.logs import APP_LOG, setup_logging
 from app.logs_widget import LogsWidget
+from app.models_panel import ModelsPanel
 from app.paths import AppPaths
 from app.plan_service import PlanService
-from app.settings import AppSettings, preset_file, read_preset, write_preset
+from app.settings import AppSettings, list_presets, preset_file, read_preset, write_preset
 from app.settings_panel import SettingsPanel
 from app.single_instance import SingleInstance
 from app.store import ChatStore
@@ -60,9 +66,11 @@ class MainWindow(QMainWindow):
         if self.store.recovered:
             log.info("%d reply(ies) cut off by the last exit are marked interrupted", self.store.recovered)
         self.chat_ctl = ChatController(self.store, self.tasks, self._client, self)
+        self.library = ModelLibrary(self.paths.models, self.paths.library_file)
         self.plan_service: PlanService | None = None
         self.wizard: SetupWizard | None = None
         self.crash_dialog: CrashDialog | None = None
+        self.port_dialog: QMessageBox | None = None
         self._closing = False
 
         if ICON_SVG.is_file():
@@ -70,13 +78,17 @@ class MainWindow(QMainWindow):
         self.resize(1280, 820)
         self.tabs = QTabWidget()
         self.chat = ChatWidget(self.chat_ctl)
+        self.models_panel = ModelsPanel(self.library, self.tasks)
         self.dashboard = DashboardWidget()
         self.logs = LogsWidget(self.engine.logs, self.paths.log)
         self.settings_panel = SettingsPanel()
+        self.api_panel = ApiPanel()
         self.tabs.addTab(self.chat, "Chat")
+        self.tabs.addTab(self.models_panel, "Models")
         self.tabs.addTab(self.dashboard, "Dashboard")
         self.tabs.addTab(self.logs, "Logs")
-        self.tabs.addTab(self.settings_panel, "Settings && API")
+        self.tabs.addTab(self.settings_panel, "Settings")
+        self.tabs.addTab(self.api_panel, "API")
         self.setCentralWidget(self.tabs)
         self.streamer = StatsStreamer(self)
         self.streamer.snapshot.connect(self.dashboard.ingest)
@@ -88,9 +100,16 @@ class MainWindow(QMainWindow):
         self.engine.logLine.connect(self.logs.append)
         self.engine.crashed.connect(self._crashed)
         self.engine.ready.connect(self._ready)
+        self.engine.portBusy.connect(self._port_busy)
         self.settings_panel.applyRequested.connect(self._apply_settings)
+        self.api_panel.applyRequested.connect(self._apply_address)
+        self.models_panel.modelsChanged.connect(self._models_changed)
+        self.models_panel.useRequested.connect(self.use_model)
+        self.chat.modelChosen.connect(self.use_model)
         self._load_preset_into_panel()
+        self._show_address()
         self._state_changed(self.engine.state.value)
+        self.models_panel.refresh()
 
         convs = self.store.conversations()
         last = self.settings.last_conversation
@@ -118,6 +137,9 @@ class MainWindow(QMainWindow):
         cfg = self.current_config()
         self.settings_panel.set_config(cfg, self.settings.current_preset)
         self.setWindowTitle(f"{Path(cfg.model).name} \u2014 MoE Studio" if cfg and cfg.model else "MoE Studio")
+        model = str(Path(cfg.model).resolve()) if cfg and cfg.model else None
+        self.models_panel.set_current(model)
+        self._models_changed(self.models_panel.entries)
 
     def _save_preset(self, name: str, cfg: Config) -> None:
         write_preset(self.paths.presets, name, cfg)
@@ -126,6 +148,51 @@ class MainWindow(QMainWindow):
             self.settings.add_recent(cfg.model)
         self.settings.save(self.paths.settings_file)
         self._load_preset_into_panel()
+
+    # ---- models ---------------------------------------------------------------------------------------
+    def _models_changed(self, entries: list[ModelEntry]) -> None:
+        self.chat.set_models([(e.path, e.label) for e in entries if e.info], self.models_panel.current_model)
+
+    def use_model(self, path: str) -> None:
+        """Runs the engine on this model: with the preset that already names it, else a new preset
+        for it with every option at its default (auto sizes itself to the model)."""
+        path = str(Path(path).resolve())
+        cfg = self.current_config()
+        if cfg and cfg.model and str(Path(cfg.model).resolve()) == path and self.engine.state.running:
+            return
+        name = self._preset_for(path)
+        try:
+            if name is None:
+                name = self._new_preset_name(path)
+                write_preset(self.paths.presets, name, Config(model=path))
+            self.settings.current_preset = name
+            self.settings.add_recent(path)
+            self.settings.save(self.paths.settings_file)
+        except (UserError, OSError) as e:
+            self.show_error("Could not switch the model", str(e))
+            return
+        log.info("model chosen: %s (preset %s)", path, name)
+        self._load_preset_into_panel()
+        self.engine.spec = None
+        self.engine.shutdown()
+        self.start_engine()
+
+    def _preset_for(self, model: str) -> str | None:
+        names = list_presets(self.paths.presets)
+        current = self.settings.current_preset
+        for name in ([current] if current in names else []) + [n for n in names if n != current]:
+            try:
+                cfg = read_preset(self.paths.presets, name)
+            except (UserError, OSError):
+                continue
+            if cfg.model and str(Path(cfg.model).resolve()) == model:
+                return name
+        return None
+
+    def _new_preset_name(self, model: str) -> str:
+        base = re.sub(r"[^A-Za-z0-9_.-]+", "-", Path(model).stem).strip("-._")[:56] or "model"
+        names = set(list_presets(self.paths.presets))
+        return next(n for n in (base if i == 1 else f"{base}-{i}" for i in range(1, 10_000)) if n not in names)
 
     # ---- menu and status bar -----------------------------------------------------------------------
     def _build_menu(self) -> None:
@@ -193,8 +260,20 @@ class MainWindow(QMainWindow):
             self.show_error("The model file is missing", f"{cfg.model} does not exist (moved or deleted?). "
                             "Choose a model in the setup wizard.")
             return
-        self.engine.start(LaunchSpec(cfg.model, preset_file(self.paths.presets, self.settings.current_preset),
-                                     self.extra_args, api_key=cfg.api_key))
+        try:
+            host, port = check_address(self.settings.api_host, self.settings.api_port)
+        except UserError as e:
+            self.tabs.setCurrentWidget(self.api_panel)
+            self.show_error("The API address is not valid", f"{e}. Fix it in the API tab.")
+            return
+        self.library.mark_used(cfg.model)
+        self.models_panel.refresh()
+        try:
+            self.engine.start(LaunchSpec(cfg.model, preset_file(self.paths.presets, self.settings.current_preset),
+                                         self.extra_args, api_key=cfg.api_key, host=host, port=port))
+        except UserError as e:  # the host cannot be listened on (app/address.py says why)
+            self.tabs.setCurrentWidget(self.api_panel)
+            self.show_error("The engine cannot listen on the API address", f"{e}. Fix it in the API tab.")
 
     def restart_engine(self) -> None:
         if self.engine.spec is None:
@@ -207,6 +286,47 @@ class MainWindow(QMainWindow):
         self.engine.spec = None
         self.engine.shutdown()
         self.start_engine()
+
+    def _apply_address(self, host: str, port: int, key: str) -> None:
+        """The API tab's Save: a checked address and key, kept, and the engine restarted on them."""
+        try:
+            host, port = check_address(host, port)
+            key = save_api_key(self.paths.api_key_file, key)
+        except UserError as e:
+            self.api_panel.error.setText(str(e))
+            return
+        self.settings.api_host, self.settings.api_port = host, port
+        self.settings.save(self.paths.settings_file)
+        self.engine.stored_api_key = key
+        self._show_address()
+        if self.engine.state != State.STOPPED or self.engine.spec is not None:
+            self.engine.spec = None
+            self.engine.shutdown()
+            self.start_engine()
+
+    def _port_busy(self, host: str, port: int, suggestion: int) -> None:
+        """Another program holds the API port: say so, and offer the next free one."""
+        self.tabs.setCurrentWidget(self.api_panel)
+        self.api_panel.error.setText(f"Port {port} on {host} is in use by another program."
+                                     + (f" Port {suggestion} is free." if suggestion else ""))
+        if self.port_dialog is not None:
+            self.port_dialog.close()
+        box = QMessageBox(QMessageBox.Warning, "The API port is in use",
+                          f"Port {port} on {host} is in use by another program, so the engine was not started.",
+                          QMessageBox.Cancel, self)
+        if suggestion:
+            box.setInformativeText(f"Use port {suggestion} instead? It is saved as the API address (API tab); "
+                                   "tools configured against the old port need the new one.")
+            box.use_button = use = box.addButton(f"Use port {suggestion}", QMessageBox.AcceptRole)
+            box.buttonClicked.connect(lambda b: b is use and self._apply_address(host, suggestion,
+                                                                                  self.engine.stored_api_key))
+        else:
+            box.setInformativeText("Stop the other program, or choose another port in the API tab.")
+        self.port_dialog = box
+        box.show()
+
+    def _show_address(self) -> None:
+        self.api_panel.set_address(self.settings.api_host, self.settings.api_port, self.engine.stored_api_key)
 
     def _state_changed(self, value: str) -> None:
         state = State(value)
@@ -221,8 +341,8 @@ class MainWindow(QMainWindow):
         self.act_stop.setEnabled(state.running)
         self.act_start.setEnabled(not state.running and state != State.STOPPING)
         self.url_label.setText(self.engine.base_url or "" if state == State.READY else "")
-        self.settings_panel.set_server(self.engine.base_url if state == State.READY else None, self.engine.api_key)
         ready = state == State.READY
+        self.api_panel.set_running(ready)
         msg = {State.STOPPED: "The engine is stopped: Engine > Start (or run the setup wizard).",
                State.STARTING: "Starting the engine\u2026", State.LOADING: "Loading the model\u2026",
                State.CRASHED: "The engine stopped unexpectedly; see the Logs tab.",
@@ -311,6 +431,7 @@ class MainWindow(QMainWindow):
         self.chat_ctl.shutdown()
         self.streamer.stop()
         self.engine.shutdown()
+        self.models_panel.stop()
         if self.plan_service is not None:
             self.plan_service.stop()
         self.tasks.wait(5.0)

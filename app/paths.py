@@ -1,5 +1,6 @@
 """Where the app keeps its files (platformdirs): config (presets, API key, app settings),
-data (the chat database), logs (rotating engine and app logs). No Qt."""
+data (the chat database, the models folder and the model library's state), logs (rotating
+engine and app logs). No Qt."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -28,7 +29,7 @@ class AppPaths:
         return cls(root / "config", root / "data", root / "log")
 
     def ensure(self) -> AppPaths:
-        for p in (self.config, self.data, self.log):
+        for p in (self.config, self.data, self.log, self.models):
             p.mkdir(parents=True, exist_ok=True)
         return self
 
@@ -47,3 +48,12 @@ class AppPaths:
     @property
     def presets(self) -> Path:
         return self.config / "presets"
+
+    @property
+    def models(self) -> Path:
+        """The models folder: downloads land here, and every GGUF in it is in the library."""
+        return self.data / "models"
+
+    @property
+    def library_file(self) -> Path:
+        return self.data / "library.json"

@@ -1,4 +1,5 @@
-"""The app's own small state (not engine settings): which preset is current, recent models.
+"""The app's own small state (not engine settings): which preset is current, recent models, the
+API server's address.
 A JSON file in the config dir, written atomically. No Qt. Engine settings live in presets
 (TOML, engine/config.py's schema), so the GUI, `moestudio serve --preset` and files agree."""
 from __future__ import annotations
@@ -11,6 +12,8 @@ from typing import Any
 
 from engine.config import Config, read_toml, write_toml
 
+from app.address import DEFAULT_API_HOST, DEFAULT_API_PORT
+
 MAX_RECENT = 10
 
 
@@ -19,6 +22,8 @@ class AppSettings:
     current_preset: str | None = None
     recent_models: list[str] = field(default_factory=list)
     last_conversation: int | None = None
+    api_host: str = DEFAULT_API_HOST  # the API server's fixed address (app/address.py)
+    api_port: int = DEFAULT_API_PORT
 
     @classmethod
     def load(cls, path: Path) -> AppSettings:

@@ -45,7 +45,7 @@ ADVICE = {
                    "close other programs that use the GPU, or shorten the context.",
     Cause.BAD_MODEL: "Check that the file is a complete GGUF model (a download may have been cut short). "
                      "Models this engine cannot compute run with the llama.cpp engine (Settings: engine = llamacpp).",
-    Cause.PORT_IN_USE: "Another program holds the port; restarting picks a new free port.",
+    Cause.PORT_IN_USE: "Another program holds the port: choose another one in the API tab.",
     Cause.BAD_SETTINGS: "Fix the setting named above in the Settings tab or the setup wizard.",
     Cause.OTHER: "The log tail below shows the last thing the engine said.",
 }

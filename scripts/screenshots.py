@@ -1,5 +1,5 @@
-"""Renders the README's screenshots: the setup wizard, then the chat, dashboard, logs and settings
-tabs at 1280x800 and at 1024x640 (the small size the layout must fit without clipping) after a
+"""Renders the README's screenshots: the setup wizard, then the chat, models, dashboard, logs,
+settings and API tabs at 1280x800 and at 1024x640 (the small size the layout must fit without clipping) after a
 short real generation on the demo model. Usage (from the repository root):
 
     xvfb-run -a -s "-screen 0 1400x900x24" .venv/bin/python scripts/screenshots.py
@@ -50,8 +50,8 @@ def grab_tabs(qapp, win, out: Path, size: tuple[int, int], suffix: str) -> None:
     if (win.width(), win.height()) != size:
         raise SystemExit(f"screenshots: the window is {win.width()}x{win.height()}, not {size[0]}x{size[1]}: "
                          "something's minimum size is too large")
-    for name, tab in (("chat", win.chat), ("dashboard", win.dashboard), ("logs", win.logs),
-                      ("settings", win.settings_panel)):
+    for name, tab in (("chat", win.chat), ("models", win.models_panel), ("dashboard", win.dashboard),
+                      ("logs", win.logs), ("settings", win.settings_panel), ("api", win.api_panel)):
         win.tabs.setCurrentWidget(tab)
         settle(qapp, 0.5)
         if tab is win.dashboard:

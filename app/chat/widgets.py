@@ -9,10 +9,10 @@ from pathlib import Path
 
 from PySide6.QtCore import QSize, Qt, QTimer, Signal
 from PySide6.QtGui import QGuiApplication, QKeyEvent, QTextDocument
-from PySide6.QtWidgets import (QAbstractItemView, QDoubleSpinBox, QFileDialog, QFormLayout, QFrame, QHBoxLayout,
-                               QInputDialog, QLabel, QLineEdit, QListWidget, QListWidgetItem, QMessageBox,
+from PySide6.QtWidgets import (QAbstractItemView, QComboBox, QDoubleSpinBox, QFileDialog, QFormLayout, QFrame,
+                               QHBoxLayout, QInputDialog, QLabel, QLineEdit, QListWidget, QListWidgetItem, QMessageBox,
                                QPlainTextEdit, QProgressBar, QPushButton, QScrollArea, QSpinBox, QSplitter,
-                               QStyledItemDelegate, QToolButton, QVBoxLayout, QWidget)
+                               QSizePolicy, QStyledItemDelegate, QToolButton, QVBoxLayout, QWidget)
 
 from app.chat.controller import ChatController
 from app.chat.markdown import code_blocks, display_markdown
@@ -149,6 +149,8 @@ class _InputBox(QPlainTextEdit):
 
 
 class ChatWidget(QWidget):
+    modelChosen = Signal(str)  # a model path from the header's picker: restart the engine on it
+
     def __init__(self, controller: ChatController, parent: QWidget | None = None):
         super().__init__(parent)
         self.c = controller
@@ -156,6 +158,7 @@ class ChatWidget(QWidget):
         self._editing: int | None = None
         self._engine_ready = False
         self._loading_settings = False
+        self._picker_model: str | None = None  # the model the picker shows as the engine's
 
         # conversations
         left = QWidget()
@@ -230,7 +233,18 @@ class ChatWidget(QWidget):
         self.context_bar.setObjectName("contextMeter")
         self.context_bar.setFixedSize(120, 8)
         self._context_size: int | None = None
+        # the header: which model answers (a picker over the model library) and the context meter
+        self.model_picker = QComboBox(toolTip="The model the engine runs; choosing another restarts the engine on it "
+                                      "(the Models tab lists, adds and downloads models)")
+        # as wide as the header has room for, 140-420 px: its hints follow the longest name and the placeholder
+        self.model_picker.setSizePolicy(QSizePolicy.Ignored, QSizePolicy.Fixed)
+        self.model_picker.setMinimumWidth(140)
+        self.model_picker.setMaximumWidth(420)
+        self.model_picker.setPlaceholderText("no model yet: see the Models tab")
+        self.model_picker.activated.connect(self._model_picked)
         meter = QHBoxLayout()
+        meter.addWidget(QLabel("Model"))
+        meter.addWidget(self.model_picker, 1)
         meter.addStretch(1)
         meter.addWidget(self.context_label)
         meter.addWidget(self.context_bar)
@@ -424,6 +438,25 @@ class ChatWidget(QWidget):
         bar.setValue(bar.maximum())
 
     # ---- context meter, export ------------------------------------------------------------------
+    def set_models(self, models: list[tuple[str, str]], current: str | None) -> None:
+        """The picker's choices, (path, label) each, with the engine's model selected."""
+        self.model_picker.blockSignals(True)
+        self.model_picker.clear()
+        for path, label in models:
+            self.model_picker.addItem(label, path)
+            self.model_picker.setItemData(self.model_picker.count() - 1, path, Qt.ToolTipRole)
+        if current and self.model_picker.findData(current) < 0:
+            self.model_picker.addItem(Path(current).name, current)  # a model the library cannot read
+        self.model_picker.setCurrentIndex(self.model_picker.findData(current) if current else -1)
+        self.model_picker.blockSignals(False)
+        self._picker_model = current
+
+    def _model_picked(self, index: int) -> None:
+        path = self.model_picker.itemData(index)
+        if path and path != self._picker_model:
+            self._picker_model = path
+            self.modelChosen.emit(path)
+
     def set_context_size(self, n_ctx: int | None) -> None:
         """The context length the engine runs with (None while no engine is ready)."""
         self._context_size = n_ctx

@@ -26,6 +26,7 @@ if args.mode == "segv":
     os.kill(os.getpid(), 11)
 
 sock = socket.socket()
+sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds: TIME_WAIT does not block a restart
 try:
     sock.bind(("127.0.0.1", args.port))
 except OSError as e:

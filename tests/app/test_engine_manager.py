@@ -1,5 +1,5 @@
 """The engine manager's process handling with a fake worker: crash causes, the restart cap,
-load errors from /health, cancel, a taken port, and no orphans even if the app is killed."""
+load errors from /health, cancel, a fixed port kept across starts, a taken port, and no orphans even if the app is killed."""
 from __future__ import annotations
 
 import os
@@ -14,7 +14,8 @@ from pathlib import Path
 import psutil
 import pytest
 
-from app.engine_manager import LAUNCHER, EngineManager, LaunchSpec
+from app.address import port_in_use
+from app.engine_manager import LAUNCHER, EngineManager, LaunchSpec, free_port
 from app.tasks import TaskManager
 from app.worker_state import Cause, State
 
@@ -105,23 +106,60 @@ def test_stalled_load_times_out(qtbot, manager):
     assert "no progress" in sig.args[0].summary and "42%" in sig.args[0].summary and not sig.args[1]
 
 
-def test_port_taken_restarts_on_another_port(qtbot, manager, monkeypatch):
+def _held_port() -> socket.socket:
     held = socket.socket()
     held.bind(("127.0.0.1", 0))
     held.listen(1)
-    taken = held.getsockname()[1]
-    ports = iter([taken])
-    import app.engine_manager as em
-    real = em.free_port
-    monkeypatch.setattr(em, "free_port", lambda: next(ports, None) or real())
+    return held
+
+
+def test_fixed_port_is_the_same_across_two_starts(qtbot, manager, port_is_free):
     m = manager("ok")
+    port = free_port()
+    m.configure(LaunchSpec("model.gguf", port=port))
+    for _ in range(2):
+        with qtbot.waitSignal(m.ready, timeout=15000):
+            m.start()
+        assert m.port == port and m.base_url == f"http://127.0.0.1:{port}"
+        assert m.client(timeout=2).health()["status"] == "ok"
+        m.shutdown()
+        assert port_is_free(port)
+
+
+def test_taken_port_is_reported_with_the_next_free_one_and_not_swapped(qtbot, manager):
+    held = _held_port()
+    taken = held.getsockname()[1]
+    m = manager("ok")
+    m.configure(LaunchSpec("model.gguf", port=taken))
+    try:
+        with qtbot.waitSignal(m.portBusy, timeout=5000) as sig:
+            m.start()
+        host, port, suggestion = sig.args
+        assert (host, port) == ("127.0.0.1", taken) and suggestion > taken and not port_in_use(host, suggestion)
+        assert m.state == State.STOPPED and m.pid is None and m.base_url is None
+        assert f"port {taken} on 127.0.0.1 is in use by another program" in m.logs.tail(3, ("app",))
+    finally:
+        held.close()
+
+
+def test_port_lost_to_a_race_is_reported_not_retried(qtbot, manager, monkeypatch):
+    """Another program binds the port between the check and the worker's bind: the worker's error
+    is recognised, and the same port is not retried in a loop."""
+    import app.engine_manager as em
+    held = _held_port()
+    taken = held.getsockname()[1]
+    monkeypatch.setattr(em, "port_in_use", lambda host, port: False)
+    m = manager("ok")
+    m.configure(LaunchSpec("model.gguf", port=taken))
     crashes = []
     m.crashed.connect(lambda c, r: crashes.append((c, r)))
-    with qtbot.waitSignal(m.ready, timeout=20000):
-        m.start()
-    held.close()
-    assert crashes and crashes[0][0].cause == Cause.PORT_IN_USE and crashes[0][1]
-    assert m.port != taken
+    try:
+        with qtbot.waitSignal(m.portBusy, timeout=20000) as sig:
+            m.start()
+        assert sig.args[1] == taken and not crashes and m.state == State.STOPPED
+        assert m.policy.restarts_in_row == 0
+    finally:
+        held.close()
 
 
 def test_worker_dies_with_a_killed_app(tmp_path):

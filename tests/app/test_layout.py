@@ -87,3 +87,28 @@ def test_chat_list_elides_long_titles_without_sideways_scroll(small_window, qtbo
     assert win.chat.context_label.text() == "Context 121,000 / 131,072 tokens"
     assert win.chat.message_widgets()[-1].version_label.isVisibleTo(win.chat)
     _labels_fit(win.chat)
+
+
+def test_models_and_api_tabs_fit_at_1024x640(small_window, qtbot, make_model):
+    import shutil
+
+    win = small_window
+    shutil.copy(make_model("qwen3moe"), win.paths.models / "a-model-with-a-rather-long-file-name-Q4_K_M.gguf")
+    win.models_panel.refresh()
+    qtbot.waitUntil(lambda: win.models_panel.table.rowCount() == 1, timeout=10000)
+    win.chat.set_models([(e.path, e.label) for e in win.models_panel.entries], win.models_panel.entries[0].path)
+    win.chat.settings_btn.setChecked(True)  # the widest chat layout
+    win.chat.set_context_size(131072)
+    _settle(qtbot)
+    assert win.size() == SMALL and win.chat.model_picker.width() >= 140
+    _labels_fit(win.chat)  # the header's model picker beside the context meter
+    for tab in (win.models_panel, win.api_panel):
+        win.tabs.setCurrentWidget(tab)
+        _settle(qtbot)
+        assert win.size() == SMALL
+        _labels_fit(tab)
+    table = win.models_panel.table
+    assert table.horizontalScrollBar().maximum() == 0  # every column visible without sideways scroll
+    api = win.api_panel
+    assert api.apply_btn.isVisibleTo(api) and api.apply_btn.mapTo(api, api.apply_btn.rect().bottomLeft()).y() <= api.height()
+    win.models_panel.stop()

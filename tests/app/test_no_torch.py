@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-PURE = ["app.paths", "app.credentials", "app.worker_state", "app.log_buffer", "app.logs", "app.api_client",
+PURE = ["app.paths", "app.address", "app.library", "app.downloads", "app.credentials", "app.worker_state", "app.log_buffer", "app.logs", "app.api_client",
         "app.store", "app.settings", "app.chat.session", "app.chat.markdown", "app.dashboard.series",
         "app.desktop_entry"]  # install-desktop runs before any Qt GUI and must stay cheap
 
@@ -50,3 +50,15 @@ def test_moestudio_without_subcommand_opens_the_app_without_torch():
             "from engine.cli import main\nsys.exit(main([]))")
     res = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert res.returncode == 0 and res.stdout.strip() == "app False", res.stderr
+
+
+def test_reading_the_model_library_loads_no_torch(make_model, tmp_path):
+    """The Models tab reads GGUF headers in the app process: with the engine's parser, without torch."""
+    code = ("import json, sys\nfrom pathlib import Path\nfrom app.library import ModelLibrary\n"
+            f"lib = ModelLibrary(Path({str(tmp_path)!r}), Path({str(tmp_path / 'lib.json')!r}))\n"
+            f"lib.add({str(make_model('qwen3moe'))!r})\n"
+            "e = lib.entries()[0]\n"
+            "print(json.dumps({'torch': 'torch' in sys.modules, 'arch': e.info.arch}))")
+    res = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    assert json.loads(res.stdout.strip().splitlines()[-1]) == {"torch": False, "arch": "qwen3moe"}

@@ -19,7 +19,9 @@ from PySide6.QtCore import QEventLoop, QTimer
 from PySide6.QtWidgets import QApplication, QMessageBox
 
 from app.main import MainWindow
+from app.engine_manager import free_port
 from app.paths import AppPaths
+from app.settings import AppSettings
 from app.worker_state import State
 
 pytestmark = pytest.mark.slow
@@ -51,6 +53,7 @@ def wait_until(cond, timeout: float = 30.0, what: str = "condition") -> None:
 def studio(qapp, make_model, tmp_path_factory):
     model = make_model("qwen3moe")
     paths = AppPaths.under(tmp_path_factory.mktemp("studio")).ensure()
+    AppSettings(api_port=free_port()).save(paths.settings_file)  # not the default port: another app may hold it
     win = MainWindow(paths)  # first run: no preset, so the wizard opens
     win.show()
     _WIN.append(win)
@@ -118,7 +121,8 @@ def test_wizard_to_started_engine(studio, monkeypatch):
     assert preset.is_file() and "ctx = 768" in preset.read_text() and str(studio.model) in preset.read_text()
     wait_until(lambda: win.engine.state == State.READY, 90, "the engine to be ready")
     assert win.chat.send_btn.isEnabled() and win.engine.base_url in win.url_label.text()
-    assert win.settings_panel.openai_url.text() == win.engine.base_url + "/v1"
+    assert win.api_panel.openai_url.text() == win.engine.base_url + "/v1"
+    assert win.engine.port == win.settings.api_port  # the fixed address of the app settings
     wait_until(lambda: win.plan_service is None or win.plan_service._proc is None, 5, "the planner helper to exit")
 
 

@@ -25,6 +25,7 @@ import pytest
 
 os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")  # before pytest-qt's QApplication exists
 
+from app.engine_manager import free_port
 from app.paths import AppPaths
 from app.settings import AppSettings, write_preset
 from app.store import ChatStore
@@ -85,7 +86,7 @@ def killed_app(make_model, tmp_path_factory):
     for role, text in EARLIER:
         store.add_message(conv.id, role, text)
     store.close()
-    AppSettings(current_preset="kill-test", last_conversation=conv.id).save(paths.settings_file)
+    AppSettings(current_preset="kill-test", last_conversation=conv.id, api_port=free_port()).save(paths.settings_file)
 
     output = root / "app-output.txt"  # a file, not a pipe nobody reads while the app runs
     with output.open("w") as out:
