@@ -51,6 +51,9 @@ def run(args: argparse.Namespace, nvml: object = True) -> int:
     from engine.plan.planner import make_plan
     from engine.plan.probe import GpuInfo, probe_hardware
 
+    from engine.server.loader import choose_engine
+
+    choose_engine(args.model, "auto")  # no plan for a model that neither engine can run: say why instead
     geometry = read_geometry(args.model)
     hardware = probe_hardware(nvml)
     if args.assume_gpu_mib:
