@@ -1,7 +1,12 @@
-"""Anthropic-compatible POST /v1/messages (text content; streaming with the documented event order).
+"""Anthropic-compatible POST /v1/messages (text content; streaming with the documented event order)
+and POST /v1/messages/count_tokens.
 
 Stream: message_start, content_block_start, ping, content_block_delta (text_delta)...,
 content_block_stop, message_delta (stop_reason, usage.output_tokens), message_stop.
+
+A last message from the assistant is a prefill: the reply continues it (engine/runtime/tokenizer.py).
+Content is validated as Anthropic does: every message but a final assistant one needs non-empty
+content, text blocks are non-empty, and a prefill must not end in whitespace.
 """
 from __future__ import annotations
 
@@ -31,8 +36,29 @@ def _messages(body: dict) -> list[dict[str, str]]:
         role = m.get("role") if isinstance(m, dict) else None
         if role not in ("user", "assistant"):
             raise ApiError(400, f"messages.{i}.role: must be 'user' or 'assistant', got {role!r}")
-        out.append({"role": role, "content": parse.text_content(m.get("content"), f"messages.{i}.content")})
+        content = m.get("content")
+        if isinstance(content, list) and any(isinstance(b, dict) and b.get("text") == "" for b in content):
+            raise ApiError(400, f"messages.{i}.content: text content blocks must be non-empty")
+        text = parse.text_content(content, f"messages.{i}.content")
+        prefill = role == "assistant" and i == len(messages) - 1
+        if content in ("", []) and not prefill:
+            raise ApiError(400, f"messages.{i}: all messages must have non-empty content except for the optional "
+                           "final assistant message")
+        if prefill and text != text.rstrip():
+            raise ApiError(400, f"messages.{i}: final assistant content cannot end with trailing whitespace")
+        out.append({"role": role, "content": text})
     return out
+
+
+def _chat(body: dict) -> list[dict[str, str]]:
+    """The messages with the system prompt first, as the model's template takes them."""
+    if body.get("tools"):
+        raise ApiError(400, "tools: not supported yet: this server does not do tool calling")
+    chat = _messages(body)
+    system = _system(body)
+    if system:
+        chat.insert(0, {"role": "system", "content": system})
+    return chat
 
 
 def _stop_reason(reason: str, stop_sequence: str | None) -> str:
@@ -43,10 +69,7 @@ def _stop_reason(reason: str, stop_sequence: str | None) -> str:
 
 async def messages(http: HttpRequest) -> Response:
     body = await parse.read_json(http)
-    chat = _messages(body)
-    system = _system(body)
-    if system:
-        chat.insert(0, {"role": "system", "content": system})
+    chat = _chat(body)
     stream = parse.field(body, "stream", "bool", False)
     gen = await Generation.start(http.app.state.worker, messages=chat,
                                  max_tokens=parse.max_tokens(body, ("max_tokens",), required=True),
@@ -87,3 +110,9 @@ async def messages(http: HttpRequest) -> Response:
         except ApiError as e:
             yield sse_error("anthropic", e)
     return StreamingResponse(events(), media_type="text/event-stream", headers=SSE_HEADERS)
+
+
+async def count_tokens(http: HttpRequest) -> Response:
+    """The prompt tokens /v1/messages would run for the same body (the model's template included)."""
+    body = await parse.read_json(http)
+    return JSONResponse({"input_tokens": await Generation.count(http.app.state.worker, messages=_chat(body))})
