@@ -78,11 +78,11 @@ class Generation:
         return cls(worker, job, len(tokens), stops)
 
     @staticmethod
-    async def count(worker: EngineWorker, *, messages: list[dict]) -> int:
-        """How many tokens the prompt of `messages` is, without generating."""
+    async def count(worker: EngineWorker, *, messages: list[dict], tools: list[dict] | None = None) -> int:
+        """How many tokens the prompt of `messages` (and `tools`) is, without generating."""
         from engine.runtime.engine import Request
 
-        return len(await _prompt_tokens(ready_engine(worker), Request(messages=messages), "messages"))
+        return len(await _prompt_tokens(ready_engine(worker), Request(messages=messages, tools=tools), "messages"))
 
     async def _events(self) -> AsyncIterator[Any]:
         try:

@@ -16,7 +16,8 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from engine.errors import UserError
 from engine.server import parse
 from engine.server.errors import ApiError, sse_error
-from engine.server.generation import Generation, Outcome
+from engine.server.generation import Generation, Outcome, ready_engine
+from engine.server.tools import CallFilter, call_grammar, check_template, openai_tool_use, parse_calls
 
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
 SSE_HEADERS = {"cache-control": "no-cache", "x-accel-buffering": "no"}
@@ -37,9 +38,6 @@ MAX_COMPLETION_LOGPROBS = 5  # OpenAI's limit for the legacy completions API
 def _unsupported(body: dict) -> None:
     if parse.field(body, "n", "int", 1) != 1:
         raise ApiError(400, "'n' must be 1: one sequence runs at a time", param="n", code="unsupported_value")
-    if body.get("tools"):
-        raise ApiError(400, "'tools' is not supported yet: this server does not do tool calling", param="tools",
-                       code="unsupported_parameter")
 
 
 def chat_logprobs(body: dict) -> int | None:
@@ -125,7 +123,17 @@ def completion_logprob_content(tokenizer: Any, events: list[Any], offset: int) -
     return out
 
 
-def chat_messages(body: dict) -> list[dict[str, str]]:
+def _assistant_calls(calls: Any, i: int) -> list[dict]:
+    """An assistant message's tool_calls, checked: each {"id", "type": "function", "function": {"name", "arguments"}}."""
+    if not isinstance(calls, list) or not all(
+            isinstance(c, dict) and isinstance(c.get("function"), dict) and isinstance(c["function"].get("name"), str)
+            and isinstance(c["function"].get("arguments"), (str, dict)) for c in calls):
+        raise ApiError(400, f"messages[{i}].tool_calls must be an array of {{\"id\", \"type\": \"function\", "
+                       "\"function\": {\"name\", \"arguments\"}}", param="messages")
+    return [{"id": c.get("id", ""), "type": "function", "function": dict(c["function"])} for c in calls]
+
+
+def chat_messages(body: dict) -> list[dict[str, Any]]:
     messages = parse.field(body, "messages", "array", required=True)
     if not messages:
         raise ApiError(400, "'messages' must not be empty", param="messages")
@@ -136,7 +144,12 @@ def chat_messages(body: dict) -> list[dict[str, str]]:
             raise ApiError(400, f"messages[{i}].role must be one of {', '.join(ROLES)}, got {role!r}", param="messages")
         content = m.get("content")
         text = "" if content is None and role == "assistant" else parse.text_content(content, f"messages[{i}].content")
-        out.append({"role": ROLES[role], "content": text})
+        message: dict[str, Any] = {"role": ROLES[role], "content": text}
+        if role == "assistant" and m.get("tool_calls"):
+            message["tool_calls"] = _assistant_calls(m["tool_calls"], i)
+        if role == "tool":
+            message["tool_call_id"] = m.get("tool_call_id", "")
+        out.append(message)
     return out
 
 
@@ -151,31 +164,49 @@ def _finish(reason: str) -> str:
     return "length" if reason == "length" else "stop"
 
 
-async def _start(http: HttpRequest, body: dict, **request: Any) -> tuple[Generation, bool, bool]:
+async def _start(http: HttpRequest, body: dict, grammar: str | None = None, **request: Any
+                 ) -> tuple[Generation, bool, bool]:
+    """`grammar`: a forced tool call's, which a response_format may not also constrain."""
     _unsupported(body)
+    if grammar is not None and response_grammar(body) is not None:
+        raise ApiError(400, "a forced tool call ('tool_choice' required or a function) and a JSON 'response_format' "
+                       "cannot both constrain one reply", param="tool_choice", code="invalid_value")
     stream = parse.field(body, "stream", "bool", False)
     options = parse.field(body, "stream_options", "object", {})
     include_usage = parse.field(options, "include_usage", "bool", False)
     gen = await Generation.start(
         http.app.state.worker, max_tokens=parse.max_tokens(body, ("max_completion_tokens", "max_tokens")),
         sampling=parse.sampling(body, max_temperature=2.0), stops=parse.stops(body, "stop"),
-        grammar=response_grammar(body), **request)
+        grammar=grammar or response_grammar(body), **request)
     return gen, stream, include_usage
 
 
 async def chat_completions(http: HttpRequest) -> Response:
     body = await parse.read_json(http)
-    gen, stream, include_usage = await _start(http, body, messages=chat_messages(body), logprobs=chat_logprobs(body))
+    messages, use = chat_messages(body), openai_tool_use(body)
+    grammar = None
+    if use is not None:
+        tokenizer = ready_engine(http.app.state.worker).tokenizer
+        check_template(tokenizer)
+        grammar = call_grammar(use, tokenizer) if use.forced else None
+    gen, stream, include_usage = await _start(
+        http, body, grammar, messages=messages, logprobs=chat_logprobs(body),
+        tools=None if use is None else [t.for_template() for t in use.tools])
     head = {"id": f"chatcmpl-{uuid.uuid4().hex[:24]}", "created": int(time.time()), "model": http.app.state.model_id}
     tokenizer = http.app.state.worker.engine.tokenizer
     if not stream:
         out: Outcome = await gen.collect(http)
+        text, calls = (out.text, []) if use is None else parse_calls(out.text, use)
+        message: dict[str, Any] = {"role": "assistant", "content": text or None if calls else text}
+        if calls:
+            message["tool_calls"] = [{"id": c.id, "type": "function", "function": {
+                "name": c.name, "arguments": json.dumps(c.arguments, ensure_ascii=False)}} for c in calls]
         return JSONResponse({**head, "object": "chat.completion", "system_fingerprint": None, "choices": [
-            {"index": 0, "message": {"role": "assistant", "content": out.text},
-             "logprobs": chat_logprob_content(tokenizer, out.tokens),
-             "finish_reason": _finish(out.done.finish_reason)}], "usage": usage(out.done)})
+            {"index": 0, "message": message, "logprobs": chat_logprob_content(tokenizer, out.tokens),
+             "finish_reason": "tool_calls" if calls else _finish(out.done.finish_reason)}], "usage": usage(out.done)})
     await gen.wait_first(http)
     extra = {"usage": None} if include_usage else {}
+    calls_filter = CallFilter(use) if use is not None else None
 
     def chunk(delta: dict, finish: str | None = None, logprobs: dict | None = None) -> str:
         return sse({**head, "object": "chat.completion.chunk", "choices": [
@@ -187,10 +218,19 @@ async def chat_completions(http: HttpRequest) -> Response:
             async for event in gen.events():
                 if not is_done(event):
                     logprobs = chat_logprob_content(tokenizer, [event])
-                    if event.text or logprobs:
-                        yield chunk({"content": event.text}, logprobs=logprobs)
+                    text = calls_filter.feed(event.text) if calls_filter else event.text
+                    if text or logprobs:
+                        yield chunk({"content": text}, logprobs=logprobs)
                     continue
-                yield chunk({}, _finish(event.finish_reason))
+                tail, calls = calls_filter.finish() if calls_filter else ("", [])
+                if tail:
+                    yield chunk({"content": tail})
+                for i, c in enumerate(calls):  # the name first, then the arguments, as OpenAI streams them
+                    yield chunk({"tool_calls": [{"index": i, "id": c.id, "type": "function",
+                                                 "function": {"name": c.name, "arguments": ""}}]})
+                    yield chunk({"tool_calls": [{"index": i, "function": {
+                        "arguments": json.dumps(c.arguments, ensure_ascii=False)}}]})
+                yield chunk({}, "tool_calls" if calls else _finish(event.finish_reason))
                 if include_usage:
                     yield sse({**head, "object": "chat.completion.chunk", "choices": [], "usage": usage(event)})
             yield "data: [DONE]\n\n"

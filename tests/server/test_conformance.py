@@ -253,12 +253,3 @@ def test_a_failed_llama_cpp_load_says_why_on_health(serve, foreign):
     status, body = s.request("POST", "/v1/chat/completions", {"messages": USER})
     assert status == 503 and "granitemoe.logit_scale" in body["error"]["message"]
 
-
-def test_tools_are_refused_not_ignored(oai, claude):
-    """An agent told it must call a tool gets a 400 saying so, not prose."""
-    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}
-    with pytest.raises(openai.BadRequestError, match="'tools' is not supported"):
-        oai.chat.completions.create(model="m", messages=USER, max_tokens=2, tools=[tool], tool_choice="required")
-    with pytest.raises(anthropic.BadRequestError, match="tools: not supported"):
-        claude.messages.create(model="m", messages=USER, max_tokens=2,
-                               tools=[{"name": "f", "input_schema": {"type": "object"}}], tool_choice={"type": "any"})
