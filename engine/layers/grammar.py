@@ -153,7 +153,7 @@ class TokenGrammar:
         closing = self._closing_token(mask)
         choices = torch.zeros_like(mask)
         choices[closing] = True  # closes within the budget whenever anything does
-        likely = torch.topk(logits.float().masked_fill(~mask, -math.inf), min(WATCH_CHOICES, int(mask.sum())))
+        likely = torch.topk(logits.float().cpu().masked_fill(~mask, -math.inf), min(WATCH_CHOICES, int(mask.sum())))
         for token in likely.indices.tolist():
             if token != closing and self._closes_within(token, budget):
                 choices[token] = True

@@ -16,7 +16,8 @@ from starlette.routing import Route
 
 from engine.config import Config
 from engine.errors import printable
-from engine.server import anthropic_api, openai_api, stats
+from engine.gguf.reader import ModelFile
+from engine.server import anthropic_api, ollama_api, openai_api, stats
 from engine.server.errors import ApiError, api_of, error_response
 from engine.server.worker import EngineWorker
 
@@ -102,6 +103,11 @@ def build_app(cfg: Config, worker: EngineWorker | None = None) -> Starlette:
             ("/v1/models", openai_api.models, "GET"),
             ("/v1/messages", anthropic_api.messages, "POST"),
             ("/v1/messages/count_tokens", anthropic_api.count_tokens, "POST"),
+            ("/api/version", ollama_api.version, "GET"),
+            ("/api/tags", ollama_api.tags, "GET"),
+            ("/api/show", ollama_api.show, "POST"),
+            ("/api/chat", ollama_api.chat, "POST"),
+            ("/api/generate", ollama_api.generate, "POST"),
             ("/v1/stats", stats.stats, "GET"),
             ("/v1/stats/stream", stats.stats_stream, "GET"),
             ("/metrics", stats.metrics_endpoint(worker), "GET"),
@@ -110,5 +116,7 @@ def build_app(cfg: Config, worker: EngineWorker | None = None) -> Starlette:
     model = Path(cfg.model)
     app.state.worker = worker
     app.state.model_id = printable(model.stem)
-    app.state.model_created = int(model.stat().st_mtime)
+    info = model.stat()
+    app.state.model_created, app.state.model_size = int(info.st_mtime), info.st_size
+    app.state.model_arch = printable(str(ModelFile.open(model).get("general.architecture", "")))
     return app

@@ -1,4 +1,4 @@
-"""`moestudio serve MODEL.gguf`: the engine as an OpenAI- and Anthropic-compatible HTTP server.
+"""`moestudio serve MODEL.gguf`: the engine as an OpenAI-, Anthropic- and Ollama-compatible HTTP server.
 
 Stack: Starlette on uvicorn. Starlette gives routing, streaming responses that notice client
 disconnects, and nothing else: request validation stays ours, so every error comes out in
@@ -29,8 +29,8 @@ log = logging.getLogger("moestudio.server")
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("serve", help="serve a model over HTTP (OpenAI and Anthropic APIs)",
-                       description="Serves a GGUF MoE model with OpenAI- and Anthropic-compatible endpoints, "
+    p = sub.add_parser("serve", help="serve a model over HTTP (OpenAI, Anthropic and Ollama APIs)",
+                       description="Serves a GGUF MoE model with OpenAI-, Anthropic- and Ollama-compatible endpoints, "
                        "/health, /v1/stats, /v1/stats/stream and /metrics.")
     p.add_argument("model", nargs="?", help="GGUF model file (or `model` in --config/--preset)")
     add_arguments(p)

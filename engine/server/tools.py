@@ -71,12 +71,12 @@ def _named(tools: list[Tool], name: Any, where: str) -> tuple[str, ...]:
 def openai_tool_use(body: dict) -> ToolUse | None:
     """`tools` and `tool_choice` of a chat request ("none" leaves the tools out)."""
     raw, choice = body.get("tools"), body.get("tool_choice", "auto")
-    if raw is None:
+    if raw is None or raw == []:  # clients send an empty list for "no tools"
         if choice not in ("auto", "none", None):
             raise ApiError(400, "'tool_choice' needs 'tools'", param="tool_choice", code="invalid_value")
         return None
-    if not isinstance(raw, list) or not raw:
-        raise ApiError(400, "'tools' must be a non-empty array of {\"type\": \"function\", \"function\": {...}}",
+    if not isinstance(raw, list):
+        raise ApiError(400, "'tools' must be an array of {\"type\": \"function\", \"function\": {...}}",
                        param="tools", code="invalid_value")
     tools = []
     for i, t in enumerate(raw):
@@ -100,10 +100,10 @@ def openai_tool_use(body: dict) -> ToolUse | None:
 def anthropic_tool_use(body: dict) -> ToolUse | None:
     """`tools` and `tool_choice` of a Messages request."""
     raw, choice = body.get("tools"), body.get("tool_choice") or {"type": "auto"}
-    if raw is None:
+    if raw is None or raw == []:
         return None
-    if not isinstance(raw, list) or not raw:
-        raise ApiError(400, "tools: must be a non-empty array of {\"name\", \"input_schema\", ...}")
+    if not isinstance(raw, list):
+        raise ApiError(400, "tools: must be an array of {\"name\", \"input_schema\", ...}")
     tools = []
     for i, t in enumerate(raw):
         if not isinstance(t, dict) or not isinstance(t.get("input_schema"), dict):
