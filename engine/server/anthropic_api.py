@@ -1,9 +1,10 @@
 """Anthropic-compatible POST /v1/messages (text and tool blocks; streaming with the documented
 event order) and POST /v1/messages/count_tokens.
 
-Stream: message_start, ping, then per content block content_block_start, content_block_delta
-(text_delta, or one input_json_delta for a tool_use block)..., content_block_stop; then
-message_delta (stop_reason, usage.output_tokens), message_stop. Tools: engine/server/tools.py.
+Stream: message_start, content_block_start (text), ping, content_block_delta (text_delta)...,
+content_block_stop, then each tool_use block (content_block_start, one input_json_delta,
+content_block_stop), message_delta (stop_reason, usage.output_tokens), message_stop. With tools the
+text block opens with the first text, after the ping. Tools: engine/server/tools.py.
 
 A last message from the assistant is a prefill: the reply continues it (engine/runtime/tokenizer.py).
 Content is validated as Anthropic does: every message but a final assistant one needs non-empty
@@ -139,17 +140,22 @@ async def messages(http: HttpRequest) -> Response:
         yield sse({"type": "message_start", "message": {
             **message, "content": [], "stop_reason": None, "stop_sequence": None,
             "usage": {"input_tokens": gen.prompt_tokens, "output_tokens": 0}}}, "message_start")
-        yield sse({"type": "ping"}, "ping")
-        blocks = 0  # content blocks opened so far; a text block opens with the first text
+        blocks = 0  # content blocks opened so far
+
+        def open_text():
+            nonlocal blocks
+            blocks = 1
+            return sse({"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}},
+                       "content_block_start")
 
         def text_delta(text: str):
-            nonlocal blocks
             if blocks == 0:
-                blocks = 1
-                yield sse({"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}},
-                          "content_block_start")
+                yield open_text()
             yield sse({"type": "content_block_delta", "index": 0, "delta": {"type": "text_delta", "text": text}},
                       "content_block_delta")
+        if use is None:  # with tools the text block opens with the first text: a reply that is only a call has none
+            yield open_text()
+        yield sse({"type": "ping"}, "ping")
         try:
             async for event in gen.events():
                 if not is_done(event):
