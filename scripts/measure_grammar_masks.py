@@ -73,8 +73,7 @@ def run_llguidance(tokens: list[bytes], steps: int) -> None:
 
     t = time.perf_counter()
     tok = llguidance.LLTokenizer(llguidance.TokenizerWrapper(Source()))
-    print(f"llguidance {llguidance.__version__ if hasattr(llguidance, '__version__') else ''}: "
-          f"tokenizer {time.perf_counter() - t:.2f} s")
+    print(f"llguidance {getattr(llguidance, '__version__', '')}: tokenizer {time.perf_counter() - t:.2f} s")
     for name, schema in GRAMMARS.items():
         rng = random.Random(1)
         t = time.perf_counter()
@@ -100,7 +99,8 @@ def run_xgrammar(tokens: list[bytes], steps: int) -> None:
     info = xgr.TokenizerInfo(tokens, vocab_type=xgr.VocabType.RAW, vocab_size=len(tokens),
                              stop_token_ids=[len(tokens) - 1])
     compiler = xgr.GrammarCompiler(info)
-    print(f"xgrammar {xgr.__version__ if hasattr(xgr, '__version__') else ''}: tokenizer {time.perf_counter() - t:.2f} s")
+    name = f"xgrammar {getattr(xgr, '__version__', '')}"
+    print(f"{name}: tokenizer {time.perf_counter() - t:.2f} s")
     bitmask = xgr.allocate_token_bitmask(1, len(tokens))
     for name, schema in GRAMMARS.items():
         rng = random.Random(1)

@@ -96,11 +96,13 @@ class LlamaEngine:
         t0 = time.perf_counter()
         t_first = t0
         reason, n_gen = "length", 0
+
+        def budget() -> int:  # the tokens still allowed, read by the grammar as generation goes on
+            return min(request.max_tokens - n_gen, self.n_ctx - len(prompt) - n_gen)
         tokens = self.llm.generate(prompt, top_k=s.top_k, top_p=s.top_p, min_p=s.min_p, temp=s.temperature,
                                    repeat_penalty=s.repeat_penalty, frequency_penalty=s.frequency_penalty,
                                    presence_penalty=s.presence_penalty,
-                                   logits_processor=None if grammar is None else [_masking(
-                                       grammar, lambda: min(request.max_tokens - n_gen, self.n_ctx - len(prompt) - n_gen))])
+                                   logits_processor=None if grammar is None else [_masking(grammar, budget)])
         try:
             for token in tokens:
                 if n_gen == 0:

@@ -17,6 +17,7 @@ import threading
 from functools import lru_cache
 from pathlib import Path
 from types import ModuleType
+from typing import Iterator
 
 from engine.errors import UserError
 
@@ -144,7 +145,7 @@ def open_llama(path: str | Path, **kwargs):
 
 
 @contextlib.contextmanager
-def _utf8_path(path: Path):
+def _utf8_path(path: Path) -> Iterator[str]:
     """A name for `path` that `Llama` can encode: it encodes model_path as UTF-8, which a file name
     of other bytes (POSIX) is not, so such a file is opened and named through /proc/self/fd."""
     name = str(path)

@@ -14,8 +14,8 @@ allowed tokens that still let the document close in time, plus the token of the 
 Whether a token lets it close is played out on a copy of the grammar state: after the token,
 the closing policy (always the allowed token that closes fastest: the end token; else tokens of
 closing characters led by `"`, since inside a string only a quote closes; else tokens of `}` and
-`]`; else the longest allowed token: a forced key, a separator, a digit) must reach the end token
-within the budget left. Every step follows the grammar, so the output always matches it, and it
+`]`; else separators (`,`, `":`), which end a number; else the longest allowed token: a forced
+key, a digit) must reach the end token within the budget left. Every step follows the grammar, so the output always matches it, and it
 is complete whenever the budget allows a complete document at all.
 """
 from __future__ import annotations
@@ -78,6 +78,7 @@ def validate(grammar: str) -> str | None:
 
 
 _CLOSING_BYTES = frozenset(b'"}]')
+_SEPARATOR_BYTES = frozenset(b'",:}]')
 
 
 class _Vocabulary:
@@ -89,11 +90,15 @@ class _Vocabulary:
 
         self.n_vocab = n_vocab
         self.lltokenizer = lltokenizer_from_vocab(tokenizer.vocab, n_vocab=n_vocab, eos_token=tokenizer.eos)
-        # rank (0 end, 1 quote-led closing characters, 2 closing brackets, 3 other) first, then length
-        preference = np.full(n_vocab, 3 << 16, dtype=np.int64)
+        # rank first (0 end, 1 quote-led closing characters, 2 closing brackets, 3 separators with them,
+        # 4 other), then the longer token
+        preference = np.full(n_vocab, 4 << 16, dtype=np.int64)
         for token in range(min(n_vocab, tokenizer.n_vocab)):
             piece = tokenizer.piece(token)
-            rank = (1 if piece.startswith(b'"') else 2) if piece and set(piece) <= _CLOSING_BYTES else 3
+            if piece and set(piece) <= _CLOSING_BYTES:
+                rank = 1 if piece.startswith(b'"') else 2
+            else:
+                rank = 3 if piece and set(piece) <= _SEPARATOR_BYTES else 4
             preference[token] = (rank << 16) - min(len(piece), 0xFFFF)
         preference[tokenizer.eos] = 0
         self.preference = torch.from_numpy(preference)

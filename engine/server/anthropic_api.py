@@ -22,7 +22,8 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from engine.server import parse
 from engine.server.errors import ApiError, sse_error
 from engine.server.generation import Generation, ready_engine
-from engine.server.tools import CallFilter, ToolCall, ToolUse, anthropic_tool_use, call_grammar, check_template, parse_calls
+from engine.server.tools import (CallFilter, ToolCall, ToolUse, anthropic_tool_use, call_grammar, check_template,
+                                 parse_calls)
 from engine.server.openai_api import SSE_HEADERS, is_done, sse
 
 

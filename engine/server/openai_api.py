@@ -124,7 +124,7 @@ def completion_logprob_content(tokenizer: Any, events: list[Any], offset: int) -
 
 
 def _assistant_calls(calls: Any, i: int) -> list[dict]:
-    """An assistant message's tool_calls, checked: each {"id", "type": "function", "function": {"name", "arguments"}}."""
+    """An assistant message's tool_calls, checked: {"id", "type": "function", "function": {"name", "arguments"}}."""
     if not isinstance(calls, list) or not all(
             isinstance(c, dict) and isinstance(c.get("function"), dict) and isinstance(c["function"].get("name"), str)
             and isinstance(c["function"].get("arguments"), (str, dict)) for c in calls):

@@ -152,7 +152,8 @@ def call_grammar(use: ToolUse, tokenizer: Any) -> str:
         return lark_grammar(f"start: {json.dumps(HERMES_OPEN + chr(10))} call {json.dumps(chr(10) + HERMES_CLOSE)}\n"
                             f"call: %json {json.dumps(schema)}\n")
     except UserError as e:
-        raise ApiError(400, f"a tool's parameters cannot be enforced: {e}", param="tools", code="invalid_value") from None
+        raise ApiError(400, f"a tool's parameters cannot be enforced: {e}", param="tools",
+                       code="invalid_value") from None
 
 
 def _call(obj: Any, names: set[str]) -> ToolCall | None:
