@@ -19,6 +19,7 @@ from typing import Any
 from starlette.requests import Request as HttpRequest
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
+from engine.errors import UserError
 from engine.server import parse
 from engine.server.errors import ApiError, sse_error
 from engine.server.generation import Generation, ready_engine
@@ -112,10 +113,30 @@ def _tool_use_block(call: ToolCall) -> dict[str, Any]:
             "input": call.arguments}
 
 
+def _output_grammar(body: dict) -> str | None:
+    """Structured outputs: `output_config.format` {"type": "json_schema", "schema"}, by constrained decoding."""
+    from engine.layers.grammar import json_schema_grammar
+
+    config = parse.field(body, "output_config", "object", {})
+    fmt = config.get("format")
+    if fmt is None:
+        return None
+    if not isinstance(fmt, dict) or fmt.get("type") != "json_schema" or not isinstance(fmt.get("schema"), dict):
+        raise ApiError(400, "output_config.format: must be {\"type\": \"json_schema\", \"schema\": {...}}")
+    try:
+        return json_schema_grammar(fmt["schema"])
+    except UserError as e:
+        raise ApiError(400, f"output_config.format.schema: {e}") from None
+
+
 async def messages(http: HttpRequest) -> Response:
     body = await parse.read_json(http)
     chat = _chat(body)
     use, grammar = _tools(http, body)
+    output = _output_grammar(body)
+    if grammar is not None and output is not None:
+        raise ApiError(400, "tool_choice: a forced tool call and output_config.format cannot both constrain one reply")
+    grammar = grammar or output
     stream = parse.field(body, "stream", "bool", False)
     gen = await Generation.start(http.app.state.worker, messages=chat,
                                  max_tokens=parse.max_tokens(body, ("max_tokens",), required=True),

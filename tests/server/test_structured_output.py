@@ -96,3 +96,26 @@ def test_text_format_is_free_text(clients):
     r = clients["hybrid"].chat.completions.create(model="m", messages=USER, max_tokens=4, temperature=0,
                                                   response_format={"type": "text"})
     assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 4
+
+
+@pytest.fixture(scope="module")
+def claude(server):
+    import anthropic
+
+    return anthropic.Anthropic(base_url=server.url, api_key="x", max_retries=0, timeout=120)
+
+
+def test_anthropic_structured_output(claude):
+    import anthropic
+
+    for seed in (1, 2):
+        r = claude.messages.parse(model="m", max_tokens=160, messages=USER, output_format=Palette,
+                                  extra_body={"temperature": 1.0, "seed": seed})
+        assert r.stop_reason == "end_turn" and isinstance(r.parsed_output, Palette)
+    with claude.messages.stream(model="m", max_tokens=160, messages=USER, output_format=Palette,
+                                extra_body={"temperature": 0}) as stream:
+        final = stream.get_final_message()
+    assert isinstance(final.parsed_output, Palette)
+    with pytest.raises(anthropic.BadRequestError, match="output_config.format"):
+        claude.messages.create(model="m", max_tokens=4, messages=USER,
+                               output_config={"format": {"type": "json_schema", "schema": {"type": "nonsense"}}})
