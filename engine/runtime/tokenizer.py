@@ -88,7 +88,10 @@ class Tokenizer:
         definitions, reach the template as `tools`). A last assistant message with content is a
         prefill: the prompt ends inside that message, so the reply continues it (llama-server does the same)."""
         last = messages[-1] if messages else None
-        if add_generation_prompt and last is not None and last.get("role") == "assistant" and last.get("content"):
+        # A turn of tool calls is complete: the reply comes after their results, not inside it.
+        prefill = (add_generation_prompt and last is not None and last.get("role") == "assistant"
+                   and not last.get("tool_calls"))
+        if prefill and last.get("content"):
             # Rendered as a closed turn with a marker for its content: what precedes the marker is the
             # template's opening of the turn, whatever the template (the closing after it is dropped).
             marker = "\u2063moestudio-prefill\u2063"
@@ -97,7 +100,7 @@ class Tokenizer:
                 raise UserError(f"the chat template of {self.path.name} cannot continue an assistant message "
                                 "(it does not render the last assistant message's content as given)")
             return text[:text.index(marker)] + last["content"]
-        if add_generation_prompt and last is not None and last.get("role") == "assistant":
+        if prefill:
             messages = messages[:-1]  # an empty prefill: an ordinary reply
         return self._render(messages, add_generation_prompt, tools)
 

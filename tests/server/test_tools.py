@@ -208,3 +208,11 @@ def test_call_filter_streams_text_and_holds_calls(pieces, streamed, tail, names)
     sent = "".join(f.feed(p) for p in pieces)
     got_tail, calls = f.finish()
     assert (sent, got_tail, [c.name for c in calls]) == (streamed, tail, names)
+
+
+def test_a_last_assistant_turn_of_calls_is_kept_not_continued(tokenizer):
+    """Only a text turn is a prefill; a turn of calls is rendered whole, then a new assistant turn."""
+    calls = [{"id": "c", "type": "function", "function": {"name": "Add", "arguments": {"a": 1, "b": 2}}}]
+    prompt = tokenizer.render_chat([*USER, {"role": "assistant", "content": "", "tool_calls": calls}], tools=TOOLS)
+    assert prompt.endswith('{"name": "Add", "arguments": {"a": 1, "b": 2}}\n</tool_call><|im_end|>\n'
+                           "<|im_start|>assistant\n")
