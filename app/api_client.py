@@ -141,7 +141,7 @@ class ApiClient:
 
     def health(self, timeout: float = 2.0) -> dict:
         try:
-            return self.get_json("/health", timeout=timeout, auth=False)
+            return self.get_json("/health", timeout=timeout)  # with a key set, the details need it
         except ApiError as e:  # 503 while the load failed: the body still says why
             try:
                 body = json.loads(e.body)

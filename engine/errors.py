@@ -3,3 +3,9 @@
 
 class UserError(Exception):
     """Bad input or environment that the user can fix; the message says how."""
+
+
+def printable(text: str) -> str:
+    """`text` as valid Unicode for JSON and UIs: bytes of a file name that are not UTF-8 (kept by
+    Python as surrogate escapes) become U+FFFD."""
+    return text.encode("utf-8", "surrogateescape").decode("utf-8", "replace")

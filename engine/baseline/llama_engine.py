@@ -11,16 +11,33 @@ loaded by the tests, but the GPU split can only be exercised on a GPU build.
 """
 from __future__ import annotations
 
+import math
 import threading
 import time
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import TYPE_CHECKING, Callable, Iterator
+
+import numpy as np
+import torch
 
 from engine.baseline.llama_load import llama_cpp
 from engine.baseline.placement import cpu_moe_overrides, open_llama_with
-from engine.runtime.engine import Completion, Engine, Event, Request, TokenEvent
+from engine.runtime.engine import Completion, Engine, Event, Request, TokenEvent, request_grammar
 from engine.runtime.telemetry import Telemetry
 from engine.runtime.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from engine.layers.grammar import TokenGrammar
+
+
+def _masking(grammar: TokenGrammar, budget: Callable[[], int]) -> Callable[[np.ndarray, np.ndarray], np.ndarray]:
+    """A llama-cpp-python logits processor that leaves only the tokens `grammar` allows; it runs first
+    in llama.cpp's sampler chain, on the whole vocabulary in token order."""
+    def apply(_input_ids: np.ndarray, logits: np.ndarray) -> np.ndarray:
+        allowed = grammar.allowed(budget(), torch.from_numpy(logits))
+        return np.where(allowed.numpy(), logits, -math.inf).astype(logits.dtype)
+    return apply
+
 
 class LlamaEngine:
     def __init__(self, llm, tokenizer: Tokenizer):
@@ -50,6 +67,14 @@ class LlamaEngine:
     prompt_tokens = Engine.prompt_tokens
     checked_prompt = Engine.checked_prompt
 
+    def _last_logits(self) -> torch.Tensor:
+        """The logits the token just sampled came from: `Llama.generate` yields each token before it
+        evaluates it, so the context's last output row is still that distribution."""
+        L = llama_cpp()
+        n_vocab = self.llm.n_vocab()
+        row = L.llama_get_logits_ith(self.llm.ctx, -1)
+        return torch.from_numpy(np.ctypeslib.as_array(row, shape=(n_vocab,)).copy())
+
     def generate(self, request: Request, cancel: threading.Event | None = None) -> Iterator[Event]:
         with self._lock:
             yield from self._generate(request, cancel)
@@ -67,12 +92,17 @@ class LlamaEngine:
             reused += 1
         reused = min(reused, len(prompt) - 1)
         completion = Completion(request.stop)
+        grammar = request_grammar(request, self.tokenizer, self.llm.n_vocab())
         t0 = time.perf_counter()
         t_first = t0
         reason, n_gen = "length", 0
+
+        def budget() -> int:  # the tokens still allowed, read by the grammar as generation goes on
+            return min(request.max_tokens - n_gen, self.n_ctx - len(prompt) - n_gen)
         tokens = self.llm.generate(prompt, top_k=s.top_k, top_p=s.top_p, min_p=s.min_p, temp=s.temperature,
                                    repeat_penalty=s.repeat_penalty, frequency_penalty=s.frequency_penalty,
-                                   presence_penalty=s.presence_penalty)
+                                   presence_penalty=s.presence_penalty,
+                                   logits_processor=None if grammar is None else [_masking(grammar, budget)])
         try:
             for token in tokens:
                 if n_gen == 0:
@@ -82,10 +112,13 @@ class LlamaEngine:
                     break
                 n_gen += 1
                 self.telemetry.token_generated()
-                event = completion.accept(token, self.tokenizer, request.ignore_eos)
+                event = completion.accept(token, self.tokenizer, request,
+                                          self._last_logits() if request.logprobs is not None else None)
                 if event is not None:
                     yield event
-                if event is None or completion.stop_hit:
+                if grammar is not None:
+                    grammar.accept(token)
+                if event is None or completion.stop_hit or (grammar is not None and grammar.finished):
                     reason = "stop"
                     break
                 if n_gen >= request.max_tokens or len(prompt) + n_gen >= self.n_ctx:

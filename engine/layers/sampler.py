@@ -142,10 +142,13 @@ class Sampler:
             # torch takes 64-bit seeds; masking keeps negative seeds (e.g. -1) valid and distinct.
             self.generator.manual_seed(params.seed & 0xFFFF_FFFF_FFFF_FFFF)
 
-    def sample(self, logits: torch.Tensor, history: Sequence[int]) -> int:
-        """history: the prompt and generated tokens so far (llama-server penalizes prompt tokens too)."""
+    def sample(self, logits: torch.Tensor, history: Sequence[int], allowed: torch.Tensor | None = None) -> int:
+        """history: the prompt and generated tokens so far (llama-server penalizes prompt tokens too);
+        allowed: a bool mask [V] of the tokens a grammar permits (engine/layers/grammar.py), or None."""
         if logits.shape != (self.vocab_size,):
             raise ValueError(f"expected logits of shape ({self.vocab_size},), got {tuple(logits.shape)}")
+        if allowed is not None:  # before the chain, as llama.cpp applies a grammar sampler
+            logits = logits.masked_fill(~allowed.to(logits.device), -math.inf)
         ids, probs = candidates(logits, history, self.params)
         # One draw per token, even when the choice is forced, like llama.cpp's dist sampler: the
         # random stream then depends only on how many tokens were sampled, not on the filters.
@@ -153,3 +156,11 @@ class Sampler:
         cdf = torch.cumsum(probs.cpu().double(), 0)
         i = min(int(torch.searchsorted(cdf, u * cdf[-1])), len(cdf) - 1)
         return int(ids[i])
+
+
+def token_logprobs(logits: torch.Tensor, token: int, top_n: int) -> tuple[float, tuple[tuple[int, float], ...]]:
+    """The model's log-probability of `token` and its `top_n` most likely tokens, from raw logits
+    (before penalties, filters, temperature and grammar: what the model itself predicts)."""
+    logprobs = torch.log_softmax(logits.float(), 0)
+    values, ids = torch.topk(logprobs, min(top_n, logprobs.numel()))
+    return float(logprobs[token]), tuple(zip(ids.tolist(), values.tolist()))

@@ -28,7 +28,7 @@ def check_architecture(arch: str) -> None:
     if arch not in FAMILIES:
         raise UnsupportedArchitecture(
             f"architecture {arch!r} is not supported by the MoE Studio engine "
-            f"(supported: {', '.join(sorted(FAMILIES))}); the llama.cpp engine (--engine llamacpp) can run it")
+            f"(supported: {', '.join(sorted(FAMILIES))})")
 
 
 def build_model(source: str | Path | ModelFile, device: torch.device | str = "cpu"):

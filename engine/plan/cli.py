@@ -37,9 +37,12 @@ def run(args: argparse.Namespace, nvml: object = True) -> int:
     from engine.plan.planner import PlanOptions, make_plan
     from engine.plan.probe import GpuInfo, probe_hardware
 
+    from engine.server.loader import choose_engine
+
     settings = from_args(args)
     if not settings.model:
         raise UserError("which model? give MODEL.gguf, or `model` in --config/--preset")
+    choose_engine(settings.model, "auto")  # no plan for a model that neither engine can run: say why instead
     geometry = read_geometry(settings.model)
     hardware = probe_hardware(nvml)
     if args.assume_gpu_mib:

@@ -21,7 +21,7 @@ import torch
 
 from engine.config import Config
 from engine.errors import UserError
-from engine.layers.sampler import Sampler, SamplingParams
+from engine.layers.sampler import Sampler, SamplingParams, token_logprobs
 from engine.plan.sizing import resolve_ctx
 from engine.runtime.stops import StopMatcher, Utf8Decoder
 from engine.runtime.telemetry import Telemetry
@@ -73,12 +73,17 @@ class Request:
     sampling: SamplingParams = field(default_factory=SamplingParams)
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
+    tools: list[dict] | None = None  # function definitions the chat template renders (OpenAI's shape)
+    grammar: str | None = None  # an llguidance grammar the output must match (engine/layers/grammar.py)
+    logprobs: int | None = None  # None: off; N: each token's log-probability and the N most likely
 
 
 @dataclass
 class TokenEvent:
     token: int | None  # None: text held back until the end (a possible stop string, split UTF-8)
     text: str  # the text this token releases (may be empty while a stop string or UTF-8 is pending)
+    logprob: float | None = None  # with Request.logprobs: the model's log-probability of `token`
+    top_logprobs: tuple[tuple[int, float], ...] = ()  # with Request.logprobs: (token, log-probability), best first
 
 
 @dataclass
@@ -109,12 +114,17 @@ class Completion:
         self._pieces: list[str] = []
         self.stop_hit = False
 
-    def accept(self, token: int, tokenizer: Tokenizer, ignore_eos: bool) -> TokenEvent | None:
+    def accept(self, token: int, tokenizer: Tokenizer, request: Request, logits: torch.Tensor | None
+               ) -> TokenEvent | None:
         """The event for a sampled token, or None when it ends generation (end-of-generation
-        token); after the event, `stop_hit` says whether a stop string ended it."""
-        if tokenizer.is_eog(token) and not ignore_eos:
+        token); after the event, `stop_hit` says whether a stop string ended it. `logits`: the
+        row the token was sampled from, for the log-probabilities the request asked for."""
+        if tokenizer.is_eog(token) and not request.ignore_eos:
             return None
-        return TokenEvent(token, self.feed(tokenizer.piece(token)))
+        event = TokenEvent(token, self.feed(tokenizer.piece(token)))
+        if request.logprobs is not None and logits is not None:
+            event.logprob, event.top_logprobs = token_logprobs(logits, token, request.logprobs)
+        return event
 
     def feed(self, piece: bytes) -> str:
         """The text that token bytes `piece` release now (sets stop_hit on a stop string)."""
@@ -142,6 +152,15 @@ class Completion:
         telemetry.request_done(done.prompt_tokens, done.completion_tokens, done.ttft_s,
                                done.prefill_tokens_per_s, done.decode_tokens_per_s)
         return done
+
+
+def request_grammar(request: Request, tokenizer: Tokenizer, n_vocab: int):
+    """The request's TokenGrammar (engine/layers/grammar.py), or None when its output is free."""
+    if request.grammar is None:
+        return None
+    from engine.layers.grammar import TokenGrammar
+
+    return TokenGrammar(request.grammar, tokenizer, n_vocab)
 
 
 class Engine:
@@ -180,7 +199,8 @@ class Engine:
 
     def prompt_tokens(self, request: Request) -> list[int]:
         if request.messages is not None:
-            return self.tokenizer.encode(self.tokenizer.render_chat(request.messages), parse_special=True)
+            text = self.tokenizer.render_chat(request.messages, tools=request.tools)
+            return self.tokenizer.encode(text, parse_special=True)
         if isinstance(request.prompt, str):
             return self.tokenizer.encode(request.prompt, add_special=self.tokenizer.add_bos, parse_special=True)
         if request.prompt:
@@ -221,7 +241,9 @@ class Engine:
 
     def _generate(self, request: Request, cancel: threading.Event | None) -> Iterator[Event]:
         prompt = self.checked_prompt(request)
-        sampler = Sampler(request.sampling, self.model.config.n_vocab)
+        n_vocab = self.model.config.n_vocab
+        sampler = Sampler(request.sampling, n_vocab)
+        grammar = request_grammar(request, self.tokenizer, n_vocab)
         completion = Completion(request.stop)
         t0 = time.perf_counter()
         logits, reused = self._prefill(prompt)
@@ -232,14 +254,17 @@ class Engine:
             if cancel is not None and cancel.is_set():
                 reason = "cancelled"
                 break
-            token = sampler.sample(logits.float(), history)
+            budget = min(request.max_tokens - n_gen, self.n_ctx - len(history))
+            token = sampler.sample(logits.float(), history, grammar.allowed(budget, logits) if grammar else None)
             n_gen += 1
             self.telemetry.token_generated()
             history.append(token)
-            event = completion.accept(token, self.tokenizer, request.ignore_eos)
+            event = completion.accept(token, self.tokenizer, request, logits)
             if event is not None:
                 yield event
-            if event is None or completion.stop_hit:
+            if grammar is not None:
+                grammar.accept(token)
+            if event is None or completion.stop_hit or (grammar is not None and grammar.finished):
                 reason = "stop"
                 break
             if len(history) >= self.n_ctx:

@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import psutil
 
+from engine.errors import printable
+
 SCHEMA_VERSION = 1
 
 
@@ -52,7 +54,7 @@ class Telemetry:
     HEAT_DECAY = 0.98  # per MoE step: heat follows the last ~50 tokens
 
     def __init__(self, engine: str, model: str):
-        self.engine, self.model = engine, model
+        self.engine, self.model = engine, printable(model)
         self.lock = threading.Lock()
         self.cache: CacheCounters | None = None
         self.requests = 0

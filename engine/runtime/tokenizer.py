@@ -32,6 +32,11 @@ class Tokenizer:
         self._eog = {t for t in range(self.n_vocab) if L.llama_vocab_is_eog(self._vocab, t)}
         self.chat_template = self._meta("tokenizer.chat_template")
 
+    @property
+    def vocab(self):
+        """llama.cpp's vocabulary pointer (valid while this Tokenizer lives)."""
+        return self._vocab
+
     def _meta(self, key: str) -> str | None:
         L = llama_cpp()
         buf = ctypes.create_string_buffer(1 << 16)
@@ -77,8 +82,29 @@ class Tokenizer:
     def is_eog(self, token: int) -> bool:
         return token in self._eog
 
-    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
-        """The prompt text for `messages` ({"role", "content"} dicts) under the model's template."""
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True,
+                    tools: list[dict] | None = None) -> str:
+        """The prompt text for `messages` under the model's template (`tools`, OpenAI-shaped function
+        definitions, reach the template as `tools`). A last assistant message with content is a
+        prefill: the prompt ends inside that message, so the reply continues it (llama-server does the same)."""
+        last = messages[-1] if messages else None
+        # A turn of tool calls is complete: the reply comes after their results, not inside it.
+        prefill = (add_generation_prompt and last is not None and last.get("role") == "assistant"
+                   and not last.get("tool_calls"))
+        if prefill and last.get("content"):
+            # Rendered as a closed turn with a marker for its content: what precedes the marker is the
+            # template's opening of the turn, whatever the template (the closing after it is dropped).
+            marker = "\u2063moestudio-prefill\u2063"
+            text = self._render([*messages[:-1], {**last, "content": marker}], False, tools)
+            if text.count(marker) != 1:
+                raise UserError(f"the chat template of {self.path.name} cannot continue an assistant message "
+                                "(it does not render the last assistant message's content as given)")
+            return text[:text.index(marker)] + last["content"]
+        if prefill:
+            messages = messages[:-1]  # an empty prefill: an ordinary reply
+        return self._render(messages, add_generation_prompt, tools)
+
+    def _render(self, messages: list[dict], add_generation_prompt: bool, tools: list[dict] | None) -> str:
         from llama_cpp.llama_chat_format import Jinja2ChatFormatter
 
         def token_text(t: int) -> str:
@@ -87,7 +113,7 @@ class Tokenizer:
         try:  # compiling the template (in the constructor) fails on a corrupt one as rendering does
             fmt = Jinja2ChatFormatter(self.chat_template or CHATML, eos_token=token_text(self.eos),
                                       bos_token=token_text(self.bos), add_generation_prompt=add_generation_prompt)
-            return fmt(messages=messages).prompt
+            return fmt(messages=messages, tools=tools).prompt
         except Exception as e:  # a template error is the model file's problem: say which
             raise UserError(f"the chat template of {self.path.name} failed to render: {e}") from None
 

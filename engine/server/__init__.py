@@ -1,1 +1,1 @@
-"""The HTTP server: OpenAI and Anthropic APIs, health, stats and metrics over the engine thread."""
+"""The HTTP server: OpenAI, Anthropic and Ollama APIs, health, stats and metrics over the engine thread."""

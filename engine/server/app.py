@@ -16,7 +16,9 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from engine.config import Config
-from engine.server import anthropic_api, openai_api, stats
+from engine.errors import printable
+from engine.gguf.reader import ModelFile
+from engine.server import anthropic_api, ollama_api, openai_api, stats
 from engine.server.errors import ApiError, api_of, error_response
 from engine.server.request_log import RequestLog
 from engine.server.worker import EngineWorker
@@ -32,18 +34,24 @@ def _presented_key(http: HttpRequest) -> str | None:
     return http.headers.get("x-api-key")
 
 
+def _key_ok(http: HttpRequest, expected: bytes | None) -> bool:
+    """Whether the request may pass: no key is set, or it presents the key (compared in constant time)."""
+    if expected is None:
+        return True
+    given = _presented_key(http)
+    return given is not None and hmac.compare_digest(given.encode(), expected)
+
+
 def guarded(handler: Handler, api_key: str | None) -> Handler:
-    """Checks the key (constant time), and turns ApiError into the path's API error shape."""
+    """Checks the key, and turns ApiError into the path's API error shape."""
     expected = api_key.encode() if api_key else None
 
     async def endpoint(http: HttpRequest) -> Response:
         api = api_of(http.url.path)
         try:
-            if expected is not None:
-                given = _presented_key(http)
-                if given is None or not hmac.compare_digest(given.encode(), expected):
-                    raise ApiError(401, "missing or invalid API key (send 'Authorization: Bearer KEY' or "
-                                   "'x-api-key: KEY')", code="invalid_api_key")
+            if not _key_ok(http, expected):
+                raise ApiError(401, "missing or invalid API key (send 'Authorization: Bearer KEY' or "
+                               "'x-api-key: KEY')", code="invalid_api_key")
             return await handler(http)
         except ApiError as e:
             return error_response(api, e)
@@ -56,10 +64,22 @@ def guarded(handler: Handler, api_key: str | None) -> Handler:
     return endpoint
 
 
-async def health(http: HttpRequest) -> Response:
-    worker: EngineWorker = http.app.state.worker
-    body = worker.health()
-    return JSONResponse(body, status_code=503 if body["status"] == "error" else 200)
+def health_endpoint(api_key: str | None) -> Handler:
+    """GET /health: always JSON. Without a key set, or with it presented, the whole report; otherwise the
+    status only, so the model path and settings are not shown to whoever can reach the port."""
+    expected = api_key.encode() if api_key else None
+
+    async def health(http: HttpRequest) -> Response:
+        worker: EngineWorker = http.app.state.worker
+        try:
+            body = worker.health()
+        except Exception as e:  # never a plain-text 500: the app and scripts parse this
+            log.exception("GET /health failed")
+            body = {"status": "error", "error": f"the health report failed: {type(e).__name__}: {e}"}
+        if not _key_ok(http, expected):
+            body = {"status": body["status"]}
+        return JSONResponse(body, status_code=503 if body["status"] == "error" else 200)
+    return health
 
 
 async def _http_error(http: HttpRequest, exc: HTTPException) -> Response:
@@ -78,12 +98,18 @@ def build_app(cfg: Config, worker: EngineWorker | None = None) -> Starlette:
         yield
         await asyncio.to_thread(worker.stop)  # joining the engine thread must not stall the loop
 
-    routes = [Route("/health", health, methods=["GET"])] + [
+    routes = [Route("/health", health_endpoint(key), methods=["GET"])] + [
         Route(path, guarded(handler, key), methods=[method]) for path, handler, method in (
             ("/v1/chat/completions", openai_api.chat_completions, "POST"),
             ("/v1/completions", openai_api.completions, "POST"),
             ("/v1/models", openai_api.models, "GET"),
             ("/v1/messages", anthropic_api.messages, "POST"),
+            ("/v1/messages/count_tokens", anthropic_api.count_tokens, "POST"),
+            ("/api/version", ollama_api.version, "GET"),
+            ("/api/tags", ollama_api.tags, "GET"),
+            ("/api/show", ollama_api.show, "POST"),
+            ("/api/chat", ollama_api.chat, "POST"),
+            ("/api/generate", ollama_api.generate, "POST"),
             ("/v1/stats", stats.stats, "GET"),
             ("/v1/stats/stream", stats.stats_stream, "GET"),
             ("/metrics", stats.metrics_endpoint(worker), "GET"),
@@ -92,6 +118,8 @@ def build_app(cfg: Config, worker: EngineWorker | None = None) -> Starlette:
                     middleware=[Middleware(RequestLog)])
     model = Path(cfg.model)
     app.state.worker = worker
-    app.state.model_id = model.stem
-    app.state.model_created = int(model.stat().st_mtime)
+    app.state.model_id = printable(model.stem)
+    info = model.stat()
+    app.state.model_created, app.state.model_size = int(info.st_mtime), info.st_size
+    app.state.model_arch = printable(str(ModelFile.open(model).get("general.architecture", "")))
     return app

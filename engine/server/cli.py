@@ -1,4 +1,4 @@
-"""`moestudio serve MODEL.gguf`: the engine as an OpenAI- and Anthropic-compatible HTTP server.
+"""`moestudio serve MODEL.gguf`: the engine as an OpenAI-, Anthropic- and Ollama-compatible HTTP server.
 
 Stack: Starlette on uvicorn. Starlette gives routing, streaming responses that notice client
 disconnects, and nothing else: request validation stays ours, so every error comes out in
@@ -29,8 +29,8 @@ log = logging.getLogger("moestudio.server")
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("serve", help="serve a model over HTTP (OpenAI and Anthropic APIs)",
-                       description="Serves a GGUF MoE model with OpenAI- and Anthropic-compatible endpoints, "
+    p = sub.add_parser("serve", help="serve a model over HTTP (OpenAI, Anthropic and Ollama APIs)",
+                       description="Serves a GGUF MoE model with OpenAI-, Anthropic- and Ollama-compatible endpoints, "
                        "/health, /v1/stats, /v1/stats/stream and /metrics.")
     p.add_argument("model", nargs="?", help="GGUF model file (or `model` in --config/--preset)")
     add_arguments(p)
@@ -70,6 +70,7 @@ def run(args: argparse.Namespace) -> int:
 
     from engine.gguf.check import open_model
     from engine.server.app import build_app
+    from engine.server.loader import choose_engine
 
     cfg = from_args(args)
     if not cfg.model:
@@ -81,6 +82,7 @@ def run(args: argparse.Namespace) -> int:
         from engine.moe.profile import load_profile
 
         load_profile(cfg.moe_expert_profile, model)  # one for another model: refused now, not after the load
+    choose_engine(cfg.model, cfg.engine)  # a model no engine can run is refused before listening, saying why
     if not is_loopback(cfg.host) and not cfg.api_key:
         raise UserError(f"refusing to listen on {cfg.host} without an API key: anyone on the network could use "
                         "it. Set --api-key (or MOESTUDIO_API_KEY), or keep the default --host 127.0.0.1")

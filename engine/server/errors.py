@@ -2,6 +2,7 @@
 
 OpenAI:    {"error": {"message", "type", "param", "code"}}
 Anthropic: {"type": "error", "error": {"type", "message"}}
+Ollama:    {"error": "message"}
 """
 from __future__ import annotations
 
@@ -35,19 +36,31 @@ def anthropic_body(err: ApiError) -> dict[str, Any]:
     return {"type": "error", "error": {"type": kind, "message": err.message}}
 
 
+def ollama_body(err: ApiError) -> dict[str, Any]:
+    return {"error": err.message}
+
+
 def api_of(path: str) -> str:
     """Which API's error shape a path answers in."""
+    if path.startswith("/api/"):
+        return "ollama"
     return "anthropic" if path.startswith("/v1/messages") else "openai"
 
 
+def _body(api: str, err: ApiError) -> dict[str, Any]:
+    return {"anthropic": anthropic_body, "ollama": ollama_body}.get(api, openai_body)(err)
+
+
 def error_response(api: str, err: ApiError) -> JSONResponse:
-    body = anthropic_body(err) if api == "anthropic" else openai_body(err)
+    body = _body(api, err)
     headers = {"www-authenticate": "Bearer"} if err.status == 401 else None
     return JSONResponse(body, status_code=err.status, headers=headers)
 
 
 def sse_error(api: str, err: ApiError) -> str:
-    """An error after a stream has started (the status line is already sent)."""
+    """An error after a stream has started (the status line is already sent); Ollama's streams are NDJSON."""
     if api == "anthropic":
         return f"event: error\ndata: {json.dumps(anthropic_body(err))}\n\n"
+    if api == "ollama":
+        return json.dumps(ollama_body(err)) + "\n"
     return f"data: {json.dumps(openai_body(err))}\n\n"

@@ -29,6 +29,13 @@ def ready_engine(worker: EngineWorker) -> Any:
     return worker.engine
 
 
+async def _prompt_tokens(engine: Any, request: Any, param: str) -> list[int]:
+    try:  # chat templates and long prompts take a while: off the event loop
+        return await asyncio.to_thread(engine.prompt_tokens, request)
+    except UserError as e:
+        raise ApiError(400, str(e), param=param) from None
+
+
 async def _watch_disconnect(http: HttpRequest, job: Job) -> None:
     while (await http.receive())["type"] != "http.disconnect":
         pass
@@ -40,6 +47,7 @@ class Outcome:
     text: str
     done: Any  # engine.runtime.engine.DoneEvent
     stop_sequence: str | None  # the stop string that ended it, if one did
+    tokens: list[Any]  # the TokenEvents of sampled tokens (with log-probabilities when asked for)
 
 
 class Generation:
@@ -54,26 +62,34 @@ class Generation:
     @classmethod
     async def start(cls, worker: EngineWorker, *, max_tokens: int | None, sampling: Any, stops: tuple[str, ...],
                     messages: list[dict] | None = None, prompt: str | list[int] | None = None,
-                    param: str = "messages") -> Generation:
+                    param: str = "messages", grammar: str | None = None, logprobs: int | None = None,
+                    tools: list[dict] | None = None) -> Generation:
+        """`grammar`: an llguidance grammar the output must match; `logprobs`: None, or how many
+        alternatives each token's event lists; `tools`: function definitions for the chat template."""
         from engine.runtime.engine import Request
 
         engine = ready_engine(worker)
-        try:  # chat templates and long prompts take a while: off the event loop
-            tokens = await asyncio.to_thread(engine.prompt_tokens, Request(prompt=prompt, messages=messages))
-        except UserError as e:
-            raise ApiError(400, str(e), param=param) from None
+        tokens = await _prompt_tokens(engine, Request(prompt=prompt, messages=messages, tools=tools), param)
         if len(tokens) >= engine.n_ctx:
             raise ApiError(400, f"the prompt is {len(tokens)} tokens long but the context holds {engine.n_ctx} "
                            "(shorten the prompt, or restart the server with a larger -c)", param=param,
                            code="context_length_exceeded")
         # Without max_tokens a generation runs until it stops or the context is full.
         limit = min(max_tokens or engine.n_ctx, engine.n_ctx - len(tokens))
-        job = worker.submit(Request(prompt=tokens, max_tokens=limit, sampling=sampling, stop=stops))
+        job = worker.submit(Request(prompt=tokens, max_tokens=limit, sampling=sampling, stop=stops, grammar=grammar,
+                                    logprobs=logprobs))
         return cls(worker, job, len(tokens), stops)
 
     @property
     def generated_tokens(self) -> int:
         return len(self._tokens)
+
+    @staticmethod
+    async def count(worker: EngineWorker, *, messages: list[dict], tools: list[dict] | None = None) -> int:
+        """How many tokens the prompt of `messages` (and `tools`) is, without generating."""
+        from engine.runtime.engine import Request
+
+        return len(await _prompt_tokens(ready_engine(worker), Request(messages=messages, tools=tools), "messages"))
 
     async def _events(self) -> AsyncIterator[Any]:
         try:
@@ -121,7 +137,8 @@ class Generation:
         finally:
             watcher.cancel()
         done = events[-1]
-        return Outcome(done.text, done, self.stop_sequence(done))
+        sampled = [e for e in events[:-1] if e.token is not None]
+        return Outcome(done.text, done, self.stop_sequence(done), sampled)
 
     def stop_sequence(self, done: Any) -> str | None:
         """Which stop string ended the generation: the one the raw token text holds where the output ends."""

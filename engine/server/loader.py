@@ -42,13 +42,22 @@ def unsupported_reason(mf: ModelFile) -> str | None:
 
 
 def choose_engine(path: str | Path, requested: str) -> tuple[str, str]:
-    """(kind, reason). `auto` prefers the MoE Studio engine; `hybrid` on an unsupported model fails."""
+    """(kind, reason). `auto` prefers the MoE Studio engine; `hybrid` on an unsupported model fails,
+    and so does a model that neither engine can run, with llama.cpp's own reason."""
+    from engine.baseline.llama_load import llamacpp_refusal
     from engine.gguf.check import open_model
 
     if requested == "llamacpp":
+        refusal = llamacpp_refusal(path)
+        if refusal:
+            raise UserError(f"llama.cpp cannot run this model: {refusal}")
         return "llamacpp", "chosen with --engine llamacpp"
     mf = open_model(path)
     problem = unsupported_reason(mf)
+    if problem:
+        refusal = llamacpp_refusal(path)
+        if refusal:
+            raise UserError(f"neither engine can run this model: {problem}; llama.cpp: {refusal}")
     if requested == "hybrid":
         if problem:
             raise UserError(f"{problem}; use --engine llamacpp or auto")

@@ -13,9 +13,11 @@ from typing import Any
 from starlette.requests import Request as HttpRequest
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
+from engine.errors import UserError
 from engine.server import parse
 from engine.server.errors import ApiError, sse_error
-from engine.server.generation import Generation, Outcome
+from engine.server.generation import Generation, Outcome, ready_engine
+from engine.server.tools import CallFilter, call_grammar, check_template, openai_tool_use, parse_calls
 
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
 SSE_HEADERS = {"cache-control": "no-cache", "x-accel-buffering": "no"}
@@ -29,14 +31,109 @@ def is_done(event: Any) -> bool:
     return hasattr(event, "finish_reason")
 
 
+MAX_TOP_LOGPROBS = 20  # OpenAI's limit for chat
+MAX_COMPLETION_LOGPROBS = 5  # OpenAI's limit for the legacy completions API
+
+
 def _unsupported(body: dict) -> None:
     if parse.field(body, "n", "int", 1) != 1:
         raise ApiError(400, "'n' must be 1: one sequence runs at a time", param="n", code="unsupported_value")
-    if body.get("logprobs") not in (None, False):
-        raise ApiError(400, "'logprobs' is not supported", param="logprobs", code="unsupported_parameter")
 
 
-def chat_messages(body: dict) -> list[dict[str, str]]:
+def chat_logprobs(body: dict) -> int | None:
+    """Chat's `logprobs` (bool) and `top_logprobs` (0-20, only with logprobs) as OpenAI checks them."""
+    wanted = parse.field(body, "logprobs", "bool", False)
+    top = parse.field(body, "top_logprobs", "int")
+    if top is not None and not 0 <= top <= MAX_TOP_LOGPROBS:
+        raise ApiError(400, f"'top_logprobs' must be an integer from 0 to {MAX_TOP_LOGPROBS}, got {top}",
+                       param="top_logprobs", code="invalid_value")
+    if top is not None and not wanted:
+        raise ApiError(400, "'top_logprobs' needs 'logprobs' set to true", param="top_logprobs",
+                       code="invalid_value")
+    return (top or 0) if wanted else None
+
+
+def completion_logprobs(body: dict) -> int | None:
+    """The completions API's `logprobs`: how many alternatives per token (0-5), or absent."""
+    n = parse.field(body, "logprobs", "int")
+    if n is not None and not 0 <= n <= MAX_COMPLETION_LOGPROBS:
+        raise ApiError(400, f"'logprobs' must be an integer from 0 to {MAX_COMPLETION_LOGPROBS}, got {n}",
+                       param="logprobs", code="invalid_value")
+    return n
+
+
+def response_grammar(body: dict) -> str | None:
+    """`response_format`: text (free), json_object (any JSON object) or json_schema (its schema,
+    enforced by constrained decoding whether or not `strict` is set)."""
+    from engine.layers.grammar import any_json_object_grammar, json_schema_grammar
+
+    fmt = parse.field(body, "response_format", "object")
+    kind = None if fmt is None else fmt.get("type")
+    if fmt is None or kind == "text":
+        return None
+    try:
+        if kind == "json_object":
+            return any_json_object_grammar()
+        if kind == "json_schema":
+            spec = fmt.get("json_schema")
+            if not isinstance(spec, dict):
+                raise ApiError(400, "'response_format.json_schema' is required with type json_schema: "
+                               "{\"name\": ..., \"schema\": {...}}", param="response_format", code="invalid_value")
+            schema = spec.get("schema", {})
+            if not isinstance(schema, (dict, bool)):
+                raise ApiError(400, "'response_format.json_schema.schema' must be a JSON schema object",
+                               param="response_format", code="invalid_value")
+            return json_schema_grammar(schema)
+    except UserError as e:
+        raise ApiError(400, str(e), param="response_format", code="invalid_value") from None
+    raise ApiError(400, f"'response_format.type' must be text, json_object or json_schema, got {kind!r}",
+                   param="response_format", code="invalid_value")
+
+
+def _token_entry(tokenizer: Any, token: int, logprob: float) -> dict[str, Any]:
+    piece = tokenizer.piece(token)
+    return {"token": piece.decode("utf-8", errors="replace"), "logprob": logprob, "bytes": list(piece)}
+
+
+def chat_logprob_content(tokenizer: Any, events: list[Any]) -> dict[str, Any] | None:
+    """Chat's `logprobs` object for these token events, or None when none carries log-probabilities."""
+    content = [{**_token_entry(tokenizer, e.token, e.logprob),
+                "top_logprobs": [_token_entry(tokenizer, t, lp) for t, lp in e.top_logprobs]}
+               for e in events if e.token is not None and e.logprob is not None]
+    return {"content": content, "refusal": None} if content else None
+
+
+def completion_logprob_content(tokenizer: Any, events: list[Any], offset: int) -> dict[str, Any] | None:
+    """The completions API's `logprobs` object (tokens, token_logprobs, top_logprobs, text_offset);
+    `offset`: the text length before these events."""
+    events = [e for e in events if e.token is not None and e.logprob is not None]
+    if not events:
+        return None
+    out: dict[str, Any] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    for e in events:
+        text = tokenizer.piece(e.token).decode("utf-8", errors="replace")
+        out["tokens"].append(text)
+        out["token_logprobs"].append(e.logprob)
+        alternatives: dict[str, float] = {}
+        for t, lp in e.top_logprobs:
+            alternatives.setdefault(tokenizer.piece(t).decode("utf-8", errors="replace"), lp)
+        out["top_logprobs"].append(alternatives)
+        out["text_offset"].append(offset)
+        offset += len(text)
+    return out
+
+
+def _assistant_calls(calls: Any, i: int) -> list[dict]:
+    """An assistant message's tool_calls, checked: {"id", "type": "function", "function": {"name", "arguments"}}."""
+    if not isinstance(calls, list) or not all(
+            isinstance(c, dict) and isinstance(c.get("function"), dict) and isinstance(c["function"].get("name"), str)
+            and isinstance(c["function"].get("arguments"), (str, dict)) for c in calls):
+        raise ApiError(400, f"messages[{i}].tool_calls must be an array of {{\"id\", \"type\": \"function\", "
+                       "\"function\": {\"name\", \"arguments\"}}", param="messages")
+    return [{"id": c.get("id", ""), "type": "function", "function": dict(c["function"])} for c in calls]
+
+
+def chat_messages(body: dict) -> list[dict[str, Any]]:
     messages = parse.field(body, "messages", "array", required=True)
     if not messages:
         raise ApiError(400, "'messages' must not be empty", param="messages")
@@ -47,7 +144,12 @@ def chat_messages(body: dict) -> list[dict[str, str]]:
             raise ApiError(400, f"messages[{i}].role must be one of {', '.join(ROLES)}, got {role!r}", param="messages")
         content = m.get("content")
         text = "" if content is None and role == "assistant" else parse.text_content(content, f"messages[{i}].content")
-        out.append({"role": ROLES[role], "content": text})
+        message: dict[str, Any] = {"role": ROLES[role], "content": text}
+        if role == "assistant" and m.get("tool_calls"):
+            message["tool_calls"] = _assistant_calls(m["tool_calls"], i)
+        if role == "tool":
+            message["tool_call_id"] = m.get("tool_call_id", "")
+        out.append(message)
     return out
 
 
@@ -62,42 +164,73 @@ def _finish(reason: str) -> str:
     return "length" if reason == "length" else "stop"
 
 
-async def _start(http: HttpRequest, body: dict, **prompt: Any) -> tuple[Generation, bool, bool]:
+async def _start(http: HttpRequest, body: dict, grammar: str | None = None, **request: Any
+                 ) -> tuple[Generation, bool, bool]:
+    """`grammar`: a forced tool call's, which a response_format may not also constrain."""
     _unsupported(body)
+    if grammar is not None and response_grammar(body) is not None:
+        raise ApiError(400, "a forced tool call ('tool_choice' required or a function) and a JSON 'response_format' "
+                       "cannot both constrain one reply", param="tool_choice", code="invalid_value")
     stream = parse.field(body, "stream", "bool", False)
     options = parse.field(body, "stream_options", "object", {})
     include_usage = parse.field(options, "include_usage", "bool", False)
     gen = await Generation.start(
         http.app.state.worker, max_tokens=parse.max_tokens(body, ("max_completion_tokens", "max_tokens")),
-        sampling=parse.sampling(body, max_temperature=2.0), stops=parse.stops(body, "stop"), **prompt)
+        sampling=parse.sampling(body, max_temperature=2.0), stops=parse.stops(body, "stop"),
+        grammar=grammar or response_grammar(body), **request)
     return gen, stream, include_usage
 
 
 async def chat_completions(http: HttpRequest) -> Response:
     body = await parse.read_json(http)
-    gen, stream, include_usage = await _start(http, body, messages=chat_messages(body))
+    messages, use = chat_messages(body), openai_tool_use(body)
+    grammar = None
+    if use is not None:
+        tokenizer = ready_engine(http.app.state.worker).tokenizer
+        check_template(tokenizer)
+        grammar = call_grammar(use, tokenizer) if use.forced else None
+    gen, stream, include_usage = await _start(
+        http, body, grammar, messages=messages, logprobs=chat_logprobs(body),
+        tools=None if use is None else [t.for_template() for t in use.tools])
     head = {"id": f"chatcmpl-{uuid.uuid4().hex[:24]}", "created": int(time.time()), "model": http.app.state.model_id}
+    tokenizer = http.app.state.worker.engine.tokenizer
     if not stream:
         out: Outcome = await gen.collect(http)
+        text, calls = (out.text, []) if use is None else parse_calls(out.text, use)
+        message: dict[str, Any] = {"role": "assistant", "content": text or None if calls else text}
+        if calls:
+            message["tool_calls"] = [{"id": c.id, "type": "function", "function": {
+                "name": c.name, "arguments": json.dumps(c.arguments, ensure_ascii=False)}} for c in calls]
         return JSONResponse({**head, "object": "chat.completion", "system_fingerprint": None, "choices": [
-            {"index": 0, "message": {"role": "assistant", "content": out.text}, "logprobs": None,
-             "finish_reason": _finish(out.done.finish_reason)}], "usage": usage(out.done)})
+            {"index": 0, "message": message, "logprobs": chat_logprob_content(tokenizer, out.tokens),
+             "finish_reason": "tool_calls" if calls else _finish(out.done.finish_reason)}], "usage": usage(out.done)})
     await gen.wait_first(http)
     extra = {"usage": None} if include_usage else {}
+    calls_filter = CallFilter(use) if use is not None else None
 
-    def chunk(delta: dict, finish: str | None = None) -> str:
+    def chunk(delta: dict, finish: str | None = None, logprobs: dict | None = None) -> str:
         return sse({**head, "object": "chat.completion.chunk", "choices": [
-            {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}], **extra})
+            {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}], **extra})
 
     async def events():
         yield chunk({"role": "assistant", "content": ""})
         try:
             async for event in gen.events():
                 if not is_done(event):
-                    if event.text:
-                        yield chunk({"content": event.text})
+                    logprobs = chat_logprob_content(tokenizer, [event])
+                    text = calls_filter.feed(event.text) if calls_filter else event.text
+                    if text or logprobs:
+                        yield chunk({"content": text}, logprobs=logprobs)
                     continue
-                yield chunk({}, _finish(event.finish_reason))
+                tail, calls = calls_filter.finish() if calls_filter else ("", [])
+                if tail:
+                    yield chunk({"content": tail})
+                for i, c in enumerate(calls):  # the name first, then the arguments, as OpenAI streams them
+                    yield chunk({"tool_calls": [{"index": i, "id": c.id, "type": "function",
+                                                 "function": {"name": c.name, "arguments": ""}}]})
+                    yield chunk({"tool_calls": [{"index": i, "function": {
+                        "arguments": json.dumps(c.arguments, ensure_ascii=False)}}]})
+                yield chunk({}, "tool_calls" if calls else _finish(event.finish_reason))
                 if include_usage:
                     yield sse({**head, "object": "chat.completion.chunk", "choices": [], "usage": usage(event)})
             yield "data: [DONE]\n\n"
@@ -121,23 +254,29 @@ async def completions(http: HttpRequest) -> Response:
     body = await parse.read_json(http)
     if body.get("echo") or body.get("suffix"):
         raise ApiError(400, "'echo' and 'suffix' are not supported", code="unsupported_parameter")
-    gen, stream, include_usage = await _start(http, body, prompt=_prompt(body), param="prompt")
+    gen, stream, include_usage = await _start(http, body, prompt=_prompt(body), param="prompt",
+                                              logprobs=completion_logprobs(body))
     head = {"id": f"cmpl-{uuid.uuid4().hex[:24]}", "object": "text_completion", "created": int(time.time()),
             "model": http.app.state.model_id}
+    tokenizer = http.app.state.worker.engine.tokenizer
     if not stream:
         out = await gen.collect(http)
-        return JSONResponse({**head, "choices": [{"index": 0, "text": out.text, "logprobs": None,
+        return JSONResponse({**head, "choices": [{"index": 0, "text": out.text,
+                                                  "logprobs": completion_logprob_content(tokenizer, out.tokens, 0),
                                                   "finish_reason": _finish(out.done.finish_reason)}],
                              "usage": usage(out.done)})
     await gen.wait_first(http)
 
     async def events():
+        offset = 0
         try:
             async for event in gen.events():
                 text, finish = ("", _finish(event.finish_reason)) if is_done(event) else (event.text, None)
-                if text or finish:
-                    yield sse({**head, "choices": [{"index": 0, "text": text, "logprobs": None,
+                logprobs = None if finish else completion_logprob_content(tokenizer, [event], offset)
+                if text or finish or logprobs:
+                    yield sse({**head, "choices": [{"index": 0, "text": text, "logprobs": logprobs,
                                                     "finish_reason": finish}]})
+                offset += len(text)
                 if finish and include_usage:
                     yield sse({**head, "choices": [], "usage": usage(event)})
             yield "data: [DONE]\n\n"

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Callable
 
 from engine.config import Config
-from engine.errors import UserError
+from engine.errors import UserError, printable
 from engine.server.loader import Loaded, Progress, load_engine
 
 log = logging.getLogger("moestudio.server")
@@ -80,12 +80,13 @@ class EngineWorker:
         return job
 
     def health(self) -> dict[str, Any]:
+        model = printable(self.cfg.model)
         h: dict[str, Any] = {"status": self.status, "progress": round(100 * self.progress), "stage": self.stage,
                              "engine": self.loaded.kind if self.loaded else None,
                              "engine_reason": self.loaded.reason if self.loaded else None,
                              "n_ctx": self.loaded.engine.n_ctx if self.loaded else None,  # the context in use
-                             "model": self.cfg.model, "queue": {"running": self.running, "waiting": self.waiting},
-                             "settings": self.cfg.public()}
+                             "model": model, "queue": {"running": self.running, "waiting": self.waiting},
+                             "settings": {**self.cfg.public(), "model": model}}
         if self.error:
             h["error"] = self.error
         return h

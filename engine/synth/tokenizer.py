@@ -1,7 +1,7 @@
 """The factory's tokenizer: a GPT-2 style byte-level BPE stored in engine/synth/data.
 
 It is written into each synthetic GGUF as `tokenizer.ggml.*` so llama.cpp tokenizes real text
-into a realistic stream (about 4 characters per token on English prose), plus a ChatML template.
+into a realistic stream (about 4 characters per token on English prose), plus a ChatML template with Hermes-style tools.
 """
 from __future__ import annotations
 
@@ -14,9 +14,35 @@ import gguf
 VOCAB_SIZE = 2048
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 
+# ChatML, with Hermes-style tools as Qwen2.5/Qwen3 templates render them: the tool signatures in
+# the system turn, calls as <tool_call> JSON in the assistant turn, results as <tool_response> in a
+# user turn. Without tools and tool messages the text is plain ChatML.
 CHAT_TEMPLATE = (
+    "{% if tools %}"
+    "{{ '<|im_start|>system\n' }}"
+    "{% if messages[0]['role'] == 'system' %}{{ messages[0]['content'] + '\n\n' }}{% endif %}"
+    "{{ '# Tools\n\nYou may call one or more functions to assist with the user query.\n\n'"
+    " 'You are provided with function signatures within <tools></tools> XML tags:\n<tools>' }}"
+    "{% for tool in tools %}{{ '\n' + (tool | tojson) }}{% endfor %}"
+    "{{ '\n</tools>\n\nFor each function call, return a json object with function name and arguments '"
+    " 'within <tool_call></tool_call> XML tags:\n<tool_call>\n{\"name\": <function-name>, '"
+    " '\"arguments\": <args-json-object>}\n</tool_call><|im_end|>\n' }}"
+    "{% endif %}"
     "{% for message in messages %}"
+    "{% if tools and loop.first and message['role'] == 'system' %}"
+    "{% elif message['role'] == 'tool' %}"
+    "{{ '<|im_start|>user\n<tool_response>\n' + message['content'] + '\n</tool_response><|im_end|>\n' }}"
+    "{% elif message['role'] == 'assistant' and message.get('tool_calls') %}"
+    "{{ '<|im_start|>assistant\n' + (message['content'] or '') }}"
+    "{% for call in message['tool_calls'] %}"
+    "{% set f = call['function'] if call['function'] is defined else call %}"
+    "{% if not loop.first or message['content'] %}{{ '\n' }}{% endif %}"
+    "{{ '<tool_call>\n{\"name\": \"' + f['name'] + '\", \"arguments\": ' }}"
+    "{{ f['arguments'] if f['arguments'] is string else (f['arguments'] | tojson) }}{{ '}\n</tool_call>' }}"
+    "{% endfor %}{{ '<|im_end|>\n' }}"
+    "{% else %}"
     "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endif %}"
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )

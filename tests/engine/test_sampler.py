@@ -210,3 +210,25 @@ def test_matches_llama_cpp_chain(params):
     assert torch.equal(ours > 0, ref > 0)
     assert torch.allclose(ours, ref, atol=1e-6)
     assert len(candidates(logits, history, params)[0]) == int((ref > 0).sum())
+
+
+def test_a_grammar_mask_leaves_only_the_allowed_tokens():
+    logits = torch.randn(50, generator=torch.Generator().manual_seed(1))
+    allowed = torch.zeros(50, dtype=torch.bool)
+    allowed[[3, 17, 40]] = True
+    best = max((3, 17, 40), key=lambda t: float(logits[t]))
+    assert Sampler(SamplingParams(temperature=0.0), 50).sample(logits, [], allowed) == best
+    sampler = Sampler(SamplingParams(temperature=2.0, seed=5), 50)
+    assert {sampler.sample(logits, [], allowed) for _ in range(200)} == {3, 17, 40}
+
+
+def test_token_logprobs_are_the_raw_log_softmax():
+    from engine.layers.sampler import token_logprobs
+
+    logits = torch.randn(50, generator=torch.Generator().manual_seed(2))
+    expected = torch.log_softmax(logits, 0)
+    logprob, top = token_logprobs(logits, 7, 3)
+    assert logprob == pytest.approx(float(expected[7]))
+    assert [t for t, _ in top] == torch.topk(expected, 3).indices.tolist()
+    assert [lp for _, lp in top] == pytest.approx(torch.topk(expected, 3).values.tolist())
+    assert token_logprobs(logits, 7, 0)[1] == ()

@@ -1,5 +1,5 @@
-"""API keys: every route but /health needs the key, the key is never logged or echoed, a server
-without a key stays on loopback, and keys on disk are this user's only.
+"""API keys: every route but /health needs the key (/health without it says only the status), the key
+is never logged or echoed, a server without a key stays on loopback, and keys on disk are this user's only.
 
 The routes are enumerated from the Starlette app `moestudio serve` builds, so a route added later
 is checked here without anyone remembering to list it. The client-level checks (the official
@@ -29,7 +29,8 @@ WRONG_KEYS = ("wrong", "x" + KEY, KEY + "x", KEY[:-1])  # near misses must fail 
 USER = [{"role": "user", "content": "Hi"}]
 BODIES = {"/v1/chat/completions": {"messages": USER, "max_tokens": 2},
           "/v1/completions": {"prompt": "Hi", "max_tokens": 2},
-          "/v1/messages": {"messages": USER, "max_tokens": 2}}
+          "/v1/messages": {"messages": USER, "max_tokens": 2},
+          "/v1/messages/count_tokens": {"messages": USER}}
 
 
 @pytest.fixture(scope="module")
@@ -86,10 +87,14 @@ def test_every_route_but_health_needs_the_key(keyed, routes):
                 assert status != 401, (method, path, headers, status)
 
 
-def test_health_is_open_and_does_not_show_the_key(keyed):
-    status, health = keyed.request("GET", "/health")
-    assert status == 200 and health["status"] == "ok"
-    assert health["settings"]["api_key"] == "***" and KEY not in json.dumps(health)
+def test_health_without_the_key_says_only_the_status(keyed):
+    """Anyone who reaches the port learns whether the server is up, not the model path or the settings."""
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"x-api-key": KEY[:-1]}):
+        assert keyed.request("GET", "/health", headers=headers) == (200, {"status": "ok"}), headers
+    for headers in ({"Authorization": f"Bearer {KEY}"}, {"x-api-key": KEY}):
+        status, health = keyed.request("GET", "/health", headers=headers)
+        assert status == 200 and health["status"] == "ok" and health["model"] and health["engine"] == "hybrid"
+        assert health["settings"]["api_key"] == "***" and KEY not in json.dumps(health)
 
 
 def test_refusals_do_not_echo_the_key(keyed):

@@ -76,13 +76,11 @@ def test_cpu_moe_overrides_reach_llama_cpp(tiny_model):
         open_llama_with(tiny_model, overrides=table, n_ctx=256)
 
 
-def test_a_model_that_cannot_load_is_reported_not_crashed(serve, iq4_model):
-    s = serve(iq4_model, "--engine", "hybrid")
-    status, health = s.request("GET", "/health")
-    assert status == 503 and health["status"] == "error" and "IQ4_NL" in health["error"]
-    with pytest.raises(openai.InternalServerError) as e:
-        chat(s.url)
-    assert e.value.status_code == 503 and "failed to load" in e.value.body["message"]
+def test_the_hybrid_engine_on_a_model_it_cannot_run_is_refused_before_listening(run_cli, iq4_model):
+    r = run_cli("serve", str(iq4_model), "--engine", "hybrid", "--port", "0")
+    assert r.returncode == 2 and "serving" not in r.stderr
+    assert r.stderr.strip() == ("moestudio: error: quantization type(s) IQ4_NL are not supported by the MoE Studio "
+                                "engine; use --engine llamacpp or auto")
 
 
 def test_auto_checks_a_file_once_and_falls_back_where_the_engine_does_not_match(serve, make_model):

@@ -71,7 +71,8 @@ def read_stats_stream(server, seconds: float) -> list[tuple[float, dict]]:
 def test_stats_stream_rate_busy_and_idle(server, client):
     idle = read_stats_stream(server, 2.5)
     assert 2 <= len(idle) <= 4  # about one a second
-    stream = client.chat.completions.create(model="m", messages=USER, max_tokens=400, temperature=0, stream=True)
+    # 1000 tokens take seconds even on a fast machine: the generation outlasts the 1.2 s window
+    stream = client.chat.completions.create(model="m", messages=USER, max_tokens=1000, temperature=0, stream=True)
     next(iter(stream))  # generating now
     busy = read_stats_stream(server, 1.2)
     assert server.request("GET", "/health")[1]["queue"]["running"] == 1, "the generation ended before the window"
