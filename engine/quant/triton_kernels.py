@@ -606,6 +606,103 @@ if triton is not None:
             y = y * tl.load(wt_ptr + tok * wt_stride_tok + pos)
         tl.store(out_ptr + pos * out_stride_pos + tok * out_stride_tok + rows, y, mask=live)
 
+    # ---------------------------------------------------------------- dense products
+
+    @triton.jit
+    def _dense_rows(acc, t: tl.constexpr, ROWS: tl.constexpr, a, b, cc, dd, xr_ptr, xq_ptr, xd_ptr, ks,
+                    K: tl.constexpr, BLOCK_N: tl.constexpr, QW: tl.constexpr, INTERP: tl.constexpr,
+                    REV: tl.constexpr):
+        """acc of activation row t += this K step, where the launch has more than t rows."""
+        if t < ROWS:
+            KP: tl.constexpr = (K + 255) // 256 * 256
+            acc = _use_w(acc, a, b, cc, dd, xr_ptr + t * KP, xq_ptr + t * KP, xd_ptr + t * (KP // 32), ks, K,
+                         BLOCK_N, QW, INTERP, REV)
+        return acc
+
+    @triton.jit
+    def _dense_out(acc, t: tl.constexpr, ROWS: tl.constexpr, dst, N, rows, live):
+        """Stores row t's sums for the block's weight rows at dst + t * N + rows."""
+        if t < ROWS:
+            tl.store(dst + t * N + rows, _reduce_acc(acc), mask=live)
+
+    @triton.jit
+    def _dense_kernel(xr_ptr, xq_ptr, xd_ptr, w_ptr, w_row_bytes, part_ptr, out_ptr, count_ptr, N,
+                      K: tl.constexpr, QW: tl.constexpr, ROWS: tl.constexpr, SPLIT: tl.constexpr,
+                      STEPS: tl.constexpr, BLOCK_N: tl.constexpr, INTERP: tl.constexpr, REV: tl.constexpr):
+        """Grid (N / BLOCK_N, SPLIT): out [ROWS, N] = rounded x [ROWS, K] . W [N, K] (GGUF rows
+        of w_row_bytes). Program (nb, s) takes weight rows nb * BLOCK_N ... and K steps
+        s * STEPS ... (s + 1) * STEPS, and multiplies each step's decoded bytes with all ROWS
+        activation rows (the weights are read once whatever the rows). With SPLIT > 1 it stores
+        its partial sums in part [SPLIT, ROWS, N]; the last program of a row block to finish
+        (a semaphore per row block, reset by that program) adds the SPLIT partials in split
+        order, so the result does not depend on which program finishes last."""
+        nb = tl.program_id(0)
+        s = tl.program_id(1)
+        r4 = tl.arange(0, BLOCK_N)[None, :, None, None, None]
+        rows_c = tl.minimum(nb * BLOCK_N + r4, N - 1).to(tl.int64)  # loads stay in bounds; stores are masked
+        w_rows = w_ptr + rows_c * w_row_bytes
+        NS: tl.constexpr = (K + 255) // 256
+        k0 = s * STEPS
+        k1 = tl.minimum(k0 + STEPS, NS)
+        acc0 = _zero_acc(BLOCK_N, QW)
+        acc1 = _zero_acc(BLOCK_N, QW)
+        acc2 = _zero_acc(BLOCK_N, QW)
+        acc3 = _zero_acc(BLOCK_N, QW)
+        acc4 = _zero_acc(BLOCK_N, QW)
+        acc5 = _zero_acc(BLOCK_N, QW)
+        acc6 = _zero_acc(BLOCK_N, QW)
+        acc7 = _zero_acc(BLOCK_N, QW)
+        # The next step's bytes are loaded while this one is computed (register double
+        # buffering), except for 16-bit weights, whose step already fills 64 registers a lane.
+        PREFETCH: tl.constexpr = QW != _F16 and QW != _BF16
+        if PREFETCH:
+            a, b, cc, dd = _load_w(w_rows, k0, K, BLOCK_N, QW, REV)
+        for ks in range(k0, k1):
+            if PREFETCH:
+                na, nb2, nc, nd = _load_w(w_rows, tl.minimum(ks + 1, k1 - 1), K, BLOCK_N, QW, REV)
+            else:
+                a, b, cc, dd = _load_w(w_rows, ks, K, BLOCK_N, QW, REV)
+            acc0 = _dense_rows(acc0, 0, ROWS, a, b, cc, dd, xr_ptr, xq_ptr, xd_ptr, ks, K, BLOCK_N, QW, INTERP, REV)
+            acc1 = _dense_rows(acc1, 1, ROWS, a, b, cc, dd, xr_ptr, xq_ptr, xd_ptr, ks, K, BLOCK_N, QW, INTERP, REV)
+            acc2 = _dense_rows(acc2, 2, ROWS, a, b, cc, dd, xr_ptr, xq_ptr, xd_ptr, ks, K, BLOCK_N, QW, INTERP, REV)
+            acc3 = _dense_rows(acc3, 3, ROWS, a, b, cc, dd, xr_ptr, xq_ptr, xd_ptr, ks, K, BLOCK_N, QW, INTERP, REV)
+            acc4 = _dense_rows(acc4, 4, ROWS, a, b, cc, dd, xr_ptr, xq_ptr, xd_ptr, ks, K, BLOCK_N, QW, INTERP, REV)
+            acc5 = _dense_rows(acc5, 5, ROWS, a, b, cc, dd, xr_ptr, xq_ptr, xd_ptr, ks, K, BLOCK_N, QW, INTERP, REV)
+            acc6 = _dense_rows(acc6, 6, ROWS, a, b, cc, dd, xr_ptr, xq_ptr, xd_ptr, ks, K, BLOCK_N, QW, INTERP, REV)
+            acc7 = _dense_rows(acc7, 7, ROWS, a, b, cc, dd, xr_ptr, xq_ptr, xd_ptr, ks, K, BLOCK_N, QW, INTERP, REV)
+            if PREFETCH:
+                a, b, cc, dd = na, nb2, nc, nd
+        rows = nb * BLOCK_N + tl.arange(0, BLOCK_N)
+        live = rows < N
+        if SPLIT == 1:
+            dst = out_ptr
+        else:
+            dst = part_ptr + s.to(tl.int64) * (ROWS * N)
+        _dense_out(acc0, 0, ROWS, dst, N, rows, live)
+        _dense_out(acc1, 1, ROWS, dst, N, rows, live)
+        _dense_out(acc2, 2, ROWS, dst, N, rows, live)
+        _dense_out(acc3, 3, ROWS, dst, N, rows, live)
+        _dense_out(acc4, 4, ROWS, dst, N, rows, live)
+        _dense_out(acc5, 5, ROWS, dst, N, rows, live)
+        _dense_out(acc6, 6, ROWS, dst, N, rows, live)
+        _dense_out(acc7, 7, ROWS, dst, N, rows, live)
+        if SPLIT > 1:
+            # The split-K semaphore, as in _gate_up_kernel: every thread fences its stores,
+            # the CTA syncs, one atomic counts; the last program reads the partials from L2.
+            if not INTERP:
+                tl.inline_asm_elementwise("fence.acq_rel.gpu;\n\tmov.u32 $0, $1;", "=r,r", [rows], dtype=tl.int32,
+                                          is_pure=False, pack=1)
+            tl.debug_barrier()
+            done = tl.atomic_add(count_ptr + nb, 1, sem="acq_rel", scope="gpu")
+            if done == SPLIT - 1:
+                tl.store(count_ptr + nb, 0)
+                for t in tl.static_range(0, ROWS):
+                    y = tl.load(part_ptr + t * N + rows, mask=live, other=0.0, cache_modifier=".cg")
+                    for j in tl.static_range(1, SPLIT):
+                        y += tl.load(part_ptr + (j * ROWS + t) * N + rows, mask=live, other=0.0,
+                                     cache_modifier=".cg")
+                    tl.store(out_ptr + t * N + rows, y, mask=live)
+
 
     @triton.jit
     def _order_probe_kernel(ptr):
@@ -797,24 +894,63 @@ def dense_supported(qtype: QT) -> bool:
     return triton is not None and qtype in KERNEL_TYPES
 
 
+# Dense products of up to DENSE_MAX_ROWS rows (attention projections, output head, shared
+# experts, dense FFNs at decode): one weight row per lane pair as in the expert kernels, each
+# program a block of weight rows times a slice of the K steps (split-K), so that a one-row
+# product of few output rows still puts work on every SM.
+DENSE_MAX_ROWS = 8  # activation rows one launch multiplies (the kernel's accumulators)
+DENSE_CONFIG: dict[QT, TileConfig] = {t: TileConfig(32, 2) for t in KERNEL_TYPES}
+DENSE_PROGRAMS_PER_SM = 4  # programs wanted per SM: enough loads in flight to cover HBM latency
+
+
+@dataclass(frozen=True)
+class DenseSplit:
+    split: int  # programs along K per block of weight rows
+    steps: int  # K steps (of 256) per program
+
+    @classmethod
+    def choose(cls, n_out: int, K: int, sm_count: int, block_n: int) -> "DenseSplit":
+        """The fewest K slices that give about DENSE_PROGRAMS_PER_SM programs per SM, at least
+        one K step each: a wide product (an output head) is not split and needs no reduction;
+        a 4096 x 2048 projection on 132 SMs takes 4 slices of 2 steps (512 programs); a
+        512-row k/v projection one step per program (8 slices)."""
+        n_steps = -(-K // KSTEP)
+        blocks = -(-n_out // block_n)
+        wanted = -(-DENSE_PROGRAMS_PER_SM * sm_count // blocks)
+        steps = -(-n_steps // max(1, min(wanted, n_steps)))
+        return cls(-(-n_steps // steps), steps)
+
+
 @functools.lru_cache(maxsize=None)
-def _dense_pairs(rows: int, device: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """Pair tables for a dense product: pair p is row p (tok p, top-k position 0, slot 0)."""
-    return (torch.arange(rows, dtype=torch.int32, device=device),
-            torch.zeros(rows, dtype=torch.int32, device=device))
+def sm_count(device: str) -> int:
+    """Streaming multiprocessors of a CUDA device (1 elsewhere: the interpreter runs programs
+    one after another, so splitting K there only adds work)."""
+    dev = torch.device(device)
+    return torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 1
 
 
-def dense(x: torch.Tensor, raw: torch.Tensor, qtype: QT, n_out: int) -> torch.Tensor:
-    """round(x) @ W.T for x [T, K] float32 and a dense weight W [n_out, K] kept as its GGUF rows
-    raw [1, n_out, row_bytes]: the down kernel with one slot and one pair per row."""
+def dense(x: torch.Tensor, raw: torch.Tensor, qtype: QT, n_out: int, cfg: TileConfig | None = None,
+          split: DenseSplit | None = None) -> torch.Tensor:
+    """round(x) @ W.T for x [T, K] float32 (T <= DENSE_MAX_ROWS, rows contiguous) and a dense
+    weight W [n_out, K] kept as its GGUF rows raw [1, n_out, row_bytes]: two launches (round x;
+    the split-K product). `split` defaults to DenseSplit.choose for this device."""
     T, K = x.shape
-    out = torch.empty((1, T, n_out), dtype=torch.float32, device=x.device)
-    hr = round_rows(x, qtype)
-    tok, zero = _dense_pairs(T, str(x.device))
-    cfg = DOWN_CONFIG[qtype]
-    _down_kernel[(T, triton.cdiv(n_out, cfg.block_n))](
-        hr.padded, hr.quants, hr.scales, raw, raw.stride(0), raw.stride(1), hr.padded, hr.padded, 0,
-        out, out.stride(0), out.stride(1), tok, zero, zero, zero, n_out,
-        K=K, QD=int(qtype), HAS_BIAS=False, WEIGHTED=False, BLOCK_N=cfg.block_n, UNROLL=cfg.unroll,
+    if T > DENSE_MAX_ROWS:
+        raise ValueError(f"dense takes at most {DENSE_MAX_ROWS} rows, got {T}: use dequantize + matmul")
+    out = torch.empty((T, n_out), dtype=torch.float32, device=x.device)
+    if T == 0:
+        return out
+    cfg = cfg or DENSE_CONFIG[qtype]
+    split = split or DenseSplit.choose(n_out, K, sm_count(str(x.device)), cfg.block_n)
+    xr = round_rows(x, qtype)
+    blocks = triton.cdiv(n_out, cfg.block_n)
+    if split.split > 1:
+        part = torch.empty((split.split, T, n_out), dtype=torch.float32, device=x.device)
+        count = _counter(x.device, blocks)
+    else:
+        part, count = out, _counter(x.device, 1)
+    _dense_kernel[(blocks, split.split)](
+        xr.padded, xr.quants, xr.scales, raw, raw.stride(1), part, out, count, n_out,
+        K=K, QW=int(qtype), ROWS=T, SPLIT=split.split, STEPS=split.steps, BLOCK_N=cfg.block_n,
         INTERP=INTERPRETED, REV=reversed_ties(), **_launch_opts(cfg))
-    return out[0]
+    return out
