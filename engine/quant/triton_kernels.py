@@ -745,7 +745,7 @@ class TileConfig:
 # warp (see "weight tiles"), so BLOCK_N = 16 x num_warps gives each lane pair one row; 2 warps
 # and 32 rows keep enough programs for decode (Qwen3-30B: 8 pairs x 24 of them for gate/up).
 # BLOCK_N = 32 x num_warps gives a lane two rows (more loads in flight per lane).
-# scripts/bench_kernels.py sweeps alternatives on the device.
+# `moestudio bench kernels --sweep` times alternatives on the device.
 GATE_UP_CONFIG: dict[QT, TileConfig] = {t: TileConfig(32, 2) for t in KERNEL_TYPES}
 DOWN_CONFIG: dict[QT, TileConfig] = {t: TileConfig(32, 2) for t in KERNEL_TYPES}
 
@@ -909,14 +909,15 @@ class DenseSplit:
     steps: int  # K steps (of 256) per program
 
     @classmethod
-    def choose(cls, n_out: int, K: int, sm_count: int, block_n: int) -> "DenseSplit":
-        """The fewest K slices that give about DENSE_PROGRAMS_PER_SM programs per SM, at least
+    def choose(cls, n_out: int, K: int, sm_count: int, block_n: int,
+               programs_per_sm: int = DENSE_PROGRAMS_PER_SM) -> "DenseSplit":
+        """The fewest K slices that give about `programs_per_sm` programs per SM, at least
         one K step each: a wide product (an output head) is not split and needs no reduction;
         a 4096 x 2048 projection on 132 SMs takes 4 slices of 2 steps (512 programs); a
         512-row k/v projection one step per program (8 slices)."""
         n_steps = -(-K // KSTEP)
         blocks = -(-n_out // block_n)
-        wanted = -(-DENSE_PROGRAMS_PER_SM * sm_count // blocks)
+        wanted = -(-programs_per_sm * sm_count // blocks)
         steps = -(-n_steps // max(1, min(wanted, n_steps)))
         return cls(-(-n_steps // steps), steps)
 
