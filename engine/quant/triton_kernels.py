@@ -476,6 +476,99 @@ if triton is not None:
             acc += _runsum(w * _ld(x0 + k, REV))
         return acc
 
+    # Q8_0 rows whose K steps are 16-aligned (K a multiple of 256: a step is 8 blocks, 272
+    # bytes): a lane reads its 4 blocks (4p ... 4p + 3, from byte 136p of the step) as nine
+    # 16-byte loads from byte 128p, instead of a block's quants two bytes at a time. Its 36
+    # words hold the blocks from byte 8p on; the words of a block (its scale, its quants, two
+    # bytes off a word boundary in even blocks) are picked at compile-time positions for
+    # either p, then chosen by p (a select per word).
+
+    @triton.jit
+    def _q8a_axes(BLOCK_N: tl.constexpr):
+        """Index tensors of the tile [2 (p), BLOCK_N (r), 8 (c), 1, 4 (e)]: word 4c + e."""
+        p = tl.arange(0, 2)[:, None, None, None, None]
+        r = tl.arange(0, BLOCK_N)[None, :, None, None, None]
+        c = tl.arange(0, 8)[None, None, :, None, None]
+        e = tl.arange(0, 4)[None, None, None, None, :]
+        return p, r, c, e
+
+    @triton.jit
+    def _load_q8a(rows, ks, BLOCK_N: tl.constexpr, REV: tl.constexpr):
+        """Lane p's 144 bytes from byte 128p of K step ks: words 0..31 (a) and 32..35 (b, the
+        same on every c)."""
+        p, r, c, e = _q8a_axes(BLOCK_N)
+        base = (rows + ks * 272 + p * 128).to(tl.pointer_type(tl.int32))
+        a = _ld(base + c * 4 + e, REV)
+        b = _ld(base + 32 + e + c * 0, REV)
+        return a, b
+
+    @triton.jit
+    def _lane_sum(v):
+        return tl.sum(tl.sum(tl.sum(v, axis=4), axis=3), axis=2)
+
+    @triton.jit
+    def _q8a_word(a, b, c, e, i: tl.constexpr):
+        """Word i (compile-time) of a lane's 36, for every (p, r): a register read."""
+        if i < 32:
+            v = _lane_sum(tl.where((c == i // 4) & (e == i % 4), a, 0))
+        else:
+            v = _lane_sum(tl.where((c == 0) & (e == i - 32), b, 0))
+        return v
+
+    @triton.jit
+    def _q8a_block_word(a, b, c, e, p2, i: tl.constexpr):
+        """Word i counted from the lane's first block (byte 8p of its words)."""
+        return tl.where(p2 == 0, _q8a_word(a, b, c, e, i), _q8a_word(a, b, c, e, i + 2))
+
+    @triton.jit
+    def _use_q8a(acc, a, b, xq_row, xd_row, ks, BLOCK_N: tl.constexpr, INTERP: tl.constexpr, REV: tl.constexpr):
+        """acc += K step ks of the rows (a, b from _load_q8a) dotted with the activation's Q8_0
+        quants and scales, block by block: (d_w * d_x) * sum(q_w * q_x), as _use_w does."""
+        p, r, c, e = _q8a_axes(BLOCK_N)
+        z = r * 0
+        # The activation's quants of the lane's 4 blocks (word 4c + e: block c // 2) and scales.
+        xw = _ld(xq_row.to(tl.pointer_type(tl.int32)) + ks * 64 + p * 32 + c * 4 + e + z, REV)
+        xd = _ld(xd_row + ks * 8 + p * 4 + e + c * 0 + z, REV)
+        p2 = tl.arange(0, 2)[:, None]
+        total = tl.zeros((2, BLOCK_N), tl.float32)
+        for j in tl.static_range(4):
+            w0 = 34 * j // 4  # the word holding the block's scale (compile-time)
+            dw = _f16_bits((_q8a_block_word(a, b, c, e, p2, w0) >> (16 * (j % 2))) & 0xFFFF)
+            dx = _lane_sum(tl.where((c == 0) & (e == j), xd, 0.0))
+            s = tl.zeros((2, BLOCK_N), tl.int32)
+            for k in tl.static_range(8):
+                if j % 2 == 0:  # quants from byte 2 of word w0 on
+                    q = ((_q8a_block_word(a, b, c, e, p2, w0 + k) >> 16) & 0xFFFF) \
+                        | (_q8a_block_word(a, b, c, e, p2, w0 + k + 1) << 16)
+                else:
+                    q = _q8a_block_word(a, b, c, e, p2, w0 + 1 + k)
+                x = _lane_sum(tl.where((c == 2 * j + k // 4) & (e == k % 4), xw, 0))
+                s += _dp4a(q, x, INTERP, True)
+            total += (dw * dx) * s.to(tl.float32)
+        return acc + tl.where(tl.arange(0, 4)[None, None, :] == 0, total[:, :, None], 0.0)
+
+    @triton.jit
+    def _load_step(rows, ks, K: tl.constexpr, BLOCK_N: tl.constexpr, QT: tl.constexpr, REV: tl.constexpr):
+        """What the weight loops load: _load_w, or for Q8_0 rows of whole K steps _load_q8a
+        (unused results repeat a)."""
+        if QT == _Q8_0 and K % 256 == 0:
+            a, b = _load_q8a(rows, ks, BLOCK_N, REV)
+            cc = a
+            dd = a
+        else:
+            a, b, cc, dd = _load_w(rows, ks, K, BLOCK_N, QT, REV)
+        return a, b, cc, dd
+
+    @triton.jit
+    def _use_step(acc, a, b, cc, dd, x_row, xq_row, xd_row, ks, K: tl.constexpr, BLOCK_N: tl.constexpr,
+                  QT: tl.constexpr, INTERP: tl.constexpr, REV: tl.constexpr):
+        """The product of what _load_step loaded: _use_w or _use_q8a."""
+        if QT == _Q8_0 and K % 256 == 0:
+            acc = _use_q8a(acc, a, b, xq_row, xd_row, ks, BLOCK_N, INTERP, REV)
+        else:
+            acc = _use_w(acc, a, b, cc, dd, x_row, xq_row, xd_row, ks, K, BLOCK_N, QT, INTERP, REV)
+        return acc
+
     # ---------------------------------------------------------------- the two kernels
 
     @triton.jit
@@ -512,26 +605,26 @@ if triton is not None:
         acc_u = _zero_acc(BLOCK_N, QU)
         if UNROLL:
             for ks in tl.static_range(0, NS):
-                ga, gb, gc, gd = _load_w(g_rows, ks, K, BLOCK_N, QG, REV)
-                ua, ub, uc, ud = _load_w(u_rows, ks, K, BLOCK_N, QU, REV)
-                acc_g = _use_w(acc_g, ga, gb, gc, gd, xg_row, xgq_row, xgd_row, ks, K, BLOCK_N, QG, INTERP, REV)
-                acc_u = _use_w(acc_u, ua, ub, uc, ud, xu_row, xuq_row, xud_row, ks, K, BLOCK_N, QU, INTERP, REV)
+                ga, gb, gc, gd = _load_step(g_rows, ks, K, BLOCK_N, QG, REV)
+                ua, ub, uc, ud = _load_step(u_rows, ks, K, BLOCK_N, QU, REV)
+                acc_g = _use_step(acc_g, ga, gb, gc, gd, xg_row, xgq_row, xgd_row, ks, K, BLOCK_N, QG, INTERP, REV)
+                acc_u = _use_step(acc_u, ua, ub, uc, ud, xu_row, xuq_row, xud_row, ks, K, BLOCK_N, QU, INTERP, REV)
         elif QG == _F16 or QG == _BF16 or QU == _F16 or QU == _BF16:
             # 16-bit weights: a lane's bytes of a step fill 64 registers a matrix; no second set
             for ks in range(0, NS):
-                ga, gb, gc, gd = _load_w(g_rows, ks, K, BLOCK_N, QG, REV)
-                ua, ub, uc, ud = _load_w(u_rows, ks, K, BLOCK_N, QU, REV)
-                acc_g = _use_w(acc_g, ga, gb, gc, gd, xg_row, xgq_row, xgd_row, ks, K, BLOCK_N, QG, INTERP, REV)
-                acc_u = _use_w(acc_u, ua, ub, uc, ud, xu_row, xuq_row, xud_row, ks, K, BLOCK_N, QU, INTERP, REV)
+                ga, gb, gc, gd = _load_step(g_rows, ks, K, BLOCK_N, QG, REV)
+                ua, ub, uc, ud = _load_step(u_rows, ks, K, BLOCK_N, QU, REV)
+                acc_g = _use_step(acc_g, ga, gb, gc, gd, xg_row, xgq_row, xgd_row, ks, K, BLOCK_N, QG, INTERP, REV)
+                acc_u = _use_step(acc_u, ua, ub, uc, ud, xu_row, xuq_row, xud_row, ks, K, BLOCK_N, QU, INTERP, REV)
         else:  # the next step's bytes of both matrices are loaded ahead (register double-buffering)
-            ga, gb, gc, gd = _load_w(g_rows, 0, K, BLOCK_N, QG, REV)
-            ua, ub, uc, ud = _load_w(u_rows, 0, K, BLOCK_N, QU, REV)
+            ga, gb, gc, gd = _load_step(g_rows, 0, K, BLOCK_N, QG, REV)
+            ua, ub, uc, ud = _load_step(u_rows, 0, K, BLOCK_N, QU, REV)
             for ks in range(0, NS):
                 nk = tl.minimum(ks + 1, NS - 1)
-                nga, ngb, ngc, ngd = _load_w(g_rows, nk, K, BLOCK_N, QG, REV)
-                nua, nub, nuc, nud = _load_w(u_rows, nk, K, BLOCK_N, QU, REV)
-                acc_g = _use_w(acc_g, ga, gb, gc, gd, xg_row, xgq_row, xgd_row, ks, K, BLOCK_N, QG, INTERP, REV)
-                acc_u = _use_w(acc_u, ua, ub, uc, ud, xu_row, xuq_row, xud_row, ks, K, BLOCK_N, QU, INTERP, REV)
+                nga, ngb, ngc, ngd = _load_step(g_rows, nk, K, BLOCK_N, QG, REV)
+                nua, nub, nuc, nud = _load_step(u_rows, nk, K, BLOCK_N, QU, REV)
+                acc_g = _use_step(acc_g, ga, gb, gc, gd, xg_row, xgq_row, xgd_row, ks, K, BLOCK_N, QG, INTERP, REV)
+                acc_u = _use_step(acc_u, ua, ub, uc, ud, xu_row, xuq_row, xud_row, ks, K, BLOCK_N, QU, INTERP, REV)
                 ga, gb, gc, gd = nga, ngb, ngc, ngd
                 ua, ub, uc, ud = nua, nub, nuc, nud
         g = _reduce_acc(acc_g)
@@ -586,13 +679,13 @@ if triton is not None:
         acc = _zero_acc(BLOCK_N, QD)
         if UNROLL:
             for ks in tl.static_range(0, NS):
-                a, b, cc, dd = _load_w(d_rows, ks, K, BLOCK_N, QD, REV)
-                acc = _use_w(acc, a, b, cc, dd, x_row, xq_row, xd_row, ks, K, BLOCK_N, QD, INTERP, REV)
+                a, b, cc, dd = _load_step(d_rows, ks, K, BLOCK_N, QD, REV)
+                acc = _use_step(acc, a, b, cc, dd, x_row, xq_row, xd_row, ks, K, BLOCK_N, QD, INTERP, REV)
         else:
-            a, b, cc, dd = _load_w(d_rows, 0, K, BLOCK_N, QD, REV)
+            a, b, cc, dd = _load_step(d_rows, 0, K, BLOCK_N, QD, REV)
             for ks in range(0, NS):
-                na, nb2, nc, nd = _load_w(d_rows, tl.minimum(ks + 1, NS - 1), K, BLOCK_N, QD, REV)
-                acc = _use_w(acc, a, b, cc, dd, x_row, xq_row, xd_row, ks, K, BLOCK_N, QD, INTERP, REV)
+                na, nb2, nc, nd = _load_step(d_rows, tl.minimum(ks + 1, NS - 1), K, BLOCK_N, QD, REV)
+                acc = _use_step(acc, a, b, cc, dd, x_row, xq_row, xd_row, ks, K, BLOCK_N, QD, INTERP, REV)
                 a, b, cc, dd = na, nb2, nc, nd
         y = _reduce_acc(acc)
         rows = nb * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -615,8 +708,8 @@ if triton is not None:
         """acc of activation row t += this K step, where the launch has more than t rows."""
         if t < ROWS:
             KP: tl.constexpr = (K + 255) // 256 * 256
-            acc = _use_w(acc, a, b, cc, dd, xr_ptr + t * KP, xq_ptr + t * KP, xd_ptr + t * (KP // 32), ks, K,
-                         BLOCK_N, QW, INTERP, REV)
+            acc = _use_step(acc, a, b, cc, dd, xr_ptr + t * KP, xq_ptr + t * KP, xd_ptr + t * (KP // 32), ks, K,
+                            BLOCK_N, QW, INTERP, REV)
         return acc
 
     @triton.jit
@@ -656,12 +749,12 @@ if triton is not None:
         # buffering), except for 16-bit weights, whose step already fills 64 registers a lane.
         PREFETCH: tl.constexpr = QW != _F16 and QW != _BF16
         if PREFETCH:
-            a, b, cc, dd = _load_w(w_rows, k0, K, BLOCK_N, QW, REV)
+            a, b, cc, dd = _load_step(w_rows, k0, K, BLOCK_N, QW, REV)
         for ks in range(k0, k1):
             if PREFETCH:
-                na, nb2, nc, nd = _load_w(w_rows, tl.minimum(ks + 1, k1 - 1), K, BLOCK_N, QW, REV)
+                na, nb2, nc, nd = _load_step(w_rows, tl.minimum(ks + 1, k1 - 1), K, BLOCK_N, QW, REV)
             else:
-                a, b, cc, dd = _load_w(w_rows, ks, K, BLOCK_N, QW, REV)
+                a, b, cc, dd = _load_step(w_rows, ks, K, BLOCK_N, QW, REV)
             acc0 = _dense_rows(acc0, 0, ROWS, a, b, cc, dd, xr_ptr, xq_ptr, xd_ptr, ks, K, BLOCK_N, QW, INTERP, REV)
             acc1 = _dense_rows(acc1, 1, ROWS, a, b, cc, dd, xr_ptr, xq_ptr, xd_ptr, ks, K, BLOCK_N, QW, INTERP, REV)
             acc2 = _dense_rows(acc2, 2, ROWS, a, b, cc, dd, xr_ptr, xq_ptr, xd_ptr, ks, K, BLOCK_N, QW, INTERP, REV)
