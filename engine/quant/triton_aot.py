@@ -135,13 +135,14 @@ DENSE_ROWS = (1, tk.DENSE_MAX_ROWS)
 
 
 def dense_variants(qtype: QT, n_out: int, K: int, rows: int, cfg: tk.TileConfig | None = None,
-                   sm_count: int = H200_SMS, arch: int = 90):
+                   sm_count: int = H200_SMS, arch: int = 90, padded: bool = False):
     """(label, kernel, constexprs, config) of the product tk.dense launches for this shape
-    (the rounding launch is round_x of the expert geometries)."""
+    (the rounding launch is round_x of the expert geometries); `padded`: Q6_K rows as
+    tk.pad_q6_k lays them out."""
     cfg = cfg or tk.DENSE_CONFIG[qtype]
     split = tk.DenseSplit.choose(n_out, K, sm_count, cfg.block_n)
     return [(f"dense r{rows} s{split.split}", tk._dense_kernel,
-             {"K": K, "QW": int(qtype), "ROWS": rows, "SPLIT": split.split, "STEPS": split.steps,
+             {"K": K, "QW": tk.Q6_K_PADDED if padded else int(qtype), "ROWS": rows, "SPLIT": split.split, "STEPS": split.steps,
               "BLOCK_N": cfg.block_n, "INTERP": False, "REV": tk.reversed_ties(_target(arch))}, cfg)]
 
 
@@ -162,13 +163,16 @@ def report(names: list[str], arch: int = 90) -> list[dict]:
 
 
 def dense_report(arch: int = 90) -> list[dict]:
-    """Compiles the dense product for every kernel type, DENSE_GEOMETRIES and DENSE_ROWS."""
+    """Compiles the dense product for every kernel type (and padded Q6_K, named Q6_K/224),
+    DENSE_GEOMETRIES and DENSE_ROWS."""
+    layouts = [(t.name, t, False) for t in sorted(tk.KERNEL_TYPES, key=lambda t: t.name)]
+    layouts.append((f"Q6_K/{tk.Q6_K_PADDED_BLOCK}", QT.Q6_K, True))
     rows = []
-    for qtype in sorted(tk.KERNEL_TYPES, key=lambda t: t.name):
+    for type_name, qtype, padded in layouts:
         for name, n_out, K in DENSE_GEOMETRIES:
             for n_rows in DENSE_ROWS:
-                for label, fn, const, cfg in dense_variants(qtype, n_out, K, n_rows, arch=arch):
-                    rows.append(_compiled_row(f"{qtype.name} {name}", label, fn, const, cfg, arch))
+                for label, fn, const, cfg in dense_variants(qtype, n_out, K, n_rows, arch=arch, padded=padded):
+                    rows.append(_compiled_row(f"{type_name} {name}", label, fn, const, cfg, arch))
     return rows
 
 

@@ -296,8 +296,8 @@ def test_dense_kernel_compiles_for_hopper_without_spills(aot_report) -> None:
     from engine.quant.triton_aot import DENSE_GEOMETRIES, DENSE_ROWS
 
     dense = [r for r in aot_report if r["kernel"].startswith("dense")]
-    want = {(f"{t.name} {name}", rows) for t in tk.KERNEL_TYPES for name, _, _ in DENSE_GEOMETRIES
-            for rows in DENSE_ROWS}
+    types = [t.name for t in tk.KERNEL_TYPES] + [f"Q6_K/{tk.Q6_K_PADDED_BLOCK}"]
+    want = {(f"{t} {name}", rows) for t in types for name, _, _ in DENSE_GEOMETRIES for rows in DENSE_ROWS}
     assert {(r["geometry"], int(r["kernel"].split()[1][1:])) for r in dense} == want
     assert any(r["kernel"].endswith("s1") for r in dense) and any(not r["kernel"].endswith("s1") for r in dense)
     for r in dense:
@@ -309,6 +309,10 @@ def test_dense_kernel_compiles_for_hopper_without_spills(aot_report) -> None:
             assert r["spill_ops"] == 0, f"{where} spills: {r}"
         assert len(r["loop_instructions"]) <= 1, f"{where}: one K loop expected, {r['loop_instructions']}"
         assert r["loop_smem_or_barrier"] == 0, f"{where}: shared memory or barriers in the K loop: {r}"
+        if r["geometry"].split()[0] in ("Q4_K", "Q5_K", "Q8_0", "Q6_K/224", "F16", "BF16"):
+            # whole 16-byte loads of the weights (Q8_0: K a multiple of 256; Q6_K: padded blocks)
+            narrow = {op: n for op, n in r["loads"].items() if op in ("LDG.E.U8", "LDG.E.U16", "LDG.E.S16")}
+            assert r["loads"].get("LDG.E.128", 0) > 0 and not narrow, f"{where}: {r['loads']}"
 
 
 def test_supports_types_and_activations() -> None:
@@ -431,13 +435,14 @@ DENSE_TYPES = [QT.Q4_K, QT.Q5_K, QT.Q6_K, QT.Q8_0, QT.MXFP4, QT.F16, QT.BF16]
 
 
 def check_dense(qtype: QT, n_out: int, K: int, rows: int, device: str, cfg: tk.TileConfig | None = None,
-                split: tk.DenseSplit | None = None) -> float:
-    """tk.dense (a dense weight read in its GGUF bytes) against round_activation(x) @ dequantize(W).T."""
+                split: tk.DenseSplit | None = None, padded: bool = False) -> float:
+    """tk.dense (a dense weight read in its GGUF bytes; Q6_K with `padded` as pad_q6_k lays
+    them out) against round_activation(x) @ dequantize(W).T."""
     rng = np.random.default_rng(int(qtype) + n_out + rows)
     raw = _random_raw(rng, qtype, (1, n_out, K), K ** -0.5).to(device)
     x = torch.from_numpy(rng.standard_normal((rows, K)).astype(np.float32) * 2.0).to(device)
     want = round_activation(x, qtype) @ dequantize(raw[0], qtype, (n_out, K)).T
-    got = tk.dense(x, raw, qtype, n_out, cfg, split)
+    got = tk.dense(x, tk.pad_q6_k(raw) if padded else raw, qtype, n_out, cfg, split)
     assert got.shape == want.shape
     err = rel_err(got, want)
     assert err < REL_TOL, (qtype.name, rows, split, err)
@@ -464,6 +469,23 @@ def test_interpreter_dense_matches_reference(qtype: QT, rows: int) -> None:
     for K in Ks:
         for split in dense_splits(K):
             check_dense(qtype, n_out=160, K=K, rows=rows, device="cpu", cfg=SMALL, split=split)
+
+
+@interp
+@pytest.mark.parametrize("rows", [1, 3])
+def test_interpreter_dense_q6_k_padded_blocks(rows: int) -> None:
+    for split in dense_splits(768):
+        check_dense(QT.Q6_K, n_out=160, K=768, rows=rows, device="cpu", cfg=SMALL, split=split, padded=True)
+
+
+def test_pad_q6_k_keeps_every_block_and_rejects_other_rows() -> None:
+    raw = torch.from_numpy(random_blocks(np.random.default_rng(0), QT.Q6_K, (3, 512), 0.1).reshape(3, -1))
+    padded = tk.pad_q6_k(raw.unsqueeze(0))
+    assert padded.shape == (1, 3, 2 * tk.Q6_K_PADDED_BLOCK)
+    blocks = padded.reshape(3, 2, tk.Q6_K_PADDED_BLOCK)
+    assert torch.equal(blocks[..., :210].reshape(3, -1), raw) and not blocks[..., 210:].any()
+    with pytest.raises(ValueError, match="multiple of 210"):
+        tk.pad_q6_k(raw[:, :200])
 
 
 @interp
@@ -512,6 +534,14 @@ def test_gpu_dense_matches_reference(qtype: QT, rows: int) -> None:
     n_out, K = GPU_DENSE_SHAPES["qwen3-q"]
     for split in dense_splits(K)[1:]:  # forced splits: one K step per program; uneven slices
         check_dense(qtype, n_out=n_out, K=K, rows=rows, device="cuda", split=split)
+
+
+@gpu
+@pytest.mark.parametrize("rows", [1, 8])
+def test_gpu_dense_q6_k_padded_blocks(rows: int) -> None:
+    _needs_compiled()
+    for n_out, K in GPU_DENSE_SHAPES.values():
+        check_dense(QT.Q6_K, n_out=n_out, K=K, rows=rows, device="cuda", padded=True)
 
 
 @gpu
