@@ -161,6 +161,7 @@ def bench_dense(name: str, n_out: int, K: int, qtype: QT, rows: list[int], dev: 
     n_copies = cold_copies(one.numel(), l2_bytes)
     weights = one.to(dev).unsqueeze(0).repeat(n_copies, 1, 1)  # [copies, n_out, row_bytes]
     raws = [weights[i:i + 1] for i in range(n_copies)]
+    padded = tk.pad_q6_k(weights) if qtype == QT.Q6_K else None
     calls_per_graph = max(n_copies, 8)
     out = []
     for t in rows:
@@ -179,6 +180,12 @@ def bench_dense(name: str, n_out: int, K: int, qtype: QT, rows: list[int], dev: 
                "new": rate(one.numel(), graph_us(calls(tk.dense), replays), copy),
                "old": rate(one.numel(), graph_us(calls(legacy_dense), replays), copy)}
         row["speedup"] = round(row["old"]["us"] / row["new"]["us"], 2)
+        if padded is not None:  # the same product from pad_q6_k's layout, per byte of GGUF rows
+            padded_raws = [padded[i:i + 1] for i in range(n_copies)]
+            tk.dense(x, padded_raws[0], qtype, n_out)
+            row["new_padded"] = rate(one.numel(), graph_us(
+                [lambda i=i: tk.dense(x, padded_raws[i % n_copies], qtype, n_out) for i in range(calls_per_graph)],
+                replays), copy)
         if sweep:
             row["sweep"] = []
             for cfg, per_sm in sweep:
@@ -191,7 +198,7 @@ def bench_dense(name: str, n_out: int, K: int, qtype: QT, rows: list[int], dev: 
                   flush=True)
         out.append(row)
         print(dense_line(row), flush=True)
-    del weights, raws
+    del weights, raws, padded
     torch.cuda.empty_cache()
     return out
 
@@ -305,7 +312,9 @@ def cfg_name(cfg) -> str:
 def dense_line(r: dict) -> str:
     return (f"dense  {r['shape']:27s} {r['type']:5s} rows={r['rows']}  {r['MB']:8.2f} MB  "
             f"new {r['new']['us']:8.2f} us {r['new']['GBps']:7.0f} GB/s ({r['new']['of_copy_bw']:.2f} of copy)  "
-            f"old {r['old']['us']:8.2f} us {r['old']['GBps']:7.0f} GB/s  x{r['speedup']}  split {r['split']}")
+            f"old {r['old']['us']:8.2f} us {r['old']['GBps']:7.0f} GB/s  x{r['speedup']}  split {r['split']}"
+            + (f"  padded {r['new_padded']['us']:.2f} us {r['new_padded']['GBps']:.0f} GB/s" if "new_padded" in r
+               else ""))
 
 
 def expert_line(r: dict) -> str:
@@ -315,6 +324,8 @@ def expert_line(r: dict) -> str:
 
 def markdown(result: dict) -> str:
     """The results as markdown tables (dense products; expert steps)."""
+    from engine.quant import triton_kernels as tk
+
     head = (f"{result['device']}, torch {result['torch']}, triton {result['triton']}; device-to-device copy "
             f"{result['copy_GBps']:.0f} GB/s (read + write). GPU time per call from a replayed CUDA graph; "
             f"weights from HBM. `share` = GB/s / copy GB/s.\n")
@@ -326,6 +337,12 @@ def markdown(result: dict) -> str:
             lines.append(f"| {r['shape']} | {r['n_out']} x {r['K']} | {r['type']} | {r['rows']} | {r['MB']} | "
                          f"{n['us']} | {n['GBps']:.0f} | {n['of_copy_bw']:.2f} | {o['us']} | {o['GBps']:.0f} | "
                          f"{o['of_copy_bw']:.2f} | {r['speedup']}x | {r['split'][0]} x {r['split'][1]} |")
+            if "new_padded" in r:  # GB/s of the GGUF bytes, so that it compares with the line above
+                n = r["new_padded"]
+                lines.append(f"| {r['shape']} | {r['n_out']} x {r['K']} | {r['type']} padded to "
+                             f"{tk.Q6_K_PADDED_BLOCK} B blocks | {r['rows']} | {r['MB']} | {n['us']} | "
+                             f"{n['GBps']:.0f} | {n['of_copy_bw']:.2f} | {o['us']} | {o['GBps']:.0f} | "
+                             f"{o['of_copy_bw']:.2f} | {o['us'] / n['us']:.2f}x | {r['split'][0]} x {r['split'][1]} |")
     lines += ["", "| expert step | types | n_embd x n_ff, top-k | rows | MB | µs | GB/s | share | host µs eager |",
               "|" + "---|" * 9]
     for r in result["results"]:

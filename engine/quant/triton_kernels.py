@@ -1,4 +1,5 @@
-"""Fused decode expert kernels (Triton) that read experts in their GGUF bytes from slot buffers.
+"""Decode kernels (Triton) that read weights in their GGUF bytes: fused expert kernels over slot
+buffers, and the dense product of up to 8 rows (`dense`, see "dense products" below).
 
 The work item is a *pair* (token row t, top-k position j) whose expert lives in slot `slot` of
 a layer's slot buffers (engine/moe/slots.LayerSlots.buffers: gate, up and down as uint8
@@ -14,6 +15,11 @@ a layer's slot buffers (engine/moe/slots.LayerSlots.buffers: gate, up and down a
    rounds the whole h row for the down type.
 2. `_down_kernel`, grid (pairs, n_embd / BLOCK_N): the rounded h against the down rows, plus
    bias, times the routing weight, stored straight into the executor's per_slot[j, t, :].
+
+A dense product (attention projections, output head, shared experts at decode) is two
+launches: `_round_rows_kernel`, then `_dense_kernel`, grid (n_out / BLOCK_N, split): each
+program a block of weight rows times a slice of the K steps against every activation row,
+the slices' partial sums added by the last program of each row block (DenseSplit).
 
 Exactness: the rounding is bit-exact with round_activation (correctly rounded divisions,
 half-to-even); weights decode with dequant.py's arithmetic; products are summed in float32

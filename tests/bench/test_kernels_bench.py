@@ -69,13 +69,15 @@ def test_table_has_a_line_per_result() -> None:
     rate = {"us": 10.0, "GBps": 900.0, "of_copy_bw": 0.22}
     dense = {"kind": "dense", "shape": "qwen3-30b-a3b attn_q", "n_out": 4096, "K": 2048, "type": "Q8_0",
              "rows": 1, "MB": 8.91, "split": [4, 2], "new": rate, "old": {**rate, "us": 20.0}, "speedup": 2.0}
+    q6 = {**dense, "type": "Q6_K", "new_padded": {**rate, "us": 5.0}}
     experts = {"kind": "experts", "shape": "gpt-oss-120b MXFP4", "types": ["MXFP4"] * 3, "n_embd": 2880,
                "n_ff": 2880, "top_k": 4, "rows": 8, "MB": 284.0, "new": rate, "host_us_eager": 500.0}
     table = kb.markdown({"device": "H200", "torch": "2", "triton": "3", "copy_GBps": 4111.0,
-                         "results": [dense, experts]})
+                         "results": [dense, q6, experts]})
     rows = [ln for ln in table.splitlines() if ln.startswith("| ") and "---" not in ln]
-    assert len(rows) == 4  # two headers, two results
+    assert len(rows) == 6  # two headers; Q8_0, Q6_K and Q6_K padded; the expert step
     assert "| qwen3-30b-a3b attn_q | 4096 x 2048 | Q8_0 | 1 |" in table and "| 2.0x | 4 x 2 |" in table
+    assert "| Q6_K padded to 224 B blocks | 1 | 8.91 | 5.0 |" in table and "| 4.00x |" in table
     assert "| gpt-oss-120b MXFP4 | MXFP4/MXFP4/MXFP4 | 2880 x 2880, 4 | 8 |" in table
 
 
@@ -84,15 +86,18 @@ def test_gpu_bench_kernels_runs_and_reports(tmp_path) -> None:
     """A small run of the command on the GPU: both kernels timed, rates in range, files written."""
     if tk.INTERPRETED:
         pytest.skip("kernels were imported in interpreter mode")
-    args = argparse.Namespace(out=tmp_path, only=["dense", "experts"], types=["Q4_K"],
+    args = argparse.Namespace(out=tmp_path, only=["dense", "experts"], types=["Q4_K", "Q6_K"],
                               shapes=["qwen3-30b-a3b attn_k/v"], rows=[1, 8], steps=4, replays=2, sweep=True)
     assert kb.run(args) == 0
     result = json.loads((tmp_path / "kernels.json").read_text())
     assert result["copy_GBps"] > 100
     dense = [r for r in result["results"] if r["kind"] == "dense"]
     experts = [r for r in result["results"] if r["kind"] == "experts"]
-    assert [r["rows"] for r in dense] == [1, 8] and [r["rows"] for r in experts] == [1, 8]
+    assert [(r["type"], r["rows"]) for r in dense] == [("Q4_K", 1), ("Q4_K", 8), ("Q6_K", 1), ("Q6_K", 8)]
+    assert {(r["shape"], r["rows"]) for r in experts} == {(f"qwen3-30b-a3b {t}", n) for t in ("Q4_K", "Q6_K", "Q4_K_M")
+                                                          for n in (1, 8)}
     for r in dense:
         assert r["max_rel_diff_new_old"] < 1e-4
         assert 0 < r["new"]["GBps"] and 0 < r["old"]["GBps"] and r["sweep"]
-    assert (tmp_path / "kernels.md").read_text().count("| qwen3-30b-a3b attn_k/v |") == 2
+        assert ("new_padded" in r) == (r["type"] == "Q6_K")
+    assert (tmp_path / "kernels.md").read_text().count("| qwen3-30b-a3b attn_k/v |") == 6
