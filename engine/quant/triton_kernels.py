@@ -904,13 +904,19 @@ def _vt(qtype: QT) -> int:
 _counters: dict[tuple, torch.Tensor] = {}
 
 
+# Semaphores allocated at once per device and stream: more than any launch takes (pairs; a
+# split dense product's row blocks, fewer than 8192 whenever it splits), so the tensor is
+# never replaced while a captured CUDA graph still points at it.
+COUNTERS = 8192
+
+
 def _counter(device: torch.device, n: int) -> torch.Tensor:
-    """Zeroed int32 semaphores, one per pair, per device and stream (launches on one stream run
-    in order); every launch leaves the ones it used at zero."""
+    """Zeroed int32 semaphores, one per pair or row block, per device and stream (launches on
+    one stream run in order); every launch leaves the ones it used at zero."""
     key = (device, torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0)
     c = _counters.get(key)
     if c is None or c.numel() < n:
-        c = torch.zeros(max(n, 256), dtype=torch.int32, device=device)
+        c = torch.zeros(max(n, COUNTERS), dtype=torch.int32, device=device)
         _counters[key] = c
     return c
 

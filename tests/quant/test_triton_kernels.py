@@ -515,6 +515,8 @@ def test_dense_split_heuristic(n_out: int, K: int, sms: int, want) -> None:
     assert got == want
     n_steps = -(-K // tk.KSTEP)
     assert (got.split - 1) * got.steps < n_steps <= got.split * got.steps, "every slice has a step"
+    if got.split > 1:  # a semaphore per row block, from the ones allocated at once
+        assert -(-n_out // 32) < tk.COUNTERS
 
 
 # Decode shapes of the factory's geometries: (n_out, K).
