@@ -100,6 +100,9 @@ def graph_us(calls: list, replays: int) -> float:
     already run once so that every kernel is compiled), replayed; the best replay."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # once on the capture stream (its own semaphores), outside the capture
+        calls[0]()
+    stream.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph, stream=stream):
         for fn in calls:
