@@ -76,7 +76,9 @@ def random_weight(rng: np.random.Generator, qtype: QT, rows: int, cols: int) -> 
 def legacy_dense(x: torch.Tensor, raw: torch.Tensor, qtype: QT, n_out: int) -> torch.Tensor:
     """The dense product as the engine ran it before the split-K kernel: the expert down
     kernel with one slot and one pair per activation row (one program per 32 weight rows and
-    row, the whole K each). Kept here only as the benchmark's baseline."""
+    row, the whole K each). Kept here only as the benchmark's baseline. The down kernel is
+    today's: for Q8_0 rows of whole K steps it too loads 16 bytes at a time now, so there the
+    ratio counts the split over K and the shared weight reads only."""
     from engine.quant import triton_kernels as tk
 
     T, K = x.shape
