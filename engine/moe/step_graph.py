@@ -1,7 +1,7 @@
 """A one-token MoE layer step on the GPU as two CUDA graph replays.
 
 Launching the three Triton expert kernels from Python costs ~150 µs of host time per layer,
-six times their GPU time (scripts/bench_kernels.py on the H200). For a one-token step the
+six times their GPU time (`moestudio bench kernels` on the H200). For a one-token step the
 work has a fixed shape, top-k pairs, so it is captured once per layer:
 
   compute   copy this step's pair table from pinned host memory, then the expert kernels for

@@ -1,4 +1,4 @@
-"""Ahead-of-time compilation of the decode expert kernels for a GPU that is not here.
+"""Ahead-of-time compilation of the decode kernels (experts; dense products) for a GPU that is not here.
 
 Triton compiles for a named target without a driver (ptxas and cuobjdump ship inside the
 triton wheel), so a CPU-only machine can check that every kernel variant compiles for
@@ -17,9 +17,10 @@ from gguf import GGMLQuantizationType as QT
 from engine.quant import triton_kernels as tk
 
 _PTR = {"x": "*fp32", "xg": "*fp32", "xu": "*fp32", "out": "*fp32", "gb": "*fp32", "ub": "*fp32", "h": "*fp32",
-        "hr": "*fp32", "db": "*fp32", "wt": "*fp32", "g": "*u8", "u": "*u8", "d": "*u8", "count": "*i32"}
+        "hr": "*fp32", "db": "*fp32", "wt": "*fp32", "g": "*u8", "u": "*u8", "d": "*u8", "count": "*i32",
+        "xr": "*fp32", "xq": "*i8", "xd": "*fp32", "w": "*u8", "part": "*fp32"}
 _ALIGNED_INTS = {"g_slot_bytes", "g_row_bytes", "u_slot_bytes", "u_row_bytes", "d_slot_bytes", "d_row_bytes",
-                 "x_stride", "out_stride_pos", "out_stride_tok"}
+                 "x_stride", "out_stride_pos", "out_stride_tok", "w_row_bytes"}
 
 
 def _signature(fn, constexprs: dict, aligned: set[str]) -> tuple[dict, dict]:
@@ -126,16 +127,52 @@ STANDARD_GEOMETRIES = {
 }
 
 
+# Dense products compiled for the report: (name, n_out, K) at the SM count of an H200, so the
+# split each gets is the one it runs with there (the output head: none; the rest: split-K).
+H200_SMS = 132
+DENSE_GEOMETRIES = [("attn_q", 4096, 2048), ("output", 151936, 2048)]
+DENSE_ROWS = (1, tk.DENSE_MAX_ROWS)
+
+
+def dense_variants(qtype: QT, n_out: int, K: int, rows: int, cfg: tk.TileConfig | None = None,
+                   sm_count: int = H200_SMS, arch: int = 90, padded: bool = False):
+    """(label, kernel, constexprs, config) of the product tk.dense launches for this shape
+    (the rounding launch is round_x of the expert geometries); `padded`: Q6_K rows as
+    tk.pad_q6_k lays them out."""
+    cfg = cfg or tk.DENSE_CONFIG[qtype]
+    split = tk.DenseSplit.choose(n_out, K, sm_count, cfg.block_n)
+    return [(f"dense r{rows} s{split.split}", tk._dense_kernel,
+             {"K": K, "QW": tk.Q6_K_PADDED if padded else int(qtype), "ROWS": rows, "SPLIT": split.split, "STEPS": split.steps,
+              "BLOCK_N": cfg.block_n, "INTERP": False, "REV": tk.reversed_ties(_target(arch))}, cfg)]
+
+
+def _compiled_row(geometry: str, label: str, fn, const: dict, cfg: tk.TileConfig, arch: int) -> dict:
+    compiled = compile_kernel(fn, const, cfg.num_warps, cfg.num_stages, arch)
+    return {"geometry": geometry, "kernel": label, "block_n": cfg.block_n, "num_warps": cfg.num_warps,
+            "convert_layout": compiled.asm["ttgir"].count("ttg.convert_layout"), **resource_usage(compiled)}
+
+
 def report(names: list[str], arch: int = 90) -> list[dict]:
-    """Compiles every launch of the named geometries; one dict per kernel."""
+    """Compiles every launch of the named expert geometries; one dict per kernel."""
     rows = []
     for name in names:
         (g, u, d), n_embd, n_ff, act, bias = STANDARD_GEOMETRIES[name]
         for label, fn, const, cfg in decode_variants(g, u, d, n_embd, n_ff, act, bias, arch=arch):
-            compiled = compile_kernel(fn, const, cfg.num_warps, cfg.num_stages, arch)
-            rows.append({"geometry": name, "kernel": label, "block_n": cfg.block_n, "num_warps": cfg.num_warps,
-                         "convert_layout": compiled.asm["ttgir"].count("ttg.convert_layout"),
-                         **resource_usage(compiled)})
+            rows.append(_compiled_row(name, label, fn, const, cfg, arch))
+    return rows
+
+
+def dense_report(arch: int = 90) -> list[dict]:
+    """Compiles the dense product for every kernel type (and padded Q6_K, named Q6_K/224),
+    DENSE_GEOMETRIES and DENSE_ROWS."""
+    layouts = [(t.name, t, False) for t in sorted(tk.KERNEL_TYPES, key=lambda t: t.name)]
+    layouts.append((f"Q6_K/{tk.Q6_K_PADDED_BLOCK}", QT.Q6_K, True))
+    rows = []
+    for type_name, qtype, padded in layouts:
+        for name, n_out, K in DENSE_GEOMETRIES:
+            for n_rows in DENSE_ROWS:
+                for label, fn, const, cfg in dense_variants(qtype, n_out, K, n_rows, arch=arch, padded=padded):
+                    rows.append(_compiled_row(f"{type_name} {name}", label, fn, const, cfg, arch))
     return rows
 
 
@@ -146,16 +183,17 @@ def main() -> None:  # pragma: no cover - a report, run by hand or by the tests 
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--arch", type=int, default=90)
     ap.add_argument("--json", action="store_true", help="print one JSON list instead of a table")
+    ap.add_argument("--no-dense", action="store_true", help="only the expert kernels")
     ap.add_argument("names", nargs="*", default=list(STANDARD_GEOMETRIES))
     args = ap.parse_args()
     if tk.INTERPRETED:
         raise SystemExit("unset TRITON_INTERPRET: kernels imported for the interpreter cannot be compiled")
-    rows = report(args.names, args.arch)
+    rows = report(args.names, args.arch) + ([] if args.no_dense else dense_report(args.arch))
     if args.json:
         print(json.dumps(rows))
         return
     for r in rows:
-        print(f"{r['geometry']:8s} {r['kernel']:8s} bn={r['block_n']:<3d} w={r['num_warps']} regs={r['regs']} "
+        print(f"{r['geometry']:13s} {r['kernel']:11s} bn={r['block_n']:<3d} w={r['num_warps']} regs={r['regs']} "
               f"local={r['local']} stack={r['stack']} shared={r['shared']} bar={r['bar_sync']} "
               f"cvt={r['convert_layout']} instr={r['instructions']} loop={r['loop_instructions']} "
               f"loop_smem={r['loop_smem_or_barrier']} loop_spills={r['loop_spill_ops']} dp4a={r['loop_dp4a']} "

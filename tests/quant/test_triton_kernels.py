@@ -274,8 +274,9 @@ def test_kernels_compile_for_hopper_without_spills(aot_report) -> None:
     nothing through shared memory, wait at no barrier and spill (next to) nothing."""
     from engine.quant.triton_aot import STANDARD_GEOMETRIES
 
-    assert {r["geometry"] for r in aot_report} == set(STANDARD_GEOMETRIES)
-    for r in aot_report:
+    experts = [r for r in aot_report if not r["kernel"].startswith("dense")]
+    assert {r["geometry"] for r in experts} == set(STANDARD_GEOMETRIES)
+    for r in experts:
         where = f"{r['geometry']} {r['kernel']}"
         assert r["spill_ops"] <= 16 and r["loop_spill_ops"] <= 8, f"{where} spills: {r}"
         if r["kernel"] == "round_x":
@@ -284,6 +285,34 @@ def test_kernels_compile_for_hopper_without_spills(aot_report) -> None:
         assert r["loop_smem_or_barrier"] == 0, f"{where}: shared memory or barriers in the K loop: {r}"
         if not r["loop_instructions"]:  # a short loop the compiler unrolled: barriers only at the end
             assert r["bar_sync"] <= 2, f"{where}: {r['bar_sync']} barriers"
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not tk.available(), reason="needs Triton")
+def test_dense_kernel_compiles_for_hopper_without_spills(aot_report) -> None:
+    """The split-K dense product compiles for sm_90 for every type, split and unsplit, at one
+    and at eight rows; its K loop moves nothing through shared memory and (16-bit weights at
+    eight rows aside) nothing spills."""
+    from engine.quant.triton_aot import DENSE_GEOMETRIES, DENSE_ROWS
+
+    dense = [r for r in aot_report if r["kernel"].startswith("dense")]
+    types = [t.name for t in tk.KERNEL_TYPES] + [f"Q6_K/{tk.Q6_K_PADDED_BLOCK}"]
+    want = {(f"{t} {name}", rows) for t in types for name, _, _ in DENSE_GEOMETRIES for rows in DENSE_ROWS}
+    assert {(r["geometry"], int(r["kernel"].split()[1][1:])) for r in dense} == want
+    assert any(r["kernel"].endswith("s1") for r in dense) and any(not r["kernel"].endswith("s1") for r in dense)
+    for r in dense:
+        where = f"{r['geometry']} {r['kernel']}"
+        # 16-bit weights at eight rows hold a step's 128 weights, 8 x 8 sums and the
+        # activation values in a lane: a few spills, as the expert kernels allow.
+        assert r["spill_ops"] <= 16 and r["loop_spill_ops"] <= 8, f"{where} spills: {r}"
+        if r["geometry"].split()[0] not in ("F16", "BF16") or r["kernel"].startswith("dense r1 "):
+            assert r["spill_ops"] == 0, f"{where} spills: {r}"
+        assert len(r["loop_instructions"]) <= 1, f"{where}: one K loop expected, {r['loop_instructions']}"
+        assert r["loop_smem_or_barrier"] == 0, f"{where}: shared memory or barriers in the K loop: {r}"
+        if r["geometry"].split()[0] in ("Q4_K", "Q5_K", "Q8_0", "Q6_K/224", "F16", "BF16"):
+            # whole 16-byte loads of the weights (Q8_0: K a multiple of 256; Q6_K: padded blocks)
+            narrow = {op: n for op, n in r["loads"].items() if op in ("LDG.E.U8", "LDG.E.U16", "LDG.E.S16")}
+            assert r["loads"].get("LDG.E.128", 0) > 0 and not narrow, f"{where}: {r['loads']}"
 
 
 def test_supports_types_and_activations() -> None:
@@ -402,29 +431,149 @@ def test_gpu_hybrid_hook_matches_torch_path(make_model, monkeypatch, arch, qtype
 
 # ------------------------------------------------------------------------------ dense weights
 
-def check_dense(qtype: QT, n_out: int, K: int, rows: int, device: str, cfg: tk.TileConfig | None = None) -> None:
-    """tk.dense (a dense weight read in its GGUF bytes) against round_activation(x) @ dequantize(W).T."""
-    rng = np.random.default_rng(int(qtype) + n_out)
+DENSE_TYPES = [QT.Q4_K, QT.Q5_K, QT.Q6_K, QT.Q8_0, QT.MXFP4, QT.F16, QT.BF16]
+
+
+def check_dense(qtype: QT, n_out: int, K: int, rows: int, device: str, cfg: tk.TileConfig | None = None,
+                split: tk.DenseSplit | None = None, padded: bool = False) -> float:
+    """tk.dense (a dense weight read in its GGUF bytes; Q6_K with `padded` as pad_q6_k lays
+    them out) against round_activation(x) @ dequantize(W).T."""
+    rng = np.random.default_rng(int(qtype) + n_out + rows)
     raw = _random_raw(rng, qtype, (1, n_out, K), K ** -0.5).to(device)
-    x = torch.from_numpy(rng.standard_normal((rows, K)).astype(np.float32)).to(device)
+    x = torch.from_numpy(rng.standard_normal((rows, K)).astype(np.float32) * 2.0).to(device)
     want = round_activation(x, qtype) @ dequantize(raw[0], qtype, (n_out, K)).T
-    got = tk.dense(x, raw, qtype, n_out)
+    got = tk.dense(x, tk.pad_q6_k(raw) if padded else raw, qtype, n_out, cfg, split)
     assert got.shape == want.shape
-    assert rel_err(got, want) < REL_TOL, (qtype.name, rel_err(got, want))
+    err = rel_err(got, want)
+    assert err < REL_TOL, (qtype.name, rows, split, err)
+    return err
+
+
+def dense_splits(K: int) -> list[tk.DenseSplit]:
+    """No split; one K step per program; and, where there are 3 or more steps, an uneven
+    split (the last slice shorter)."""
+    n = -(-K // tk.KSTEP)
+    out = [tk.DenseSplit(1, n), tk.DenseSplit(n, 1)]
+    if n >= 3:
+        out.append(tk.DenseSplit(-(-n // 2), 2))
+    return out
 
 
 @interp
-@pytest.mark.parametrize("qtype", [QT.Q8_0, QT.Q4_K, QT.F16], ids=lambda t: t.name)
-def test_interpreter_dense_matches_reference(monkeypatch, qtype: QT) -> None:
-    monkeypatch.setitem(tk.DOWN_CONFIG, qtype, SMALL)
-    check_dense(qtype, n_out=160, K=256, rows=2, device="cpu")
+@pytest.mark.parametrize("qtype", DENSE_TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("rows", [1, 3])
+def test_interpreter_dense_matches_reference(qtype: QT, rows: int) -> None:
+    # 160 output rows in tiles of 128 (a partial tile); K-quants 3 K steps, the others 2,
+    # the last one partial (352 = 256 + 96); Q8_0 also 3 whole steps (its 16-byte loads).
+    Ks = {QT.Q4_K: [768], QT.Q5_K: [768], QT.Q6_K: [768], QT.Q8_0: [352, 768]}.get(qtype, [352])
+    for K in Ks:
+        for split in dense_splits(K):
+            check_dense(qtype, n_out=160, K=K, rows=rows, device="cpu", cfg=SMALL, split=split)
+
+
+@interp
+@pytest.mark.parametrize("rows", [1, 3])
+def test_interpreter_dense_q6_k_padded_blocks(rows: int) -> None:
+    for split in dense_splits(768):
+        check_dense(QT.Q6_K, n_out=160, K=768, rows=rows, device="cpu", cfg=SMALL, split=split, padded=True)
+
+
+def test_pad_q6_k_keeps_every_block_and_rejects_other_rows() -> None:
+    raw = torch.from_numpy(random_blocks(np.random.default_rng(0), QT.Q6_K, (3, 512), 0.1).reshape(3, -1))
+    padded = tk.pad_q6_k(raw.unsqueeze(0))
+    assert padded.shape == (1, 3, 2 * tk.Q6_K_PADDED_BLOCK)
+    blocks = padded.reshape(3, 2, tk.Q6_K_PADDED_BLOCK)
+    assert torch.equal(blocks[..., :210].reshape(3, -1), raw) and not blocks[..., 210:].any()
+    with pytest.raises(ValueError, match="multiple of 210"):
+        tk.pad_q6_k(raw[:, :200])
+
+
+@interp
+@pytest.mark.parametrize("qtype", [QT.Q4_K, QT.Q8_0], ids=lambda t: t.name)
+def test_interpreter_dense_eight_rows_and_default_split(qtype: QT) -> None:
+    check_dense(qtype, n_out=96, K=512, rows=tk.DENSE_MAX_ROWS, device="cpu", cfg=SMALL,
+                split=tk.DenseSplit(2, 1))
+    check_dense(qtype, n_out=96, K=512, rows=2, device="cpu", cfg=SMALL)
+
+
+def test_dense_rejects_more_rows_than_it_takes() -> None:
+    x = torch.zeros(tk.DENSE_MAX_ROWS + 1, 256)
+    with pytest.raises(ValueError, match="at most"):
+        tk.dense(x, torch.zeros(1, 4, 512, dtype=torch.uint8), QT.F16, 4)
+
+
+@pytest.mark.parametrize("n_out,K,sms,want", [
+    (4096, 2048, 132, tk.DenseSplit(4, 2)),       # Qwen3-30B-A3B q projection
+    (512, 2048, 132, tk.DenseSplit(8, 1)),        # its k / v projections: one step per program
+    (2048, 4096, 132, tk.DenseSplit(8, 2)),       # its o projection
+    (151936, 2048, 132, tk.DenseSplit(1, 8)),     # its output head: no split, no reduction
+    (4096, 14336, 132, tk.DenseSplit(5, 12)),     # Mixtral's down projection
+    (4096, 2048, 1, tk.DenseSplit(1, 8)),         # one SM: nothing to spread
+])
+def test_dense_split_heuristic(n_out: int, K: int, sms: int, want) -> None:
+    got = tk.DenseSplit.choose(n_out, K, sms, 32)
+    assert got == want
+    n_steps = -(-K // tk.KSTEP)
+    assert (got.split - 1) * got.steps < n_steps <= got.split * got.steps, "every slice has a step"
+    if got.split > 1:  # a semaphore per row block, from the ones allocated at once
+        assert -(-n_out // 32) < tk.COUNTERS
+
+
+# Decode shapes of the factory's geometries: (n_out, K).
+GPU_DENSE_SHAPES = {
+    "qwen3-q": (4096, 2048), "qwen3-kv": (512, 2048), "qwen3-o": (2048, 4096),
+    "head-partial-tile": (30016 + 8, 2048), "mixtral-down": (4096, 14336),
+}
 
 
 @gpu
-@pytest.mark.parametrize("qtype", [QT.Q8_0, QT.Q4_K, QT.Q6_K, QT.F16, QT.BF16], ids=lambda t: t.name)
-@pytest.mark.parametrize("rows", [1, 8])
+@pytest.mark.parametrize("qtype", DENSE_TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("rows", [1, 8])  # (3 rows: the interpreter tests)
 def test_gpu_dense_matches_reference(qtype: QT, rows: int) -> None:
     _needs_compiled()
-    # Qwen3-30B-A3B's attention q (4096 x 2048) and a head-like shape with a partial row tile.
-    check_dense(qtype, n_out=4096, K=2048, rows=rows, device="cuda")
-    check_dense(qtype, n_out=30016 + 8, K=2048, rows=rows, device="cuda")
+    for n_out, K in GPU_DENSE_SHAPES.values():
+        check_dense(qtype, n_out=n_out, K=K, rows=rows, device="cuda")
+    n_out, K = GPU_DENSE_SHAPES["qwen3-q"]
+    for split in dense_splits(K)[1:]:  # forced splits: one K step per program; uneven slices
+        check_dense(qtype, n_out=n_out, K=K, rows=rows, device="cuda", split=split)
+
+
+@gpu
+@pytest.mark.parametrize("rows", [1, 8])
+def test_gpu_dense_q6_k_padded_blocks(rows: int) -> None:
+    _needs_compiled()
+    for n_out, K in GPU_DENSE_SHAPES.values():
+        check_dense(QT.Q6_K, n_out=n_out, K=K, rows=rows, device="cuda", padded=True)
+
+
+@gpu
+@pytest.mark.parametrize("cfg", [tk.TileConfig(16, 1), tk.TileConfig(64, 2), tk.TileConfig(64, 4)],
+                         ids=lambda c: f"bn{c.block_n}w{c.num_warps}")
+@pytest.mark.parametrize("qtype", [QT.Q4_K, QT.Q8_0, QT.F16], ids=lambda t: t.name)
+def test_gpu_dense_other_tile_configs(cfg: tk.TileConfig, qtype: QT) -> None:
+    """Any tile the kernel benchmark sweeps computes the same thing."""
+    _needs_compiled()
+    check_dense(qtype, n_out=4096, K=2048, rows=4, device="cuda", cfg=cfg)
+
+
+@gpu
+def test_gpu_dense_replays_in_a_cuda_graph() -> None:
+    """The split-K semaphores are left at zero by every launch: a graph replayed many times
+    gives the eager result every time."""
+    _needs_compiled()
+    rng = np.random.default_rng(0)
+    raw = _random_raw(rng, QT.Q4_K, (1, 4096, 2048), 2048 ** -0.5).cuda()
+    x = torch.randn(2, 2048, device="cuda")
+    want = tk.dense(x, raw, QT.Q4_K, 4096)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        tk.dense(x, raw, QT.Q4_K, 4096)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        got = tk.dense(x, raw, QT.Q4_K, 4096)
+    for _ in range(20):
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(got, want)

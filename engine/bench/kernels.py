@@ -1,0 +1,430 @@
+"""`moestudio bench kernels`: the GPU decode kernels alone, at the factory's real shapes.
+
+For every kernel of one-token and small-batch decode, each weight type the engine loads on the
+GPU and 1, 2, 4, 8 activation rows:
+- dense products (engine/quant/triton_kernels.dense: attention projections, output head,
+  shared experts, dense FFNs), the split-K kernel (`new`) next to the kernel it replaced
+  (`old`: the expert down kernel with one pair per row), so the speedup is a same-run ratio;
+- one MoE layer's expert step (round x; gate/up + activation; down x routing weight) from slot
+  buffers laid out as engine/moe/slots.LayerSlots holds them.
+Each figure is GPU time per call from a CUDA graph of many calls replayed (no launch gaps), the
+bytes of weights read, GB/s, and the share of the device-to-device copy bandwidth measured in
+the same run. Consecutive calls read other copies of the weights (at least 4x the L2 cache in
+all), so the weights come from HBM, not L2. Results: JSON and a markdown table.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType as QT
+
+from engine.errors import UserError
+
+ALL_TYPES = (QT.Q4_K, QT.Q5_K, QT.Q6_K, QT.Q8_0, QT.MXFP4, QT.F16, QT.BF16)
+ROWS = (1, 2, 4, 8)
+
+# Dense products at decode: (geometry, tensor) -> (output rows, K).
+DENSE_SHAPES: dict[str, tuple[int, int]] = {
+    "qwen3-30b-a3b attn_q": (4096, 2048),
+    "qwen3-30b-a3b attn_k/v": (512, 2048),
+    "qwen3-30b-a3b attn_output": (2048, 4096),
+    "qwen3-30b-a3b output": (151936, 2048),
+    "mixtral ffn_down": (4096, 14336),  # llama.cpp's test-backend-ops MUL_MAT 4096 x 14336 shape
+}
+
+
+@dataclass(frozen=True)
+class ExpertScenario:
+    qtypes: tuple[QT, QT, QT]  # gate, up, down
+    n_embd: int
+    n_ff: int
+    top_k: int
+    activation: str
+    bias: bool
+
+
+def _expert_scenarios() -> dict[str, ExpertScenario]:
+    from engine.layers.moe import SILU, SWIGLU_OAI
+
+    out = {f"qwen3-30b-a3b {t.name}": ExpertScenario((t,) * 3, 2048, 768, 8, SILU, False)
+           for t in ALL_TYPES if t != QT.MXFP4}
+    out["qwen3-30b-a3b Q4_K_M"] = ExpertScenario((QT.Q4_K, QT.Q4_K, QT.Q6_K), 2048, 768, 8, SILU, False)
+    out["gpt-oss-120b MXFP4"] = ExpertScenario((QT.MXFP4,) * 3, 2880, 2880, 4, SWIGLU_OAI, True)
+    return out
+
+
+def random_weight(rng: np.random.Generator, qtype: QT, rows: int, cols: int) -> np.ndarray:
+    """Valid GGUF rows [rows, row_bytes] of a random weight (std 1/sqrt(cols))."""
+    from engine.synth.randblocks import random_blocks
+
+    std = cols ** -0.5
+    if qtype == QT.F16:
+        return (rng.standard_normal((rows, cols), dtype=np.float32) * std).astype(np.float16).view(np.uint8)
+    if qtype == QT.BF16:
+        bits = (rng.standard_normal((rows, cols), dtype=np.float32) * std).view(np.uint32) >> 16
+        return bits.astype(np.uint16).view(np.uint8)
+    return random_blocks(rng, qtype, (rows, cols), std).reshape(rows, -1)
+
+
+def legacy_dense(x: torch.Tensor, raw: torch.Tensor, qtype: QT, n_out: int) -> torch.Tensor:
+    """The dense product as the engine ran it before the split-K kernel: the expert down
+    kernel with one slot and one pair per activation row (one program per 32 weight rows and
+    row, the whole K each). Kept here only as the benchmark's baseline. The down kernel is
+    today's: for Q8_0 rows of whole K steps it too loads 16 bytes at a time now, so there the
+    ratio counts the split over K and the shared weight reads only."""
+    from engine.quant import triton_kernels as tk
+
+    T, K = x.shape
+    out = torch.empty((1, T, n_out), dtype=torch.float32, device=x.device)
+    hr = tk.round_rows(x, qtype)
+    tok = torch.arange(T, dtype=torch.int32, device=x.device)
+    zero = torch.zeros(T, dtype=torch.int32, device=x.device)
+    cfg = tk.DOWN_CONFIG[qtype]
+    tk._down_kernel[(T, math.ceil(n_out / cfg.block_n))](
+        hr.padded, hr.quants, hr.scales, raw, raw.stride(0), raw.stride(1), hr.padded, hr.padded, 0,
+        out, out.stride(0), out.stride(1), tok, zero, zero, zero, n_out,
+        K=K, QD=int(qtype), HAS_BIAS=False, WEIGHTED=False, BLOCK_N=cfg.block_n, UNROLL=cfg.unroll,
+        INTERP=tk.INTERPRETED, REV=tk.reversed_ties(), **tk._launch_opts(cfg))
+    return out[0]
+
+
+# ------------------------------------------------------------------------------ timing
+
+def graph_us(calls: list, replays: int) -> float:
+    """GPU microseconds per call: one CUDA graph of all `calls` (argument-less functions,
+    already run once so that every kernel is compiled), replayed; the best replay."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # once on the capture stream (its own semaphores), outside the capture
+        calls[0]()
+    stream.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        for fn in calls:
+            fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    best = float("inf")
+    for _ in range(replays):
+        start.record()
+        graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        best = min(best, start.elapsed_time(end) * 1e3 / len(calls))
+    return best
+
+
+def copy_gbps(dev: torch.device) -> float:
+    """Device-to-device copy of 2 GiB: bytes read + written per second (best of 5), in GB/s."""
+    n = 1 << 31
+    a = torch.empty(n, dtype=torch.uint8, device=dev)
+    b = torch.empty_like(a)
+    b.copy_(a)
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    best = float("inf")
+    for _ in range(5):
+        start.record()
+        b.copy_(a)
+        end.record()
+        torch.cuda.synchronize()
+        best = min(best, start.elapsed_time(end) / 1e3)
+    del a, b
+    torch.cuda.empty_cache()
+    return 2 * n / best / 1e9
+
+
+def rate(nbytes: float, us: float, copy: float) -> dict:
+    gbps = nbytes / us / 1e3
+    return {"us": round(us, 2), "GBps": round(gbps, 1), "of_copy_bw": round(gbps / copy, 3)}
+
+
+def cold_copies(nbytes: int, l2_bytes: int) -> int:
+    """Copies of a weight to rotate among so that the set read is at least 4x the L2 cache."""
+    return max(1, math.ceil(4 * l2_bytes / nbytes))
+
+
+# ------------------------------------------------------------------------------ dense products
+
+def bench_dense(name: str, n_out: int, K: int, qtype: QT, rows: list[int], dev: torch.device, copy: float,
+                l2_bytes: int, replays: int, sweep: list | None) -> list[dict]:
+    from engine.quant import triton_kernels as tk
+
+    rng = np.random.default_rng(int(qtype) + n_out + K)
+    # Up to 4096 distinct random rows, repeated to n_out (drawing an output head's 150k rows
+    # in numpy takes longer than timing it; what the rows hold does not change the time).
+    unique = torch.from_numpy(np.ascontiguousarray(random_weight(rng, qtype, min(n_out, 4096), K)))
+    one = unique.repeat(math.ceil(n_out / unique.shape[0]), 1)[:n_out]
+    n_copies = cold_copies(one.numel(), l2_bytes)
+    weights = one.to(dev).unsqueeze(0).repeat(n_copies, 1, 1)  # [copies, n_out, row_bytes]
+    raws = [weights[i:i + 1] for i in range(n_copies)]
+    padded = tk.pad_q6_k(weights) if qtype == QT.Q6_K else None
+    calls_per_graph = max(n_copies, 8)
+    out = []
+    for t in rows:
+        x = torch.randn(t, K, device=dev)
+        new = tk.dense(x, raws[0], qtype, n_out)
+        old = legacy_dense(x, raws[0], qtype, n_out)
+        err = ((new - old).abs().max() / old.abs().max()).item()
+        split = tk.DenseSplit.choose(n_out, K, tk.sm_count(str(dev)), tk.DENSE_CONFIG[qtype].block_n)
+
+        def calls(fn, *extra):
+            return [lambda i=i: fn(x, raws[i % n_copies], qtype, n_out, *extra) for i in range(calls_per_graph)]
+
+        row = {"kind": "dense", "shape": name, "n_out": n_out, "K": K, "type": qtype.name, "rows": t,
+               "MB": round(one.numel() / 1e6, 2), "copies": n_copies, "split": [split.split, split.steps],
+               "max_rel_diff_new_old": float(f"{err:.2e}"),
+               "new": rate(one.numel(), graph_us(calls(tk.dense), replays), copy),
+               "old": rate(one.numel(), graph_us(calls(legacy_dense), replays), copy)}
+        row["speedup"] = round(row["old"]["us"] / row["new"]["us"], 2)
+        if padded is not None:  # the same product from pad_q6_k's layout, per byte of GGUF rows
+            padded_raws = [padded[i:i + 1] for i in range(n_copies)]
+            tk.dense(x, padded_raws[0], qtype, n_out)
+            row["new_padded"] = rate(one.numel(), graph_us(
+                [lambda i=i: tk.dense(x, padded_raws[i % n_copies], qtype, n_out) for i in range(calls_per_graph)],
+                replays), copy)
+        if sweep:
+            row["sweep"] = []
+            for cfg, per_sm in sweep:
+                sp = tk.DenseSplit.choose(n_out, K, tk.sm_count(str(dev)), cfg.block_n, per_sm)
+                tk.dense(x, raws[0], qtype, n_out, cfg, sp)
+                row["sweep"].append({"config": f"{cfg_name(cfg)} {per_sm}/SM", "split": [sp.split, sp.steps],
+                                     **rate(one.numel(), graph_us(calls(tk.dense, cfg, sp), replays), copy)})
+            best = min(row["sweep"], key=lambda r: r["us"])
+            print(f"       sweep best {best['config']} split {best['split']}: {best['us']} us {best['GBps']} GB/s",
+                  flush=True)
+        out.append(row)
+        print(dense_line(row), flush=True)
+    del weights, raws, padded
+    torch.cuda.empty_cache()
+    return out
+
+
+# ------------------------------------------------------------------------------ the expert step
+
+class ExpertLayer:
+    """Slot buffers [slots, rows, row_bytes] whose slots are copies of one random expert
+    (valid blocks at distinct addresses), enough of them to be 4x the L2 cache and to draw
+    top-k distinct experts."""
+
+    def __init__(self, sc: ExpertScenario, dev: torch.device, l2_bytes: int):
+        from engine.layers.moe import ExpertTensor, ExpertWeights
+
+        rng = np.random.default_rng(0)
+        shapes = ((sc.n_ff, sc.n_embd), (sc.n_ff, sc.n_embd), (sc.n_embd, sc.n_ff))
+        ones = [torch.from_numpy(np.ascontiguousarray(random_weight(rng, q, r, c)))
+                for q, (r, c) in zip(sc.qtypes, shapes)]
+        self.expert_bytes = sum(o.numel() for o in ones)
+        self.n_slots = max(2 * sc.top_k, cold_copies(self.expert_bytes, l2_bytes))
+        self.buffers, tensors = [], []
+        for one, qtype, (rows, cols) in zip(ones, sc.qtypes, shapes):
+            self.buffers.append(one.to(dev).unsqueeze(0).repeat(self.n_slots, 1, 1))
+            b = torch.randn(self.n_slots, rows, device=dev) * 0.1 if sc.bias else None
+            tensors.append(ExpertTensor(self.buffers[-1], qtype, (self.n_slots, rows, cols), b))
+        self.w = ExpertWeights(*tensors, activation=sc.activation)
+
+
+class ExpertStep:
+    """One decode step's routing: x, top-k slots and weights per token, the pairs sorted by
+    slot (as the hybrid executor sends them), and the bytes of the distinct experts read."""
+
+    def __init__(self, layer: ExpertLayer, n_tok: int, k: int, g: torch.Generator, dev: torch.device):
+        self.x = torch.randn(n_tok, layer.w.gate.shape[2], generator=g).to(dev)
+        ids = torch.stack([torch.randperm(layer.n_slots, generator=g)[:k] for _ in range(n_tok)]).numpy()
+        self.weights = torch.rand(n_tok, k, generator=g).to(dev)
+        tok, pos = np.nonzero(np.ones(ids.shape, dtype=bool))
+        slot = ids[tok, pos]
+        order = np.argsort(slot, kind="stable")
+        meta = np.stack([tok[order], pos[order], slot[order], slot[order]]).astype(np.int32)
+        self.tok, self.pos, self.slot, self.exp = torch.from_numpy(meta).to(dev)
+        self.out = torch.zeros(k, n_tok, self.x.shape[1], device=dev)
+        self.bytes = len(set(slot.tolist())) * layer.expert_bytes
+
+
+def bench_experts(name: str, sc: ExpertScenario, rows: list[int], dev: torch.device, copy: float, l2_bytes: int,
+                  replays: int, n_steps: int, sweep: list | None) -> list[dict]:
+    from engine.quant import triton_kernels as tk
+
+    layer = ExpertLayer(sc, dev, l2_bytes)
+    out = []
+    for t in rows:
+        g = torch.Generator().manual_seed(t)
+        steps = [ExpertStep(layer, t, sc.top_k, g, dev) for _ in range(n_steps)]
+
+        def run(s: ExpertStep, cfg=None) -> None:
+            tk.experts_forward(s.x, layer.buffers, layer.w, s.tok, s.pos, s.slot, s.exp, s.weights, s.out, cfg, cfg)
+
+        run(steps[0])
+        eager = steps[0].out.clone()
+        us = graph_us([lambda s=s: run(s) for s in steps], replays)
+        if not torch.equal(eager, steps[0].out):
+            raise RuntimeError(f"{name}: the graph replay and the eager launch of the expert step differ")
+        t0 = time.perf_counter()
+        for s in steps:
+            run(s)
+        host = (time.perf_counter() - t0) * 1e6 / len(steps)
+        torch.cuda.synchronize()
+        nbytes = sum(s.bytes for s in steps) / len(steps)
+        row = {"kind": "experts", "shape": name, "types": [q.name for q in sc.qtypes], "n_embd": sc.n_embd,
+               "n_ff": sc.n_ff, "top_k": sc.top_k, "rows": t, "MB": round(nbytes / 1e6, 2),
+               "slots": layer.n_slots, "new": rate(nbytes, us, copy), "host_us_eager": round(host, 1)}
+        if sweep:  # one tile for gate/up and down alike
+            row["sweep"] = []
+            for cfg in sweep:
+                run(steps[0], cfg)
+                row["sweep"].append({"config": cfg_name(cfg),
+                                     **rate(nbytes, graph_us([lambda s=s: run(s, cfg) for s in steps], replays),
+                                            copy)})
+            best = min(row["sweep"], key=lambda r: r["us"])
+            print(f"       sweep best {best['config']}: {best['us']} us {best['GBps']} GB/s", flush=True)
+        out.append(row)
+        print(expert_line(row), flush=True)
+    del layer
+    torch.cuda.empty_cache()
+    return out
+
+
+# ------------------------------------------------------------------------------ report
+
+def _sweep_tiles() -> list:
+    """Tiles --sweep times: a row per lane pair (BLOCK_N = 16 x warps) or two (32 x warps)."""
+    from engine.quant import triton_kernels as tk
+
+    return [tk.TileConfig(16, 1), tk.TileConfig(32, 2), tk.TileConfig(64, 4), tk.TileConfig(32, 1),
+            tk.TileConfig(64, 2), tk.TileConfig(128, 4)]
+
+
+def _dense_sweep() -> list:
+    """(tile, programs per SM) pairs --sweep times for the dense kernel."""
+    from engine.quant import triton_kernels as tk
+
+    return ([(t, tk.DENSE_PROGRAMS_PER_SM) for t in _sweep_tiles()]
+            + [(tk.TileConfig(32, 2), n) for n in (2, 8, 16)])
+
+
+def cfg_name(cfg) -> str:
+    return f"bn{cfg.block_n}w{cfg.num_warps}"
+
+
+def dense_line(r: dict) -> str:
+    return (f"dense  {r['shape']:27s} {r['type']:5s} rows={r['rows']}  {r['MB']:8.2f} MB  "
+            f"new {r['new']['us']:8.2f} us {r['new']['GBps']:7.0f} GB/s ({r['new']['of_copy_bw']:.2f} of copy)  "
+            f"old {r['old']['us']:8.2f} us {r['old']['GBps']:7.0f} GB/s  x{r['speedup']}  split {r['split']}"
+            + (f"  padded {r['new_padded']['us']:.2f} us {r['new_padded']['GBps']:.0f} GB/s" if "new_padded" in r
+               else ""))
+
+
+def expert_line(r: dict) -> str:
+    return (f"experts {r['shape']:26s} rows={r['rows']}  {r['MB']:8.2f} MB  {r['new']['us']:8.2f} us "
+            f"{r['new']['GBps']:7.0f} GB/s ({r['new']['of_copy_bw']:.2f} of copy)  host {r['host_us_eager']} us eager")
+
+
+def markdown(result: dict) -> str:
+    """The results as markdown tables (dense products; expert steps)."""
+    from engine.quant import triton_kernels as tk
+
+    head = (f"{result['device']}, torch {result['torch']}, triton {result['triton']}; device-to-device copy "
+            f"{result['copy_GBps']:.0f} GB/s (read + write). GPU time per call from a replayed CUDA graph; "
+            f"weights from HBM. `share` = GB/s / copy GB/s.\n")
+    lines = [head, "| dense product | n_out x K | type | rows | MB | new µs | new GB/s | new share | old µs | "
+             "old GB/s | old share | speedup | split x steps |", "|" + "---|" * 13]
+    for r in result["results"]:
+        if r["kind"] == "dense":
+            n, o = r["new"], r["old"]
+            lines.append(f"| {r['shape']} | {r['n_out']} x {r['K']} | {r['type']} | {r['rows']} | {r['MB']} | "
+                         f"{n['us']} | {n['GBps']:.0f} | {n['of_copy_bw']:.2f} | {o['us']} | {o['GBps']:.0f} | "
+                         f"{o['of_copy_bw']:.2f} | {r['speedup']}x | {r['split'][0]} x {r['split'][1]} |")
+            if "new_padded" in r:  # GB/s of the GGUF bytes, so that it compares with the line above
+                n = r["new_padded"]
+                lines.append(f"| {r['shape']} | {r['n_out']} x {r['K']} | {r['type']} padded to "
+                             f"{tk.Q6_K_PADDED_BLOCK} B blocks | {r['rows']} | {r['MB']} | {n['us']} | "
+                             f"{n['GBps']:.0f} | {n['of_copy_bw']:.2f} | {o['us']} | {o['GBps']:.0f} | "
+                             f"{o['of_copy_bw']:.2f} | {o['us'] / n['us']:.2f}x | {r['split'][0]} x {r['split'][1]} |")
+    lines += ["", "| expert step | types | n_embd x n_ff, top-k | rows | MB | µs | GB/s | share | host µs eager |",
+              "|" + "---|" * 9]
+    for r in result["results"]:
+        if r["kind"] == "experts":
+            n = r["new"]
+            lines.append(f"| {r['shape']} | {'/'.join(r['types'])} | {r['n_embd']} x {r['n_ff']}, {r['top_k']} | "
+                         f"{r['rows']} | {r['MB']} | {n['us']} | {n['GBps']:.0f} | {n['of_copy_bw']:.2f} | "
+                         f"{r['host_us_eager']} |")
+    return "\n".join(lines) + "\n"
+
+
+def _csv(kind, choices=None):
+    def parse(text: str):
+        items = [kind(v.strip()) for v in text.split(",") if v.strip()]
+        if choices is not None:
+            bad = [v for v in items if v not in choices]
+            if bad:
+                raise argparse.ArgumentTypeError(f"unknown {bad}; choose from {', '.join(map(str, choices))}")
+        return items
+    return parse
+
+
+def run(args: argparse.Namespace) -> int:
+    from engine.quant import triton_kernels as tk
+
+    if not torch.cuda.is_available():
+        raise UserError("bench kernels needs a CUDA GPU (this torch sees none); run it on the GPU machine")
+    if tk.INTERPRETED or not tk.available():
+        raise UserError("bench kernels needs Triton compiling for the GPU: install triton and unset TRITON_INTERPRET")
+    import triton
+
+    dev = torch.device("cuda")
+    props = torch.cuda.get_device_properties(dev)
+    l2_bytes = getattr(props, "L2_cache_size", 0) or 50 * 2**20
+    result = {"device": props.name, "sm_count": props.multi_processor_count, "l2_bytes": l2_bytes,
+              "torch": torch.__version__, "triton": triton.__version__, "copy_GBps": round(copy_gbps(dev), 1),
+              "results": []}
+    copy = result["copy_GBps"]
+    print(f"{result['device']} ({result['sm_count']} SMs, L2 {l2_bytes >> 20} MiB)  torch {result['torch']}  "
+          f"triton {result['triton']}  device copy {copy} GB/s (read + write)", flush=True)
+    types = [QT[t] for t in args.types]
+    sweep = _dense_sweep() if args.sweep else None
+    if "dense" in args.only:
+        for name in args.shapes:
+            n_out, K = DENSE_SHAPES[name]
+            for qtype in types:
+                result["results"] += bench_dense(name, n_out, K, qtype, args.rows, dev, copy, l2_bytes,
+                                                 args.replays, sweep)
+    if "experts" in args.only:
+        for name, sc in _expert_scenarios().items():
+            if set(sc.qtypes) <= set(types):
+                result["results"] += bench_experts(name, sc, args.rows, dev, copy, l2_bytes, args.replays,
+                                                   args.steps, _sweep_tiles() if args.sweep else None)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "kernels.json").write_text(json.dumps(result, indent=1))
+    table = markdown(result)
+    (args.out / "kernels.md").write_text(table)
+    print(table)
+    print(f"wrote {args.out / 'kernels.json'} and {args.out / 'kernels.md'}")
+    return 0
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("kernels", help="the GPU decode kernels alone at real shapes: GB/s, share of HBM, "
+                       "the dense kernel against the one it replaced", description=__doc__,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", type=Path, required=True, help="folder for kernels.json and kernels.md")
+    p.add_argument("--only", type=_csv(str, ("dense", "experts")), default=["dense", "experts"],
+                   help="dense, experts or both (default both)")
+    p.add_argument("--types", type=_csv(str, [t.name for t in ALL_TYPES]), default=[t.name for t in ALL_TYPES],
+                   help="weight types (default all the engine loads on the GPU)")
+    p.add_argument("--shapes", type=_csv(str, list(DENSE_SHAPES)), default=list(DENSE_SHAPES),
+                   help="dense shapes (default all)")
+    p.add_argument("--rows", type=_csv(int, list(range(1, 9))), default=list(ROWS),
+                   help="activation rows, 1 to 8 (default 1,2,4,8)")
+    p.add_argument("--steps", type=int, default=24, help="routing draws per expert-step graph")
+    p.add_argument("--replays", type=int, default=5, help="graph replays; the best counts")
+    p.add_argument("--sweep", action="store_true", help="also time other tiles (and, for dense products, splits); "
+                   "the best of each line is printed")
+    p.set_defaults(run=run)

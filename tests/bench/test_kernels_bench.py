@@ -1,0 +1,103 @@
+"""`moestudio bench kernels`: its pieces here (the baseline kernel through Triton's interpreter,
+the weights it draws, the table), the whole command on the GPU machine (marked gpu)."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as QT
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the kernels' import
+pytest.importorskip("triton")
+
+from engine.bench import kernels as kb  # noqa: E402
+from engine.quant import triton_kernels as tk  # noqa: E402
+from engine.quant.activation import round_activation  # noqa: E402
+from engine.quant.dequant import dequantize  # noqa: E402
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message of a machine without CUDA")
+def test_without_cuda_it_exits_with_one_clear_line(tmp_path) -> None:
+    proc = subprocess.run([sys.executable, "-m", "engine.cli", "bench", "kernels", "--out", str(tmp_path)],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "needs a CUDA GPU" in lines[0], proc.stderr
+    assert not list(tmp_path.iterdir()), "nothing written"
+
+
+@pytest.mark.parametrize("qtype", kb.ALL_TYPES, ids=lambda t: t.name)
+def test_random_weights_are_valid_rows_of_the_type(qtype: QT) -> None:
+    raw = kb.random_weight(np.random.default_rng(0), qtype, 64, 512)
+    assert raw.dtype == np.uint8 and raw.shape[0] == 64
+    w = dequantize(torch.from_numpy(np.ascontiguousarray(raw)), qtype, (64, 512))
+    assert torch.isfinite(w).all()
+    assert 0.3 < w.std().item() * 512 ** 0.5 < 3.0, "about std 1/sqrt(K), as a trained weight"
+
+
+@pytest.mark.skipif(not tk.INTERPRETED, reason="the interpreter runs where there is no GPU")
+@pytest.mark.parametrize("qtype", [QT.Q4_K, QT.Q8_0], ids=lambda t: t.name)
+def test_baseline_and_new_dense_kernels_compute_the_same_product(monkeypatch, qtype: QT) -> None:
+    """The speedup the benchmark reports is between two kernels of one product."""
+    monkeypatch.setitem(tk.DOWN_CONFIG, qtype, tk.TileConfig(128, 4))
+    monkeypatch.setitem(tk.DENSE_CONFIG, qtype, tk.TileConfig(128, 4))
+    rng = np.random.default_rng(1)
+    raw = torch.from_numpy(np.ascontiguousarray(kb.random_weight(rng, qtype, 160, 512))).unsqueeze(0)
+    x = torch.from_numpy(rng.standard_normal((3, 512)).astype(np.float32))
+    want = round_activation(x, qtype) @ dequantize(raw[0], qtype, (160, 512)).T
+    old = kb.legacy_dense(x, raw, qtype, 160)
+    new = tk.dense(x, raw, qtype, 160, split=tk.DenseSplit(2, 1))
+    for got in (old, new):
+        assert ((got - want).abs().max() / want.abs().max()).item() < 2e-5
+
+
+def test_cold_copies_cover_four_times_the_l2() -> None:
+    l2 = 50 << 20
+    assert kb.cold_copies(600 << 20, l2) == 1  # an output head is larger than L2 by itself
+    n = kb.cold_copies(1 << 20, l2)
+    assert n * (1 << 20) >= 4 * l2 > (n - 1) * (1 << 20)
+
+
+def test_table_has_a_line_per_result() -> None:
+    rate = {"us": 10.0, "GBps": 900.0, "of_copy_bw": 0.22}
+    dense = {"kind": "dense", "shape": "qwen3-30b-a3b attn_q", "n_out": 4096, "K": 2048, "type": "Q8_0",
+             "rows": 1, "MB": 8.91, "split": [4, 2], "new": rate, "old": {**rate, "us": 20.0}, "speedup": 2.0}
+    q6 = {**dense, "type": "Q6_K", "new_padded": {**rate, "us": 5.0}}
+    experts = {"kind": "experts", "shape": "gpt-oss-120b MXFP4", "types": ["MXFP4"] * 3, "n_embd": 2880,
+               "n_ff": 2880, "top_k": 4, "rows": 8, "MB": 284.0, "new": rate, "host_us_eager": 500.0}
+    table = kb.markdown({"device": "H200", "torch": "2", "triton": "3", "copy_GBps": 4111.0,
+                         "results": [dense, q6, experts]})
+    rows = [ln for ln in table.splitlines() if ln.startswith("| ") and "---" not in ln]
+    assert len(rows) == 6  # two headers; Q8_0, Q6_K and Q6_K padded; the expert step
+    assert "| qwen3-30b-a3b attn_q | 4096 x 2048 | Q8_0 | 1 |" in table and "| 2.0x | 4 x 2 |" in table
+    assert "| Q6_K padded to 224 B blocks | 1 | 8.91 | 5.0 |" in table and "| 4.00x |" in table
+    assert "| gpt-oss-120b MXFP4 | MXFP4/MXFP4/MXFP4 | 2880 x 2880, 4 | 8 |" in table
+
+
+@pytest.mark.gpu
+def test_gpu_bench_kernels_runs_and_reports(tmp_path) -> None:
+    """A small run of the command on the GPU: both kernels timed, rates in range, files written."""
+    if tk.INTERPRETED:
+        pytest.skip("kernels were imported in interpreter mode")
+    args = argparse.Namespace(out=tmp_path, only=["dense", "experts"], types=["Q4_K", "Q6_K"],
+                              shapes=["qwen3-30b-a3b attn_k/v"], rows=[1, 8], steps=4, replays=2, sweep=True)
+    assert kb.run(args) == 0
+    result = json.loads((tmp_path / "kernels.json").read_text())
+    assert result["copy_GBps"] > 100
+    dense = [r for r in result["results"] if r["kind"] == "dense"]
+    experts = [r for r in result["results"] if r["kind"] == "experts"]
+    assert [(r["type"], r["rows"]) for r in dense] == [("Q4_K", 1), ("Q4_K", 8), ("Q6_K", 1), ("Q6_K", 8)]
+    assert {(r["shape"], r["rows"]) for r in experts} == {(f"qwen3-30b-a3b {t}", n) for t in ("Q4_K", "Q6_K", "Q4_K_M")
+                                                          for n in (1, 8)}
+    for r in dense:
+        assert r["max_rel_diff_new_old"] < 1e-4
+        assert 0 < r["new"]["GBps"] and 0 < r["old"]["GBps"] and r["sweep"]
+        assert ("new_padded" in r) == (r["type"] == "Q6_K")
+    assert (tmp_path / "kernels.md").read_text().count("| qwen3-30b-a3b attn_k/v |") == 6
