@@ -45,15 +45,6 @@ def base_url(host: str, port: int) -> str:
     return f"http://{h}:{port}"
 
 
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
 def port_in_use(host: str, port: int) -> bool:
     """Whether a server could not listen on host:port now (as uvicorn binds: SO_REUSEADDR, so
     connections left in TIME_WAIT by the previous engine do not count)."""

@@ -9,9 +9,10 @@ from PySide6.QtGui import QGuiApplication
 from PySide6.QtWidgets import (QFormLayout, QGroupBox, QHBoxLayout, QLabel, QLineEdit, QPlainTextEdit, QPushButton,
                                QSpinBox, QToolButton, QVBoxLayout, QWidget)
 
-from app.address import base_url, is_loopback
+from app.address import base_url
 from app.api_client import anthropic_base_url, openai_base_url
 from app.credentials import new_api_key
+from engine.server.cli import is_loopback
 
 
 def copy_row(edit: QLineEdit) -> QWidget:
