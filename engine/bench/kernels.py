@@ -20,12 +20,15 @@ import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 from gguf import GGMLQuantizationType as QT
 
 from engine.errors import UserError
+
+if TYPE_CHECKING:
+    import torch
 
 ALL_TYPES = (QT.Q4_K, QT.Q5_K, QT.Q6_K, QT.Q8_0, QT.MXFP4, QT.F16, QT.BF16)
 ROWS = (1, 2, 4, 8)
@@ -79,6 +82,8 @@ def legacy_dense(x: torch.Tensor, raw: torch.Tensor, qtype: QT, n_out: int) -> t
     row, the whole K each). Kept here only as the benchmark's baseline. The down kernel is
     today's: for Q8_0 rows of whole K steps it too loads 16 bytes at a time now, so there the
     ratio counts the split over K and the shared weight reads only."""
+    import torch
+
     from engine.quant import triton_kernels as tk
 
     T, K = x.shape
@@ -100,6 +105,7 @@ def legacy_dense(x: torch.Tensor, raw: torch.Tensor, qtype: QT, n_out: int) -> t
 def graph_us(calls: list, replays: int) -> float:
     """GPU microseconds per call: one CUDA graph of all `calls` (argument-less functions,
     already run once so that every kernel is compiled), replayed; the best replay."""
+    import torch
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):  # once on the capture stream (its own semaphores), outside the capture
@@ -124,6 +130,7 @@ def graph_us(calls: list, replays: int) -> float:
 
 def copy_gbps(dev: torch.device) -> float:
     """Device-to-device copy of 2 GiB: bytes read + written per second (best of 5), in GB/s."""
+    import torch
     n = 1 << 31
     a = torch.empty(n, dtype=torch.uint8, device=dev)
     b = torch.empty_like(a)
@@ -156,6 +163,8 @@ def cold_copies(nbytes: int, l2_bytes: int) -> int:
 
 def bench_dense(name: str, n_out: int, K: int, qtype: QT, rows: list[int], dev: torch.device, copy: float,
                 l2_bytes: int, replays: int, sweep: list | None) -> list[dict]:
+    import torch
+
     from engine.quant import triton_kernels as tk
 
     rng = np.random.default_rng(int(qtype) + n_out + K)
@@ -216,6 +225,8 @@ class ExpertLayer:
     top-k distinct experts."""
 
     def __init__(self, sc: ExpertScenario, dev: torch.device, l2_bytes: int):
+        import torch
+
         from engine.layers.moe import ExpertTensor, ExpertWeights
 
         rng = np.random.default_rng(0)
@@ -237,6 +248,7 @@ class ExpertStep:
     slot (as the hybrid executor sends them), and the bytes of the distinct experts read."""
 
     def __init__(self, layer: ExpertLayer, n_tok: int, k: int, g: torch.Generator, dev: torch.device):
+        import torch
         self.x = torch.randn(n_tok, layer.w.gate.shape[2], generator=g).to(dev)
         ids = torch.stack([torch.randperm(layer.n_slots, generator=g)[:k] for _ in range(n_tok)]).numpy()
         self.weights = torch.rand(n_tok, k, generator=g).to(dev)
@@ -251,6 +263,8 @@ class ExpertStep:
 
 def bench_experts(name: str, sc: ExpertScenario, rows: list[int], dev: torch.device, copy: float, l2_bytes: int,
                   replays: int, n_steps: int, sweep: list | None) -> list[dict]:
+    import torch
+
     from engine.quant import triton_kernels as tk
 
     layer = ExpertLayer(sc, dev, l2_bytes)
@@ -371,6 +385,8 @@ def _csv(kind, choices=None):
 
 
 def run(args: argparse.Namespace) -> int:
+    import torch
+
     from engine.quant import triton_kernels as tk
 
     if not torch.cuda.is_available():
