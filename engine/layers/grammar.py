@@ -42,14 +42,8 @@ def json_schema_grammar(schema: dict[str, Any] | bool) -> str:
     """The llguidance grammar of JSON documents matching `schema`; UserError for a schema it cannot compile."""
     import llguidance
 
-    try:
-        grammar = llguidance.LLMatcher.grammar_from_json_schema(json.dumps(schema), overrides=JSON_OPTIONS)
-    except ValueError as e:
-        raise UserError(f"the JSON schema cannot be used for constrained decoding: {e}") from None
-    error = validate(grammar)
-    if error:
-        raise UserError(f"the JSON schema cannot be used for constrained decoding: {error}")
-    return grammar
+    return _checked(lambda: llguidance.LLMatcher.grammar_from_json_schema(json.dumps(schema), overrides=JSON_OPTIONS),
+                    "the JSON schema")
 
 
 def any_json_object_grammar() -> str:
@@ -60,13 +54,18 @@ def any_json_object_grammar() -> str:
 def lark_grammar(lark: str) -> str:
     import llguidance
 
+    return _checked(lambda: llguidance.LLMatcher.grammar_from_lark(lark), "the grammar")
+
+
+def _checked(build: Any, what: str) -> str:
+    """The grammar `build()` makes, refused in one line (naming `what`) if llguidance cannot compile it."""
     try:
-        grammar = llguidance.LLMatcher.grammar_from_lark(lark)
+        grammar = build()
     except ValueError as e:
-        raise UserError(f"the grammar cannot be used for constrained decoding: {e}") from None
+        raise UserError(f"{what} cannot be used for constrained decoding: {e}") from None
     error = validate(grammar)
     if error:
-        raise UserError(f"the grammar cannot be used for constrained decoding: {error}")
+        raise UserError(f"{what} cannot be used for constrained decoding: {error}")
     return grammar
 
 
