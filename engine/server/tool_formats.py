@@ -238,7 +238,7 @@ class ToolFormat:
             last = i == len(chunks) - 1
             lead = chunk.lstrip()
             if i == 0 and not lead.startswith((H_CHANNEL, "to=")):
-                if not final and last and lead and (H_CHANNEL.startswith(lead) or "to=functions.".startswith(lead)):
+                if not final and last and (H_CHANNEL.startswith(lead) or "to=functions.".startswith(lead)):
                     break  # may be the start of a header: wait
                 content.append(chunk if final or not last else self._unheld(chunk))  # no harmony structure
                 continue

@@ -133,7 +133,7 @@ def _deepseek_template(fenced: bool) -> str:
         "{% for message in messages %}"
         "{% if message['role'] == 'user' %}{{ '<｜User｜>' + message['content'] }}"
         "{% elif message['role'] == 'assistant' and message.get('tool_calls') %}"
-        "{{ '<｜Assistant｜>' + message['content'] + '<｜tool▁calls▁begin｜>' }}"
+        "{{ '<｜Assistant｜>' + (message['content'] or '') + '<｜tool▁calls▁begin｜>' }}"
         "{% for call in message['tool_calls'] %}" + _FN + call + "{% endfor %}"
         "{{ '<｜tool▁calls▁end｜><｜end▁of▁sentence｜>' }}"
         "{% elif message['role'] == 'assistant' %}{{ '<｜Assistant｜>' + message['content'] + '<｜end▁of▁sentence｜>' }}"
