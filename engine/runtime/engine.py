@@ -76,6 +76,7 @@ class Request:
     tools: list[dict] | None = None  # function definitions the chat template renders (OpenAI's shape)
     grammar: str | None = None  # an llguidance grammar the output must match (engine/layers/grammar.py)
     logprobs: int | None = None  # None: off; N: each token's log-probability and the N most likely
+    special_tokens: bool = False  # decode control tokens as their text (a tool-call parser reads the markers)
 
 
 @dataclass
@@ -121,7 +122,7 @@ class Completion:
         row the token was sampled from, for the log-probabilities the request asked for."""
         if tokenizer.is_eog(token) and not request.ignore_eos:
             return None
-        event = TokenEvent(token, self.feed(tokenizer.piece(token)))
+        event = TokenEvent(token, self.feed(tokenizer.piece(token, request.special_tokens)))
         if request.logprobs is not None and logits is not None:
             event.logprob, event.top_logprobs = token_logprobs(logits, token, request.logprobs)
         return event

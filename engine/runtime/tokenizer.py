@@ -7,7 +7,7 @@ Jinja template, rendered as llama-cpp-python renders it.
 from __future__ import annotations
 
 import ctypes
-from functools import lru_cache
+from functools import cached_property, lru_cache
 from pathlib import Path
 
 from engine.baseline.llama_load import llama_cpp, load_model
@@ -66,18 +66,36 @@ class Tokenizer:
             n = L.llama_tokenize(self._vocab, data, len(data), out, cap, add_special, parse_special)
         return list(out[:n])
 
-    def piece(self, token: int) -> bytes:
-        """The bytes token `token` contributes to the text; control tokens contribute none."""
+    def piece(self, token: int, special: bool = False) -> bytes:
+        """The bytes token `token` contributes to the text; control tokens contribute none unless
+        `special` (then their own text, e.g. "<|im_start|>", as a tool-call parser needs it)."""
         L = llama_cpp()
         buf = ctypes.create_string_buffer(64)
-        n = L.llama_token_to_piece(self._vocab, token, buf, len(buf), 0, False)
+        n = L.llama_token_to_piece(self._vocab, token, buf, len(buf), 0, special)
         if n < 0:
             buf = ctypes.create_string_buffer(-n)
-            n = L.llama_token_to_piece(self._vocab, token, buf, len(buf), 0, False)
+            n = L.llama_token_to_piece(self._vocab, token, buf, len(buf), 0, special)
         return buf.raw[:n]
 
-    def decode(self, tokens: list[int]) -> str:
-        return b"".join(self.piece(t) for t in tokens).decode("utf-8", errors="replace")
+    def decode(self, tokens: list[int], special: bool = False) -> str:
+        return b"".join(self.piece(t, special) for t in tokens).decode("utf-8", errors="replace")
+
+    @cached_property
+    def special_texts(self) -> frozenset[str]:
+        """The text of every control token: what decoding with special=True adds to the plain text."""
+        L = llama_cpp()
+        control = L.LLAMA_TOKEN_ATTR_CONTROL
+        return frozenset(text for t in range(self.n_vocab) if L.llama_vocab_get_attr(self._vocab, t) & control
+                         if (text := self.piece(t, True).decode("utf-8", errors="replace")))
+
+    def special_token(self, text: str) -> int | None:
+        """The id of the one token that `text` is, if it is a special (control or user-defined) token."""
+        ids = self.encode(text, parse_special=True)
+        if len(ids) != 1:
+            return None
+        L = llama_cpp()
+        attr = L.llama_vocab_get_attr(self._vocab, ids[0])
+        return ids[0] if attr & (L.LLAMA_TOKEN_ATTR_CONTROL | L.LLAMA_TOKEN_ATTR_USER_DEFINED) else None
 
     def is_eog(self, token: int) -> bool:
         return token in self._eog
@@ -108,7 +126,7 @@ class Tokenizer:
         from llama_cpp.llama_chat_format import Jinja2ChatFormatter
 
         def token_text(t: int) -> str:
-            return self.piece_special(t).decode("utf-8", errors="replace") if t >= 0 else ""
+            return self.piece(t, True).decode("utf-8", errors="replace") if t >= 0 else ""
 
         try:  # compiling the template (in the constructor) fails on a corrupt one as rendering does
             fmt = Jinja2ChatFormatter(self.chat_template or CHATML, eos_token=token_text(self.eos),
@@ -116,12 +134,6 @@ class Tokenizer:
             return fmt(messages=messages, tools=tools).prompt
         except Exception as e:  # a template error is the model file's problem: say which
             raise UserError(f"the chat template of {self.path.name} failed to render: {e}") from None
-
-    def piece_special(self, token: int) -> bytes:
-        L = llama_cpp()
-        buf = ctypes.create_string_buffer(256)
-        n = L.llama_token_to_piece(self._vocab, token, buf, len(buf), 0, True)
-        return buf.raw[:max(n, 0)]
 
 
 @lru_cache(maxsize=8)

@@ -23,7 +23,7 @@ from engine.errors import UserError
 from engine.server import parse
 from engine.server.errors import ApiError, sse_error
 from engine.server.generation import Generation, ready_engine
-from engine.server.tools import (CallFilter, ToolCall, ToolUse, anthropic_tool_use, call_grammar, check_template,
+from engine.server.tools import (CallFilter, ToolCall, ToolUse, anthropic_tool_use, call_grammar, for_model,
                                  parse_calls)
 from engine.server.openai_api import SSE_HEADERS, is_done, sse
 
@@ -104,7 +104,7 @@ def _tools(http: HttpRequest, body: dict) -> tuple[ToolUse | None, str | None]:
     if use is None:
         return None, None
     tokenizer = ready_engine(http.app.state.worker).tokenizer
-    check_template(tokenizer)
+    use = for_model(use, tokenizer)
     return use, call_grammar(use, tokenizer) if use.forced else None
 
 

@@ -53,6 +53,7 @@ class Outcome:
 class Generation:
     def __init__(self, worker: EngineWorker, job: Job, prompt_tokens: int, stops: tuple[str, ...]):
         self.worker, self.job, self.prompt_tokens, self.stops = worker, job, prompt_tokens, stops
+        self.special_tokens = job.request.special_tokens
         self._tokens: list[int] = []
         self.done: Any = None  # the engine's DoneEvent, once it came
         request_log.attach(self)
@@ -65,7 +66,8 @@ class Generation:
                     param: str = "messages", grammar: str | None = None, logprobs: int | None = None,
                     tools: list[dict] | None = None) -> Generation:
         """`grammar`: an llguidance grammar the output must match; `logprobs`: None, or how many
-        alternatives each token's event lists; `tools`: function definitions for the chat template."""
+        alternatives each token's event lists; `tools`: function definitions for the chat template (the
+        reply then decodes special tokens as text, for the tool-call parser: engine/server/tool_formats.py)."""
         from engine.runtime.engine import Request
 
         engine = ready_engine(worker)
@@ -77,7 +79,7 @@ class Generation:
         # Without max_tokens a generation runs until it stops or the context is full.
         limit = min(max_tokens or engine.n_ctx, engine.n_ctx - len(tokens))
         job = worker.submit(Request(prompt=tokens, max_tokens=limit, sampling=sampling, stop=stops, grammar=grammar,
-                                    logprobs=logprobs))
+                                    logprobs=logprobs, special_tokens=tools is not None))
         return cls(worker, job, len(tokens), stops)
 
     @property
@@ -144,5 +146,5 @@ class Generation:
         """Which stop string ended the generation: the one the raw token text holds where the output ends."""
         if done.finish_reason != "stop" or not self.stops:
             return None
-        raw = self.worker.engine.tokenizer.decode(self._tokens)
+        raw = self.worker.engine.tokenizer.decode(self._tokens, self.special_tokens)
         return next((s for s in self.stops if raw.startswith(s, len(done.text))), None)

@@ -24,7 +24,7 @@ from engine.server import parse
 from engine.server.errors import ApiError, sse_error
 from engine.server.generation import Generation, ready_engine
 from engine.server.openai_api import is_done
-from engine.server.tools import CallFilter, ToolUse, check_template, openai_tool_use, parse_calls
+from engine.server.tools import CallFilter, ToolUse, check_template, for_model, openai_tool_use, parse_calls
 
 OLLAMA_VERSION = "0.12.0"  # the Ollama release whose API these endpoints follow
 NDJSON = "application/x-ndjson"
@@ -183,7 +183,7 @@ async def chat(http: HttpRequest) -> Response:
     body = await parse.read_json(http)
     messages, use = _chat_messages(body), openai_tool_use({"tools": body.get("tools")})
     if use is not None:
-        check_template(ready_engine(http.app.state.worker).tokenizer)
+        use = for_model(use, ready_engine(http.app.state.worker).tokenizer)
     sampling, max_tokens, stops = _options(body)
     if not messages:  # Ollama's way to load a model: nothing to generate
         ready_engine(http.app.state.worker)

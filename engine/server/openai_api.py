@@ -17,7 +17,7 @@ from engine.errors import UserError
 from engine.server import parse
 from engine.server.errors import ApiError, sse_error
 from engine.server.generation import Generation, Outcome, ready_engine
-from engine.server.tools import CallFilter, call_grammar, check_template, openai_tool_use, parse_calls
+from engine.server.tools import CallFilter, call_grammar, for_model, openai_tool_use, parse_calls
 
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
 SSE_HEADERS = {"cache-control": "no-cache", "x-accel-buffering": "no"}
@@ -187,7 +187,7 @@ async def chat_completions(http: HttpRequest) -> Response:
     grammar = None
     if use is not None:
         tokenizer = ready_engine(http.app.state.worker).tokenizer
-        check_template(tokenizer)
+        use = for_model(use, tokenizer)
         grammar = call_grammar(use, tokenizer) if use.forced else None
     gen, stream, include_usage = await _start(
         http, body, grammar, messages=messages, logprobs=chat_logprobs(body),

@@ -2,25 +2,23 @@
 
 Tools reach the model through its own chat template (the GGUF's Jinja template receives `tools`
 in OpenAI's shape); a template that does not render them is refused with a 400. Calls are read
-from the reply in the format the template teaches: Hermes/Qwen `<tool_call>{json}</tool_call>`
-blocks when the template uses them, otherwise a bare JSON object `{"name", "arguments"}` (or a
-list of them) as the whole reply. A forced call (OpenAI "required" or a named function,
-Anthropic "any" or "tool") is a grammar (engine/layers/grammar.py) that admits exactly one call in
-that format, to one of the allowed tools, with arguments matching its schema.
+from the reply in the format the template teaches (engine/server/tool_formats.py: Hermes/Qwen,
+gpt-oss harmony, Mistral, DeepSeek, or a bare JSON reply). A forced call (OpenAI "required" or a
+named function, Anthropic "any" or "tool") is a grammar (engine/layers/grammar.py) that admits
+exactly one call in that format, to one of the allowed tools, with arguments matching its schema.
 """
 from __future__ import annotations
 
-import json
+import dataclasses
 import re
-import uuid
+import threading
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
 from engine.errors import UserError
 from engine.server.errors import ApiError
-
-HERMES_OPEN, HERMES_CLOSE = "<tool_call>", "</tool_call>"
-_HERMES_CALL = re.compile(re.escape(HERMES_OPEN) + r"\s*(.*?)\s*" + re.escape(HERMES_CLOSE), re.S)
+from engine.server.tool_formats import ToolCall, ToolFormat  # ToolCall: the API modules take it from here
 _PROBE = "moestudio_tool_probe"  # a tool name no template prints unless it renders the tools it gets
 
 
@@ -41,13 +39,11 @@ class Tool:
 class ToolUse:
     tools: tuple[Tool, ...]
     forced: tuple[str, ...] | None  # the names one of which must be called; None: the model may answer in text
+    format: ToolFormat | None = None  # the model's call format (for_model sets it)
 
-
-@dataclass(frozen=True)
-class ToolCall:
-    id: str
-    name: str
-    arguments: dict[str, Any]
+    @property
+    def names(self) -> frozenset[str]:
+        return frozenset(t.name for t in self.tools)
 
 
 def _tool(name: Any, description: Any, parameters: Any, where: str, given: dict | None = None) -> Tool:
@@ -133,101 +129,59 @@ def check_template(tokenizer: Any) -> None:
                        "'tools'): this model cannot be given tools", param="tools", code="unsupported_parameter")
 
 
-def uses_hermes(tokenizer: Any) -> bool:
-    return HERMES_OPEN in (tokenizer.chat_template or "")
+_formats: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # Tokenizer -> ToolFormat
+_formats_lock = threading.Lock()
+
+
+def tool_format(tokenizer: Any) -> ToolFormat:
+    """The model's tool-call format, from its chat template and special tokens (built once per tokenizer)."""
+    with _formats_lock:
+        fmt = _formats.get(tokenizer)
+        if fmt is None:
+            fmt = _formats[tokenizer] = ToolFormat(tokenizer.chat_template, tokenizer.special_texts)
+        return fmt
+
+
+def for_model(use: ToolUse, tokenizer: Any) -> ToolUse:
+    """`use`, checked against the model's template (400 without tool support), with the model's call format."""
+    check_template(tokenizer)
+    return dataclasses.replace(use, format=tool_format(tokenizer))
 
 
 def call_grammar(use: ToolUse, tokenizer: Any) -> str:
-    """The grammar of one call to one of `use.forced`, in the template's format."""
-    from engine.layers.grammar import json_schema_grammar, lark_grammar
-
+    """The grammar of exactly one call to one of `use.forced`, in the model's format."""
     by_name = {t.name: t for t in use.tools}
-    options = [{"type": "object", "properties": {"name": {"const": name}, "arguments": by_name[name].parameters},
-                "required": ["name", "arguments"], "additionalProperties": False} for name in use.forced]
-    schema = options[0] if len(options) == 1 else {"anyOf": options}
     try:
-        if not uses_hermes(tokenizer):
-            return json_schema_grammar(schema)
-        json_schema_grammar(schema)  # the same schema, checked on its own for a message that names it
-        return lark_grammar(f"start: {json.dumps(HERMES_OPEN + chr(10))} call {json.dumps(chr(10) + HERMES_CLOSE)}\n"
-                            f"call: %json {json.dumps(schema)}\n")
+        return (use.format or tool_format(tokenizer)).call_grammar(
+            [(name, by_name[name].parameters) for name in use.forced], tokenizer.special_token)
     except UserError as e:
         raise ApiError(400, f"a tool's parameters cannot be enforced: {e}", param="tools",
                        code="invalid_value") from None
 
 
-def _call(obj: Any, names: set[str]) -> ToolCall | None:
-    if not isinstance(obj, dict) or obj.get("name") not in names:
-        return None
-    arguments = obj.get("arguments", obj.get("parameters", {}))
-    if isinstance(arguments, str):
-        try:
-            arguments = json.loads(arguments)
-        except ValueError:
-            return None
-    if not isinstance(arguments, dict):
-        return None
-    return ToolCall(f"call_{uuid.uuid4().hex[:24]}", obj["name"], arguments)
-
-
 def parse_calls(text: str, use: ToolUse) -> tuple[str, list[ToolCall]]:
-    """(the reply's text outside calls, its calls). Calls to tools not offered stay text."""
-    names = {t.name for t in use.tools}
-    calls = []
-    for match in _HERMES_CALL.finditer(text):
-        try:
-            call = _call(json.loads(match.group(1)), names)
-        except ValueError:
-            call = None
-        if call is not None:
-            calls.append(call)
-    if calls:
-        return text[:text.index(HERMES_OPEN)].rstrip(), calls
-    try:  # the generic format: the whole reply is a call, or a list of calls
-        whole = json.loads(text)
-    except ValueError:
-        return text, []
-    found = [_call(obj, names) for obj in (whole if isinstance(whole, list) else [whole])]
-    if found and all(found):
-        return "", found
-    return text, []
+    """(the reply's content, its calls): content without markers or special tokens; calls to tools
+    not offered, and malformed ones, are not calls."""
+    return use.format.split(text, use.names)
 
 
 class CallFilter:
-    """A streamed reply's text, holding back from where a call may start (`<tool_call>`, or a reply
-    that begins with `{` or `[`); `finish` parses what was held."""
+    """A streamed reply's content as it comes, holding back what may be (part of) a call or a marker;
+    `finish` parses the whole reply."""
 
     def __init__(self, use: ToolUse):
         self.use = use
-        self._sent, self._held = "", ""
-        self._holding = False
+        self._raw, self._sent = "", ""
 
     def feed(self, text: str) -> str:
-        """The part of `text` that is surely not a call, to stream now."""
-        buffer = self._held + text
-        if self._holding:
-            self._held = buffer
-            return ""
-        if not self._sent and buffer.lstrip()[:1] in ("{", "["):
-            self._holding, self._held = True, buffer
-            return ""
-        at = buffer.find(HERMES_OPEN)
-        if at >= 0:
-            self._holding, self._held = True, buffer[at:]
-            out = buffer[:at]
-        else:  # keep a tail that may be the start of "<tool_call>"
-            keep = next((n for n in range(min(len(buffer), len(HERMES_OPEN) - 1), 0, -1)
-                         if HERMES_OPEN.startswith(buffer[-n:])), 0)
-            out, self._held = buffer[:len(buffer) - keep], buffer[len(buffer) - keep:]
-        if not self._sent and not out.strip():
-            self._held = out + self._held  # leading whitespace: wait to see what follows
-            return ""
+        """The content that `text` (the next piece of the decoded reply) makes sure of, to stream now."""
+        self._raw += text
+        surely, _ = self.use.format.split(self._raw, self.use.names, final=False)
+        out = surely[len(self._sent):] if surely.startswith(self._sent) else ""
         self._sent += out
         return out
 
     def finish(self) -> tuple[str, list[ToolCall]]:
-        """(held text to stream as text, the calls) once the reply is complete."""
-        text, calls = parse_calls(self._sent + self._held, self.use)
-        if not calls:
-            return self._held, []
-        return text[len(self._sent):], calls
+        """(the content not streamed yet, the calls) once the reply is complete."""
+        content, calls = parse_calls(self._raw, self.use)
+        return (content[len(self._sent):] if content.startswith(self._sent) else ""), calls

@@ -38,6 +38,7 @@ class ModelSpec:
     kv_lora_rank: int = 0
     rope_dim: int = 0  # the rotary part of each head (MLA); 0 = whole head
     name: str = ""
+    chat: str = "hermes"  # the chat template and its special tokens (engine/synth/tokenizer.CHAT_FAMILIES)
 
     def with_(self, **changes) -> "ModelSpec":
         return dataclasses.replace(self, **changes)

@@ -53,7 +53,7 @@ def write_model(path: str | os.PathLike, spec: ModelSpec, routing: Routing, seed
     an interrupted write never leaves a truncated model behind.
     """
     path = Path(path)
-    lay = layout(spec, tokenizer.vocab_size())
+    lay = layout(spec, tokenizer.vocab_size(spec.chat))
     maker = WeightMaker(spec, routing, seed)
 
     tmp = path.with_name(path.name + ".partial")
@@ -64,7 +64,7 @@ def write_model(path: str | os.PathLike, spec: ModelSpec, routing: Routing, seed
     w.add_file_type(int(spec.expert_qtype))
     for key, value in lay.metadata.items():
         _add_metadata(w, key, value)
-    tokenizer.add_tokenizer(w)
+    tokenizer.add_tokenizer(w, spec.chat)
 
 
     for t in lay.tensors:

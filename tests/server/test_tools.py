@@ -11,7 +11,8 @@ import openai
 import pytest
 from pydantic import BaseModel
 
-from engine.server.tools import CallFilter, Tool, ToolUse, parse_calls
+from engine.server.tools import CallFilter, Tool, ToolFormat, ToolUse, parse_calls
+from engine.synth.tokenizer import CHAT_TEMPLATE, SPECIAL_TOKENS
 from tests.reliability.test_gguf_fuzz import Gguf, string
 
 USER = [{"role": "user", "content": "What is the weather in Paris?"}]
@@ -177,7 +178,8 @@ def test_a_template_without_tool_support_answers_400(serve, no_tools_model):
 
 # ---- parsing and the stream filter, on their own ------------------------------------------------
 
-USE = ToolUse((Tool("f", "", {"type": "object"}), Tool("g", "", {"type": "object"})), None)
+USE = ToolUse((Tool("f", "", {"type": "object"}), Tool("g", "", {"type": "object"})), None,
+              ToolFormat(CHAT_TEMPLATE, SPECIAL_TOKENS))
 
 
 @pytest.mark.parametrize("text, content, calls", [
@@ -197,8 +199,9 @@ def test_parse_calls(text, content, calls):
 
 
 @pytest.mark.parametrize("pieces, streamed, tail, names", [
-    (["Hel", "lo <tool", "_call>", '{"name": "f", "arguments": {}}', "</tool_call>"], "Hello ", "", ["f"]),
+    (["Hel", "lo <tool", "_call>", '{"name": "f", "arguments": {}}', "</tool_call>"], "Hello", "", ["f"]),
     (["Hel", "lo <to", "ol time"], "Hello <tool time", "", []),
+    (["Hi<|im_", "end|> there"], "Hi there", "", []),  # a control token's text never reaches the content
     (["  ", '{"name"', ': "g", "arguments": {}}'], "", "", ["g"]),
     (["{ not", " a call"], "", "{ not a call", []),
     (["a < b"], "a < b", "", []),
