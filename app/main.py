@@ -364,6 +364,7 @@ class MainWindow(QMainWindow):
     def _ready(self, health: dict) -> None:
         self.chat.set_context_size(health.get("n_ctx"))
         self.statusBar().showMessage(f"{health.get('engine', '?')} engine: {health.get('engine_reason', '')}", 10000)
+        self.dashboard.set_engine_reason(health.get("engine_reason"))
 
     def _crashed(self, crash: Crash, will_restart: bool) -> None:
         if will_restart:

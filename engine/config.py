@@ -159,8 +159,9 @@ def _choices(options: tuple[str, ...]) -> str:
 
 FIELDS: dict[str, Field] = {
     "model": Field(_text, "Model", "GGUF model file", "FILE"),
-    "engine": Field(_choice(ENGINES), "Engine", "hybrid (this engine), llamacpp, or auto: hybrid when it supports "
-                    "the model's architecture and quant types (default: auto)", _choices(ENGINES)),
+    "engine": Field(_choice(ENGINES), "Engine", "hybrid (this engine), llamacpp, or auto: without a CUDA GPU "
+                    "llama.cpp (faster on the CPU alone), with one hybrid when it supports the model's architecture "
+                    "and quant types (default: auto)", _choices(ENGINES)),
     "host": Field(_text, "Host", "address to listen on (default: 127.0.0.1; others need --api-key)", "HOST"),
     "port": Field(_int(0, 65535), "Port", "TCP port (default: 8080; 0 picks a free one)"),
     "api_key": Field(_text, "API key", f"require this key (Bearer or x-api-key) on every endpoint but /health; "

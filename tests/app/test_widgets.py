@@ -193,6 +193,15 @@ def test_dashboard_without_expert_cache_says_so(qtbot):
     assert list(d.decode_curve.getData()[1]) == [5.0, 6.0, 7.0]
     assert d.hit_curves[0].getData()[1] is None or len(d.hit_curves[0].getData()[1]) == 0
     assert "resident" not in d.summary.text() and "VRAM" not in d.summary.text()
+    # why llama.cpp runs: the server's reason (/health), told in this layout only
+    assert not d.why_note.isVisibleTo(d)
+    reason = ("auto: no CUDA GPU here; llama.cpp is faster on the CPU alone "
+              "(--engine hybrid runs the MoE Studio engine anyway)")
+    d.set_engine_reason(reason)
+    assert d.why_note.isVisibleTo(d) and d.why_note.text() == f"<b>Why llama.cpp:</b> {reason}"
+    d.ingest(_snap(3, 3, cache=_cache(slots=0)))  # the hybrid engine (another start): no such note
+    d.redraw()
+    assert d.mode == "cpu" and not d.why_note.isVisibleTo(d)
 
 
 def test_dashboard_cpu_only_mode_shows_heat_cpu_and_ram_and_says_why(qtbot):
