@@ -211,7 +211,7 @@ class SettingsPanel(QWidget):
             editor.setToolTip(f"{flag(name)}{' / ' + field.short if field.short else ''}: {field.help}")
             used = QLabel()
             used.setObjectName(f"effective_{name}")
-            used.setStyleSheet("color: palette(placeholder-text)")
+            used.setStyleSheet("color: gray")  # a note beside the value, not a value
             used.setTextInteractionFlags(Qt.TextSelectableByMouse)
             row = QWidget()
             rl = QHBoxLayout(row)

@@ -30,7 +30,10 @@ ENGINE_NAMES = {"hybrid": "the MoE Studio hybrid engine", "llamacpp": "llama.cpp
 def engine_sentence(kind: str, reason: str) -> str:
     """One sentence: what runs the model on this machine, and why (the server's own choice and
     reason, from the planner helper: engine/server/loader.choose_engine)."""
-    return f"On this machine <b>{ENGINE_NAMES.get(kind, kind)}</b> will run it ({reason})."
+    name = f"<b>{ENGINE_NAMES.get(kind, kind)}</b>"
+    if reason.startswith("auto: "):
+        return f"On this machine {name} will run it (engine auto): {reason.removeprefix('auto: ')}."
+    return f"On this machine {name} will run it: {reason}."
 
 
 def fmt_bytes(n: int | None) -> str:

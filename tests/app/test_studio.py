@@ -91,8 +91,8 @@ def test_wizard_to_started_engine(studio, monkeypatch):
 
     cuda = torch.cuda.is_available()
     if not cuda:
-        assert ("On this machine <b>llama.cpp</b> will run it (auto: no CUDA GPU here; llama.cpp is faster on the "
-                "CPU alone (--engine hybrid runs the MoE Studio engine anyway)).") in details
+        assert ("On this machine <b>llama.cpp</b> will run it (engine auto): no CUDA GPU here; llama.cpp is faster "
+                "on the CPU alone (--engine hybrid runs the MoE Studio engine anyway).") in details
     wiz.next()
     plan = wiz.plan_page
     wait_until(plan.isComplete, 30, "the plan")
@@ -100,8 +100,8 @@ def test_wizard_to_started_engine(studio, monkeypatch):
     # this test drives the MoE Studio engine: chosen explicitly, and the sentence follows the choice
     plan.engine.setCurrentText("hybrid")
     wait_until(lambda: plan.plan is not None and plan.plan["engine"] == "hybrid", 10, "the plan for hybrid")
-    assert plan.engine_note.text() == ("On this machine <b>the MoE Studio hybrid engine</b> will run it "
-                                       "(chosen with --engine hybrid).")
+    assert plan.engine_note.text() == ("On this machine <b>the MoE Studio hybrid engine</b> will run it: "
+                                       "chosen with --engine hybrid.")
     names = [plan.table.item(r, 0).text() for r in range(plan.table.rowCount())]
     assert "KV cache" in names and "decode ceiling" in names
     kv_row = names.index("KV cache")
