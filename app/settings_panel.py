@@ -7,7 +7,6 @@ them is shown clamped with a message. Beside each option: what the running engin
 from __future__ import annotations
 
 
-from pathlib import Path
 from typing import Any
 
 from PySide6.QtCore import Qt, Signal
