@@ -354,6 +354,7 @@ class MainWindow(QMainWindow):
         else:
             self.streamer.stop()
             self.chat.set_context_size(None)
+            self.settings_panel.set_effective(None)
 
     def _progress(self, pct: int, stage: str) -> None:
         self.progress_bar.setValue(pct)
@@ -364,6 +365,8 @@ class MainWindow(QMainWindow):
     def _ready(self, health: dict) -> None:
         self.chat.set_context_size(health.get("n_ctx"))
         self.statusBar().showMessage(f"{health.get('engine', '?')} engine: {health.get('engine_reason', '')}", 10000)
+        self.dashboard.set_engine_reason(health.get("engine_reason"))
+        self.settings_panel.set_effective(health)
 
     def _crashed(self, crash: Crash, will_restart: bool) -> None:
         if will_restart:

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from engine.config import Config, read_toml, write_toml
+from engine.errors import UserError
 
 from app.address import DEFAULT_API_HOST, DEFAULT_API_PORT
 
@@ -67,3 +68,41 @@ def list_presets(presets_dir: Path) -> list[str]:
 
 def config_dict(cfg: Config) -> dict[str, Any]:
     return asdict(cfg)
+
+
+@dataclass(frozen=True)
+class ModelLimits:
+    """What a model's header bounds among the settings."""
+    path: str
+    n_ctx_train: int | None
+    n_expert: int
+
+
+def model_limits(model: str | None) -> ModelLimits | None:
+    """The limits of the model file, or None when there is none or it cannot be read (the engine
+    then says why at its start)."""
+    if not model or not Path(model).is_file():
+        return None
+    from app.library import read_model_info
+
+    try:
+        info = read_model_info(model)
+    except (UserError, OSError, ValueError):
+        return None
+    return ModelLimits(model, info.n_ctx_train, info.n_expert)
+
+
+def check_for_model(cfg: Config, limits: ModelLimits | None) -> str | None:
+    """Why these settings would not run as written on this model, or None. The engine caps a
+    context above the training length (engine/plan/sizing.resolve_ctx), so such a value would
+    silently differ from what runs: the settings panel refuses or clamps it, saying so."""
+    if limits is None:
+        return None
+    if limits.n_ctx_train and cfg.ctx > limits.n_ctx_train:
+        return (f"ctx {cfg.ctx:,} is above this model's training context ({limits.n_ctx_train:,} tokens), "
+                f"which is the most the engine runs: use at most {limits.n_ctx_train:,} (or 0 for exactly that)")
+    size = cfg.moe_expert_cache_size
+    if limits.n_expert and isinstance(size, int) and size > limits.n_expert:
+        return (f"moe_expert_cache_size {size} is more slots than this model has experts per layer "
+                f"({limits.n_expert}): use at most {limits.n_expert} (or all)")
+    return None

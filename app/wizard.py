@@ -24,6 +24,18 @@ from app.plan_service import PlanService
 MIB = 1 << 20
 
 
+ENGINE_NAMES = {"hybrid": "the MoE Studio hybrid engine", "llamacpp": "llama.cpp"}
+
+
+def engine_sentence(kind: str, reason: str) -> str:
+    """One sentence: what runs the model on this machine, and why (the server's own choice and
+    reason, from the planner helper: engine/server/loader.choose_engine)."""
+    name = f"<b>{ENGINE_NAMES.get(kind, kind)}</b>"
+    if reason.startswith("auto: "):
+        return f"On this machine {name} will run it (engine auto): {reason.removeprefix('auto: ')}."
+    return f"On this machine {name} will run it: {reason}."
+
+
 def fmt_bytes(n: int | None) -> str:
     if n is None:
         return ""
@@ -175,8 +187,6 @@ class ModelPage(QWizardPage):
         g = info["geometry"]
         types = ", ".join(f"{k} \u00d7{v}" for k, v in info["quant_types"].items())
         expert_types = ", ".join(info["expert_quant_types"]) or "none"
-        engine = ("<b>the MoE Studio hybrid engine</b>" if info["engine"] == "hybrid"
-                  else "<b>llama.cpp</b> (the hybrid engine cannot run it)")
         self.details.setText(
             f"<b>{g['name']}</b> \u2014 {fmt_bytes(g['file_bytes'])}<br>"
             f"architecture <b>{g['arch']}</b>, {g['n_layer']} layers ({len(g['moe_layers'])} MoE), "
@@ -185,7 +195,7 @@ class ModelPage(QWizardPage):
             f"expert quantization: {expert_types}; all tensors: {types}<br>"
             f"one expert: {fmt_bytes(g['expert_bytes'])}; all experts: {fmt_bytes(g['experts_bytes_total'])}; "
             f"dense weights: {fmt_bytes(g['dense_bytes'])}<br>"
-            f"Runs on {engine}: {info['engine_reason']}")
+            f"{engine_sentence(info['engine'], info['engine_reason'])}")
         self.wizard().model_info = info
         self.completeChanged.emit()
 
@@ -214,8 +224,13 @@ class PlanPage(QWizardPage):
         self.miss_auto = QCheckBox("auto")
         self.miss_auto.setChecked(True)
         self.miss = QDoubleSpinBox(minimum=0.0, maximum=1.0, singleStep=0.01, decimals=3)
+        self.engine_note = QLabel()  # what the chosen engine setting runs on this machine, and why
+        self.engine_note.setWordWrap(True)
+        self.engine_note.setTextFormat(Qt.RichText)
+        self.engine_note.setObjectName("planEngineNote")
         form = QFormLayout()
         form.addRow(FIELDS["engine"].label, self.engine)
+        form.addRow("", self.engine_note)
         form.addRow(FIELDS["ctx"].label, self.ctx)
         form.addRow(FIELDS["moe_expert_cache_size"].label, _pair(self.cache, self.cache_auto))
         form.addRow(FIELDS["threads"].label, _pair(self.threads, self.threads_auto))
@@ -245,6 +260,7 @@ class PlanPage(QWizardPage):
         self._debounce.timeout.connect(self._reprice)
         for w in (self.ctx, self.cache, self.threads):
             w.valueChanged.connect(self._changed)
+        self.engine.currentTextChanged.connect(self._changed)
         self.miss.valueChanged.connect(self._changed)
         for cb, spin in ((self.cache_auto, self.cache), (self.threads_auto, self.threads),
                          (self.miss_auto, self.miss)):
@@ -279,6 +295,7 @@ class PlanPage(QWizardPage):
 
     def _failed(self, err: str) -> None:
         self.plan = None
+        self.engine_note.setText("")
         self.warnings.setText(f"The planner refused these values: {err}")
         self.completeChanged.emit()
 
@@ -286,6 +303,7 @@ class PlanPage(QWizardPage):
         self._rid = None
         self.plan = plan
         self.reprices += 1
+        self.engine_note.setText(engine_sentence(plan["engine"], plan["engine_reason"]))
         lines = plan["lines"]
         self.table.setRowCount(len(lines))
         for r, line in enumerate(lines):

@@ -30,6 +30,7 @@ ENGINES = ("auto", "hybrid", "llamacpp")
 # so that reading a config does not import torch.
 POLICIES = ("off", "occurrence", "occurrence-sync", "lru", "lfru")
 LOAD_MODES = ("auto", "mmap", "none")
+DEVICES = ("auto", "cpu", "cuda")  # and cuda:N
 API_KEY_ENV = "MOESTUDIO_API_KEY"  # a key in the environment stays out of `ps` listings
 
 
@@ -78,6 +79,25 @@ class Config:
 
 
 # ---- field parsers: each takes a TOML value or a command-line string -----------------------
+# Each parser also says what values it takes (`Domain`), which is what the GUI builds its typed
+# widgets from (a spin box with these bounds, a combo box with these options), so the bounds and
+# option lists exist once, here.
+
+@dataclass(frozen=True)
+class Domain:
+    """The values a setting takes. kind: "int" (lo..hi), "choice" (options), "word_or_int" (one of
+    options, or an int >= lo), "fraction" ("auto" or 0..1), "device" (options or cuda:N), "file",
+    "text"."""
+    kind: str
+    lo: int | None = None
+    hi: int | None = None
+    options: tuple[str, ...] = ()
+
+
+def _with_domain(parse: Callable[[Any], Any], domain: Domain) -> Callable[[Any], Any]:
+    parse.domain = domain  # type: ignore[attr-defined]
+    return parse
+
 
 def _int(lo: int, hi: int | None = None) -> Callable[[Any], int]:
     def parse(v: Any) -> int:
@@ -86,7 +106,7 @@ def _int(lo: int, hi: int | None = None) -> Callable[[Any], int]:
         if isinstance(v, bool) or not isinstance(v, int) or v < lo or (hi is not None and v > hi):
             raise ValueError(f"an integer {'>= ' + str(lo) if hi is None else f'in [{lo}, {hi}]'}")
         return v
-    return parse
+    return _with_domain(parse, Domain("int", lo, hi))
 
 
 def _choice(options: tuple[str, ...]) -> Callable[[Any], str]:
@@ -94,13 +114,21 @@ def _choice(options: tuple[str, ...]) -> Callable[[Any], str]:
         if v not in options:
             raise ValueError(f"one of: {', '.join(options)}")
         return v
-    return parse
+    return _with_domain(parse, Domain("choice", options=options))
 
 
 def _text(v: Any) -> str:
     if not isinstance(v, str) or not v.strip():
         raise ValueError("a non-empty string")
     return v
+
+
+def _file(v: Any) -> str:
+    return _text(v)
+
+
+_with_domain(_text, Domain("text"))
+_with_domain(_file, Domain("file"))
 
 
 def _word_or_int(words: tuple[str, ...]) -> Callable[[Any], str | int]:
@@ -113,7 +141,7 @@ def _word_or_int(words: tuple[str, ...]) -> Callable[[Any], str | int]:
             return count(v)
         except ValueError:
             raise ValueError(f"{' or '.join(repr(w) for w in words)} or an integer >= 0") from None
-    return parse
+    return _with_domain(parse, Domain("word_or_int", lo=0, options=words))
 
 
 def _fraction(v: Any) -> str | float:
@@ -128,6 +156,9 @@ def _fraction(v: Any) -> str | float:
     return f
 
 
+_with_domain(_fraction, Domain("fraction", options=("auto",)))
+
+
 def resolve_device(device: str) -> str:
     """The torch device a `device` setting names: auto is cuda when torch sees a GPU, else cpu."""
     if device != "auto":
@@ -138,9 +169,12 @@ def resolve_device(device: str) -> str:
 
 
 def _device(v: Any) -> str:
-    if not isinstance(v, str) or not re.fullmatch(r"auto|cpu|cuda(:\d+)?", v):
-        raise ValueError("auto, cpu, cuda or cuda:N")
+    if not isinstance(v, str) or not (v in DEVICES or re.fullmatch(r"cuda:\d+", v)):
+        raise ValueError(f"{', '.join(DEVICES)} or cuda:N")
     return v
+
+
+_with_domain(_device, Domain("device", options=DEVICES))
 
 
 @dataclass(frozen=True)
@@ -152,15 +186,20 @@ class Field:
     metavar: str = "N"
     short: str | None = None  # a short flag beside --name-with-dashes
 
+    @property
+    def domain(self) -> Domain:
+        return self.parse.domain  # type: ignore[attr-defined]
+
 
 def _choices(options: tuple[str, ...]) -> str:
     return "{" + ",".join(options) + "}"
 
 
 FIELDS: dict[str, Field] = {
-    "model": Field(_text, "Model", "GGUF model file", "FILE"),
-    "engine": Field(_choice(ENGINES), "Engine", "hybrid (this engine), llamacpp, or auto: hybrid when it supports "
-                    "the model's architecture and quant types (default: auto)", _choices(ENGINES)),
+    "model": Field(_file, "Model", "GGUF model file", "FILE"),
+    "engine": Field(_choice(ENGINES), "Engine", "hybrid (this engine), llamacpp, or auto: without a CUDA GPU "
+                    "llama.cpp (faster on the CPU alone), with one hybrid when it supports the model's architecture "
+                    "and quant types (default: auto)", _choices(ENGINES)),
     "host": Field(_text, "Host", "address to listen on (default: 127.0.0.1; others need --api-key)", "HOST"),
     "port": Field(_int(0, 65535), "Port", "TCP port (default: 8080; 0 picks a free one)"),
     "api_key": Field(_text, "API key", f"require this key (Bearer or x-api-key) on every endpoint but /health; "
@@ -177,7 +216,7 @@ FIELDS: dict[str, Field] = {
                                    "instead of computed on the CPU: auto (measured at load) or 0..1", "auto|F"),
     "moe_profile_adapt": Field(_choice(POLICIES), "Expert cache policy", "expert cache policy (default: occurrence)",
                                _choices(POLICIES)),
-    "moe_expert_profile": Field(_text, "Expert profile file", "expert profile (GGUF or STRP) to fill the cache from",
+    "moe_expert_profile": Field(_file, "Expert profile file", "expert profile (GGUF or STRP) to fill the cache from",
                                 "FILE"),
     "vram_budget_mib": Field(_int(1), "VRAM budget (MiB)", "use at most this much VRAM (MiB), e.g. to emulate a "
                              "smaller GPU"),

@@ -8,6 +8,11 @@ short real generation on the demo model. Usage (from the repository root):
 It uses a throwaway data folder (your chats and presets are not touched) and the demo model
 in the user cache (written on first use, ~20 s). Images go to docs/screenshots/: NAME.png at
 1280x800 and NAME-1024x640.png.
+
+Which engine the pictures show is chosen, not left to the machine: `--engine hybrid` (the
+default: the MoE Studio engine, whose dashboard has the expert panels) even where `auto` would
+pick llama.cpp (no CUDA GPU); `--engine auto` or `llamacpp` for the llama.cpp layout. The
+engine shown, and why, is printed at the end.
 """
 from __future__ import annotations
 
@@ -23,6 +28,8 @@ sys.path.insert(0, str(ROOT))
 
 from PySide6.QtCore import QEventLoop  # noqa: E402
 from PySide6.QtWidgets import QApplication  # noqa: E402
+
+from engine.config import ENGINES  # noqa: E402
 
 
 def wait_until(app, cond, timeout: float, what: str) -> None:
@@ -64,6 +71,8 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", type=Path, default=ROOT / "docs" / "screenshots")
     p.add_argument("--model", help="GGUF to use instead of the demo model")
+    p.add_argument("--engine", choices=ENGINES, default="hybrid",
+                   help="the engine setting the wizard saves (default: hybrid, the MoE Studio engine)")
     args = p.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     qapp = QApplication.instance() or QApplication(["moestudio"])
@@ -91,13 +100,18 @@ def main() -> int:
     settle(qapp)
     wiz.grab().save(str(args.out / "wizard-model.png"))
     wiz.next()
-    wait_until(qapp, wiz.plan_page.isComplete, 60, "the plan")
+    wiz.plan_page.engine.setCurrentText(args.engine)
+    plan = wiz.plan_page  # re-priced for the engine setting: its sentence says what runs and why
+    wait_until(qapp, lambda: plan.isComplete() and args.engine in ("auto", plan.plan["engine"]), 60, "the plan")
     settle(qapp)
     wiz.grab().save(str(args.out / "wizard-plan.png"))
     wiz.next()
     wiz.summary_page.name.setText("demo")
     wiz.accept()
     wait_until(qapp, lambda: win.engine.state.value == "ready", 180, "the engine")
+    shown = win.engine.health or {}
+    if args.engine != "auto" and shown.get("engine") != args.engine:
+        raise SystemExit(f"screenshots: asked for the {args.engine} engine, the worker runs {shown.get('engine')}")
 
     chat = win.chat
     chat.settings_btn.setChecked(True)
@@ -128,7 +142,8 @@ def main() -> int:
     for size, suffix in zip(SIZES, ("", "-1024x640")):
         grab_tabs(qapp, win, args.out, size, suffix)
     win.close()
-    print(f"screenshots written to {args.out}")
+    print(f"screenshots written to {args.out}: the {shown.get('engine')} engine "
+          f"({shown.get('engine_reason')})")
     return 0
 
 

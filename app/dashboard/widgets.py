@@ -7,7 +7,7 @@ when something changed, so a burst of snapshots never queues redraws.
 """
 from __future__ import annotations
 
-
+import html
 import time
 from collections import deque
 
@@ -116,6 +116,14 @@ class DashboardWidget(QWidget):
         self.mode_note = QLabel()
         self.mode_note.setWordWrap(True)
         self.mode_note.setObjectName("dashboardModeNote")
+        # Why llama.cpp runs (the server's engine_reason, e.g. auto on a machine without CUDA):
+        # shown in the llama.cpp layout, whose panels only make sense with it.
+        self.engine_reason = ""
+        self.why_note = QLabel()
+        self.why_note.setWordWrap(True)
+        self.why_note.setTextFormat(Qt.RichText)
+        self.why_note.setObjectName("dashboardWhyEngine")
+        self.why_note.setVisible(False)
 
         # Decode (tens of tok/s) and prefill (thousands) on one axis made decode a flat line at
         # the bottom: each has its own plot and axis.
@@ -181,6 +189,7 @@ class DashboardWidget(QWidget):
         top.addLayout(head)
         top.addWidget(self.summary)
         top.addWidget(self.mode_note)
+        top.addWidget(self.why_note)
         top.addLayout(self.grid, 1)
         self.set_mode("gpu")
         self.apply_palette()
@@ -206,6 +215,7 @@ class DashboardWidget(QWidget):
             self.grid.setRowStretch(row, 1)
         self.mode_note.setText(MODE_NOTES[mode])
         self.mode_note.setVisible(bool(MODE_NOTES[mode]))
+        self._show_why()
         if mode in HEAT_TITLES:
             self.heat_plot.setTitle(HEAT_TITLES[mode])
             self.hover_label.setText(HOVER_HINTS[mode])
@@ -215,6 +225,16 @@ class DashboardWidget(QWidget):
         if mode == "gpu":
             legend.addItem(self.vram_curve, "VRAM")
         self.vram_curve.setVisible(mode == "gpu")
+
+    def set_engine_reason(self, reason: str | None) -> None:
+        """The engine's reason for running (from /health), told in the llama.cpp layout."""
+        self.engine_reason = reason or ""
+        self._show_why()
+
+    def _show_why(self) -> None:
+        text = html.escape(self.engine_reason)
+        self.why_note.setText(f"<b>Why llama.cpp:</b> {text}" if text else "")
+        self.why_note.setVisible(self.mode == "no_cache" and bool(text))
 
     def visible_plots(self) -> list[pg.PlotWidget]:
         return [p for p in (self.decode_plot, self.prefill_plot, self.hit_plot, self.pcie_plot, self.heat_plot,

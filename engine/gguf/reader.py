@@ -19,7 +19,7 @@ import struct
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGUF_DEFAULT_ALIGNMENT, GGUFValueType as VT
@@ -254,6 +254,9 @@ class ModelFile:
         if not isinstance(arch, str) or not arch:
             raise self._cursor.fail("no general.architecture string; not a model file")
         self.arch: str = arch
+        # Told each tensor's byte count as `torch_raw` hands it to a builder, which reads it (a
+        # dense weight dequantized or moved to the GPU) or maps it (experts): load progress in bytes.
+        self.on_tensor: Callable[[int], None] | None = None
 
     @classmethod
     def open(cls, path: str | os.PathLike[str]) -> ModelFile:
@@ -303,6 +306,8 @@ class ModelFile:
         crashes the process, so clone() before modifying."""
         import torch
 
+        if self.on_tensor is not None:
+            self.on_tensor(self.tensors[name].n_bytes)
         with warnings.catch_warnings():
             # torch warns that the array is not writable; that is the point of a read-only map.
             warnings.filterwarnings("ignore", message="The given NumPy array is not writable")

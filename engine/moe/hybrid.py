@@ -32,6 +32,7 @@ from engine.moe.slots import LayerSlots, resident_copies, resolve_load_mode
 from engine.moe.step_graph import ExpertStepGraph
 from engine.moe.tune import RouteCosts, balanced_uploads, measure_costs
 from engine.plan.sizing import FRACTION_STEPS, staging_slots
+from engine.runtime.progress import ByteProgress, Progress
 from engine.runtime.telemetry import CacheCounters, Telemetry
 
 
@@ -86,8 +87,10 @@ class HybridExperts:
         self.counters = CacheCounters(self.layer_ids, k_max, min(options.slots_per_layer, k_max))
 
     # --- residency -----------------------------------------------------------------------------
-    def prefill_residency(self, ranking: list[tuple[int, int]]) -> None:
-        """Fills slots in `ranking` order ((layer, expert), hottest first) and waits for the copies."""
+    def prefill_residency(self, ranking: list[tuple[int, int]],
+                          progress: Callable[[int], None] | None = None) -> None:
+        """Fills slots in `ranking` order ((layer, expert), hottest first) and waits for the copies;
+        `progress` hears the bytes of each expert copied."""
         for layer, expert in ranking:
             L = self.layers.get(layer)
             if L is None or L.slots.resident[expert] >= 0 or expert in L.slots.in_flight():
@@ -95,6 +98,8 @@ class HybridExperts:
             slot = L.slots.free_slot()
             if slot is not None:
                 self.copier.wait(L.slots.load([(slot, expert)]))
+                if progress is not None:
+                    progress(L.slots.expert_bytes)
         for L in self.layers.values():
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
@@ -340,9 +345,10 @@ def _use_triton(w: ExpertWeights, x: torch.Tensor, n_pairs: int) -> bool:
     return tk.supports(w)
 
 
-def attach_hybrid(model, config) -> HybridExperts:
+def attach_hybrid(model, config, progress: Progress | None = None) -> HybridExperts:
     """Replaces `model.experts` with a HybridExperts sized from `config` (an EngineConfig) by
-    engine/plan/sizing.place, the rule `moestudio plan` prints.
+    engine/plan/sizing.place, the rule `moestudio plan` prints. `progress` hears the bytes copied:
+    experts into RAM (load mode none), then into the GPU slots filled at load.
 
     If the slots do not fit after all, or an auto-sized cache leaves less than half its headroom
     free once allocated (another program took GPU memory, the allocator's rounding), the cache
@@ -354,8 +360,11 @@ def attach_hybrid(model, config) -> HybridExperts:
     device = torch.device(config.device)
     ws = model.expert_weights
     load_mode = resolve_load_mode(config.load_mode, ws, device)
+    report = progress or (lambda stage, fraction: None)
     if load_mode == "none":
-        ws = model.expert_weights = resident_copies(ws, pin=device.type == "cuda")
+        total = sum(t.raw.numel() for w in ws.values() for t in (w.gate, w.up, w.down))
+        copying = ByteProgress(report, "copying the experts into RAM", total, 0.5, 0.7)
+        ws = model.expert_weights = resident_copies(ws, pin=device.type == "cuda", progress=copying.add)
     any_w = next(iter(ws.values()))
     gpu_free = budget.gpu_free_bytes(device)
     pool = CpuExpertPool(ws, config.threads or 2)
@@ -406,11 +415,18 @@ def attach_hybrid(model, config) -> HybridExperts:
     hybrid.counters.load_mode = load_mode
     hybrid.counters.miss_fraction = fraction
     hybrid.counters.miss_fraction_tuning = tuning
+    ranking = None
     if config.moe_expert_profile:
         from engine.moe.profile import load_profile
 
-        hybrid.prefill_residency(load_profile(config.moe_expert_profile, model.source).ranking())
+        ranking = load_profile(config.moe_expert_profile, model.source).ranking()
     elif n_slots >= any_w.n_expert:  # every expert fits: load them all now, not on first use
-        hybrid.prefill_residency([(layer, e) for layer in sorted(ws) for e in range(ws[layer].n_expert)])
+        ranking = [(layer, e) for layer in sorted(ws) for e in range(ws[layer].n_expert)]
+    if ranking and n_slots:
+        # At most the slots' worth of experts is copied: that is the total to report against.
+        total = sum(L.slots.expert_bytes * min(L.slots.n_slots, len({e for layer, e in ranking if layer == i}))
+                    for i, L in hybrid.layers.items())
+        filling = ByteProgress(report, "filling the expert cache on the GPU", total, 0.7, 0.9)
+        hybrid.prefill_residency(ranking, progress=filling.add)
     model.experts = hybrid
     return hybrid

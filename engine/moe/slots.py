@@ -8,6 +8,7 @@ map point at it again. Staging slots after the resident ones receive this step's
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -35,13 +36,18 @@ def resolve_load_mode(load_mode: str, expert_weights: dict[int, ExpertWeights], 
     return "none" if size <= PIN_SHARE_OF_FREE_RAM * psutil.virtual_memory().available else "mmap"
 
 
-def resident_copies(expert_weights: dict[int, ExpertWeights], pin: bool) -> dict[int, ExpertWeights]:
+def resident_copies(expert_weights: dict[int, ExpertWeights], pin: bool,
+                    progress: Callable[[int], None] | None = None) -> dict[int, ExpertWeights]:
     """`--load-mode none`: the experts copied out of the memory map into RAM (pinned when `pin`,
     so uploads are asynchronous DMA). The CPU pool and the uploads then read the copies, so the
-    mapped pages go cold and the OS can drop them: the experts take RAM once."""
+    mapped pages go cold and the OS can drop them: the experts take RAM once. `progress` hears
+    the bytes copied, one expert at a time (a layer's tensor is gigabytes on large models)."""
     def copy(t: ExpertTensor) -> ExpertTensor:
         ram = torch.empty(t.raw.shape, dtype=t.raw.dtype, pin_memory=pin)  # no second transient copy
-        ram.copy_(t.raw)
+        for e in range(t.raw.shape[0]):
+            ram[e].copy_(t.raw[e])
+            if progress is not None:
+                progress(ram[e].numel())
         return dataclasses.replace(t, raw=ram)
 
     return {layer: dataclasses.replace(w, gate=copy(w.gate), up=copy(w.up), down=copy(w.down))

@@ -6,7 +6,7 @@ import json
 import sys
 from dataclasses import replace
 
-from engine.config import add_arguments, flag, from_args
+from engine.config import add_arguments, flag, from_args, resolve_device
 from engine.errors import UserError
 
 
@@ -42,7 +42,8 @@ def run(args: argparse.Namespace, nvml: object = True) -> int:
     settings = from_args(args)
     if not settings.model:
         raise UserError("which model? give MODEL.gguf, or `model` in --config/--preset")
-    choose_engine(settings.model, "auto")  # no plan for a model that neither engine can run: say why instead
+    # no plan for a model that neither engine can run: say why instead
+    choose_engine(settings.model, "auto", resolve_device(settings.device))
     geometry = read_geometry(settings.model)
     hardware = probe_hardware(nvml)
     if args.assume_gpu_mib:

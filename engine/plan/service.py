@@ -32,6 +32,7 @@ class Planner:
         self._read_geometry, self._probe = read_geometry, probe_hardware
         self._hardware = None
         self._geometries: dict[str, Any] = {}
+        self._engines: dict[tuple[str, str, str], tuple[str, str]] = {}
 
     def hardware(self):
         if self._hardware is None:
@@ -43,19 +44,27 @@ class Planner:
             self._geometries[path] = self._read_geometry(path)
         return self._geometries[path]
 
+    def engine(self, path: str, requested: str = "auto", device: str = "auto") -> tuple[str, str]:
+        """(kind, reason): the server's own choice (engine/server/loader.choose_engine) on this
+        machine, so the wizard says what `moestudio serve` will run; a refusal raises UserError."""
+        from engine.config import resolve_device
+        from engine.server.loader import choose_engine
+
+        key = (path, requested, resolve_device(device))
+        if key not in self._engines:
+            self._engines[key] = choose_engine(path, requested, key[2])
+        return self._engines[key]
+
     def model_info(self, path: str) -> dict[str, Any]:
         from engine.gguf.check import open_model
-        from engine.server.loader import unsupported_reason
 
         g = self.geometry(path)
         mf = open_model(path, require_moe=False)
         types = Counter(t.qtype.name for t in mf.tensors.values())
         expert_types = Counter(t.qtype.name for n, t in mf.tensors.items() if "_exps." in n)
-        problem = unsupported_reason(mf)
+        kind, reason = self.engine(path)
         return {"geometry": g.to_json(), "quant_types": dict(types.most_common()),
-                "expert_quant_types": dict(expert_types.most_common()),
-                "engine": "llamacpp" if problem else "hybrid", "engine_reason": problem or
-                f"the MoE Studio engine supports {g.arch} and every tensor type of this file"}
+                "expert_quant_types": dict(expert_types.most_common()), "engine": kind, "engine_reason": reason}
 
     def plan(self, path: str, settings: dict[str, Any], assume_gpu_mib: int | None = None) -> dict[str, Any]:
         """`settings` are engine/config.Config fields, as the wizard will save them in the preset."""
@@ -69,7 +78,9 @@ class Planner:
                                            total_bytes=assume_gpu_mib << 20, free_bytes=assume_gpu_mib << 20),))
         g = self.geometry(path)
         options = PlanOptions()
-        return make_plan(hw, g, Config(**settings), options).to_json(hw, g, options)
+        cfg = Config(**settings)
+        kind, reason = self.engine(path, cfg.engine, cfg.device)
+        return {**make_plan(hw, g, cfg, options).to_json(hw, g, options), "engine": kind, "engine_reason": reason}
 
     def answer(self, request: dict[str, Any], send: Send) -> Any:
         rid, op = request.get("id"), request.get("op")

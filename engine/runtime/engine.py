@@ -23,14 +23,16 @@ from engine.config import Config
 from engine.errors import UserError
 from engine.layers.sampler import Sampler, SamplingParams, token_logprobs
 from engine.plan.sizing import resolve_ctx
+from engine.runtime.progress import ByteProgress, Progress
 from engine.runtime.stops import StopMatcher, Utf8Decoder
 from engine.runtime.telemetry import Telemetry
 from engine.runtime.tokenizer import Tokenizer
 
-Progress = Callable[[str, float], None]  # (stage, fraction 0..1)
 # Replaces a built model's `experts` (engine/layers/moe.Experts) and returns the executor, which
-# names its `kind` and carries `counters` for the telemetry: engine/moe/hybrid.attach_hybrid.
-AttachExperts = Callable[[Any, "EngineConfig"], Any]
+# names its `kind` and carries `counters` for the telemetry: engine/moe/hybrid.attach_hybrid. It
+# reports the bytes it copies (experts into RAM, into GPU slots) through the Progress it is given,
+# within [0.5, 0.9] of the load.
+AttachExperts = Callable[[Any, "EngineConfig", Progress], Any]
 
 
 # The settings the engine shares with engine/config.Config: same names, defaults and checks.
@@ -179,17 +181,26 @@ class Engine:
         """Without `attach_experts` the model keeps its reference expert executor (every expert
         dequantized on the device: the exactness baseline); callers pass the hybrid executor's
         (engine/moe/hybrid.attach_hybrid), which the runtime does not import."""
+        from engine.gguf.reader import ModelFile
         from engine.models import build_model
 
         report = progress or (lambda stage, fraction: None)
         if config.threads:
             torch.set_num_threads(config.threads)
-        report("reading model", 0.0)
-        model = build_model(path, config.device)
+        mf = ModelFile.open(path)
+        # The builder takes every tensor once: dense weights are read (dequantized, or copied to the
+        # GPU), experts mapped. Without an expert executor to attach, building is most of the load.
+        reading = ByteProgress(report, "reading the model's tensors", sum(t.n_bytes for t in mf.tensors.values()),
+                               0.0, 0.5 if attach_experts is not None else 0.9)
+        mf.on_tensor = reading.add
+        try:
+            model = build_model(mf, config.device)
+        finally:
+            mf.on_tensor = None
         executor = None
         if attach_experts is not None:
-            report("filling the expert cache", 0.5)
-            executor = attach_experts(model, config)
+            report("preparing the expert cache", 0.5)
+            executor = attach_experts(model, config, report)
         report("loading tokenizer", 0.9)
         engine = cls(model, Tokenizer(path), config)
         if executor is not None:

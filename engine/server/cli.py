@@ -68,6 +68,7 @@ def bind(host: str, port: int) -> socket.socket:
 def run(args: argparse.Namespace) -> int:
     import uvicorn
 
+    from engine.config import resolve_device
     from engine.gguf.check import open_model
     from engine.server.app import build_app
     from engine.server.loader import choose_engine
@@ -82,7 +83,8 @@ def run(args: argparse.Namespace) -> int:
         from engine.moe.profile import load_profile
 
         load_profile(cfg.moe_expert_profile, model)  # one for another model: refused now, not after the load
-    choose_engine(cfg.model, cfg.engine)  # a model no engine can run is refused before listening, saying why
+    # A model no engine can run is refused before listening, saying why.
+    choose_engine(cfg.model, cfg.engine, resolve_device(cfg.device))
     if not is_loopback(cfg.host) and not cfg.api_key:
         raise UserError(f"refusing to listen on {cfg.host} without an API key: anyone on the network could use "
                         "it. Set --api-key (or MOESTUDIO_API_KEY), or keep the default --host 127.0.0.1")

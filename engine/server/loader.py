@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -21,6 +21,9 @@ class Loaded:
     engine: Any  # engine.runtime.engine.Engine or engine.baseline.llama_engine.LlamaEngine
     kind: str  # "hybrid" or "llamacpp"
     reason: str
+    # What the engine runs with, under config.Config's field names: a setting on auto (or out of
+    # the model's range, like a context above its training length) next to the value it became.
+    effective: dict[str, Any] = field(default_factory=dict)
 
 
 def unsupported_reason(mf: ModelFile) -> str | None:
@@ -41,9 +44,19 @@ def unsupported_reason(mf: ModelFile) -> str | None:
     return None
 
 
-def choose_engine(path: str | Path, requested: str) -> tuple[str, str]:
-    """(kind, reason). `auto` prefers the MoE Studio engine; `hybrid` on an unsupported model fails,
-    and so does a model that neither engine can run, with llama.cpp's own reason."""
+# Why `--engine auto` runs llama.cpp on a machine without CUDA: the expert cache, which is what
+# this engine adds, needs a GPU; on the CPU alone llama.cpp's kernels are several times faster
+# (the demo model on 2 cores: 615 tok/s against 81 with --engine hybrid).
+AUTO_CPU_REASON = ("auto: no CUDA GPU here; llama.cpp is faster on the CPU alone "
+                   "(--engine hybrid runs the MoE Studio engine anyway)")
+
+
+def choose_engine(path: str | Path, requested: str, device: str) -> tuple[str, str]:
+    """(kind, reason): the one decision of which engine runs `path` on `device` (a torch device
+    name, e.g. from config.resolve_device). `auto` takes llama.cpp without CUDA (AUTO_CPU_REASON);
+    with CUDA it prefers the MoE Studio engine (load_engine then checks it against llama.cpp at the
+    file's first load). `hybrid` on an unsupported model fails, and so does a model that neither
+    engine can run, with llama.cpp's own reason."""
     from engine.baseline.llama_load import llamacpp_refusal
     from engine.gguf.check import open_model
 
@@ -54,17 +67,24 @@ def choose_engine(path: str | Path, requested: str) -> tuple[str, str]:
         return "llamacpp", "chosen with --engine llamacpp"
     mf = open_model(path)
     problem = unsupported_reason(mf)
-    if problem:
-        refusal = llamacpp_refusal(path)
-        if refusal:
-            raise UserError(f"neither engine can run this model: {problem}; llama.cpp: {refusal}")
+    refusal = llamacpp_refusal(path) if problem or (requested == "auto" and not is_cuda(device)) else None
+    if problem and refusal:
+        raise UserError(f"neither engine can run this model: {problem}; llama.cpp: {refusal}")
     if requested == "hybrid":
         if problem:
             raise UserError(f"{problem}; use --engine llamacpp or auto")
         return "hybrid", "chosen with --engine hybrid"
     if problem:
         return "llamacpp", f"auto: {problem}"
+    if not is_cuda(device):
+        if refusal:  # a file llama.cpp refuses but this engine runs: it runs here, slower
+            return "hybrid", f"auto: no CUDA GPU here, but llama.cpp cannot run this model ({refusal})"
+        return "llamacpp", AUTO_CPU_REASON
     return "hybrid", f"auto: the MoE Studio engine supports {mf.arch} and every tensor type of this file"
+
+
+def is_cuda(device: str) -> bool:
+    return device == "cuda" or device.startswith("cuda:")
 
 
 def _threads(cfg: Config) -> int:
@@ -73,12 +93,19 @@ def _threads(cfg: Config) -> int:
     return cfg.threads or psutil.cpu_count(logical=False) or psutil.cpu_count() or 1
 
 
-def _hybrid(cfg: Config, progress: Progress):
+def load_hybrid(cfg: Config, progress: Progress) -> tuple[Any, dict[str, Any]]:
     from engine.moe.hybrid import attach_hybrid
     from engine.runtime.engine import Engine, EngineConfig
 
     config = EngineConfig.from_settings(cfg, resolve_device(cfg.device), threads=_threads(cfg))
-    return Engine.load(cfg.model, config, progress, attach_experts=attach_hybrid)
+    engine = Engine.load(cfg.model, config, progress, attach_experts=attach_hybrid)
+    effective: dict[str, Any] = {"engine": "hybrid", "ctx": engine.n_ctx, "threads": config.threads,
+                                 "device": str(engine.model.device)}
+    cache = engine.telemetry.cache
+    if cache is not None:
+        effective.update(moe_expert_cache_size=cache.slots_per_layer, moe_gpu_miss_fraction=cache.miss_fraction,
+                         load_mode=cache.load_mode)
+    return engine, effective
 
 
 def _n_cpu_moe(cfg: Config) -> int:
@@ -93,45 +120,60 @@ def _n_cpu_moe(cfg: Config) -> int:
     return int(plan.settings.get("n_cpu_moe", 0))
 
 
-def _llamacpp(cfg: Config, progress: Progress):
+def load_llamacpp(cfg: Config, progress: Progress) -> tuple[Any, dict[str, Any]]:
     from engine.baseline.llama_engine import LlamaEngine
     from engine.baseline.llama_load import llama_cpp
+    from engine.gguf.reader import ModelFile
+    from engine.plan.sizing import resolve_ctx
 
     gpu_build = bool(llama_cpp().llama_supports_gpu_offload())
     n_cpu_moe = _n_cpu_moe(cfg) if gpu_build else 0
     if gpu_build:
         log.info("llama.cpp GPU build: experts of the first %d layers stay on the CPU", n_cpu_moe)
-    return LlamaEngine.load(cfg.model, n_ctx=cfg.ctx, threads=_threads(cfg), load_mode=cfg.load_mode,
-                            n_cpu_moe=n_cpu_moe, progress=progress)
+    # The same context rule as the MoE Studio engine (0: the training length; more is capped to
+    # it), so /health's n_ctx means the same on both engines.
+    n_ctx_train = int(ModelFile.open(Path(cfg.model)).arch_key("context_length", 0))
+    n_ctx = resolve_ctx(cfg.ctx, n_ctx_train) if n_ctx_train > 0 else cfg.ctx
+    threads = _threads(cfg)
+    engine = LlamaEngine.load(cfg.model, n_ctx=n_ctx, threads=threads, load_mode=cfg.load_mode,
+                              n_cpu_moe=n_cpu_moe, progress=progress)
+    return engine, {"engine": "llamacpp", "ctx": engine.n_ctx, "threads": threads,
+                    "device": "cuda" if gpu_build else "cpu", "n_cpu_moe": n_cpu_moe,
+                    "load_mode": "none" if cfg.load_mode == "none" else "mmap"}
 
 
 def load_engine(cfg: Config, progress: Progress) -> Loaded:
     progress("choosing the engine", 0.0)
-    kind, reason = choose_engine(cfg.model, cfg.engine)
+    device = resolve_device(cfg.device)
+    kind, reason = choose_engine(cfg.model, cfg.engine, device)
     log.info("engine: %s (%s)", kind, reason)
     from engine.gguf.reader import GGUFError
 
     try:
-        engine = _hybrid(cfg, progress) if kind == "hybrid" else _llamacpp(cfg, progress)
+        engine, effective = load_hybrid(cfg, progress) if kind == "hybrid" else load_llamacpp(cfg, progress)
     except GGUFError as e:  # e.g. a tensor the builder needs is missing: the file, not the server, is at fault
         raise UserError(f"cannot read the model: {e}") from None
-    if cfg.engine == "auto" and kind == "hybrid":
-        engine, kind, reason = _validated(cfg, engine, reason, progress)
-    return Loaded(engine, kind, reason)
+    loaded = Loaded(engine, kind, reason, effective)
+    if cfg.engine == "auto" and kind == "hybrid" and is_cuda(device):
+        loaded = validated(cfg, loaded, progress)
+    return loaded
 
 
-def _validated(cfg: Config, engine: Any, reason: str, progress: Progress) -> tuple[Any, str, str]:
+def validated(cfg: Config, loaded: Loaded, progress: Progress) -> Loaded:
     """auto never runs this engine on a file where it does not match llama.cpp: checked at the
-    file's first load (engine/validate.first_load_check, cached), llama.cpp takes over if not."""
+    file's first load (engine/validate.first_load_check, cached), llama.cpp takes over if not.
+    load_engine calls it for auto on CUDA, the one place auto chooses this engine on its own."""
     from engine.validate import first_load_check
 
     progress("checking this engine against llama.cpp on this file (once per file)", 0.95)
+    engine = loaded.engine
     failure = first_load_check(cfg.model, engine.model, str(engine.model.device))
     if failure is None:
-        return engine, "hybrid", f"{reason}; it matched llama.cpp on this file"
+        return Loaded(engine, "hybrid", f"{loaded.reason}; it matched llama.cpp on this file", loaded.effective)
     log.warning("engine: %s; falling back to llama.cpp", failure)
     close = getattr(engine.model.experts, "close", None)
     if close is not None:
         close()
-    del engine
-    return _llamacpp(cfg, progress), "llamacpp", f"auto: {failure}"
+    del engine, loaded
+    engine, effective = load_llamacpp(cfg, progress)
+    return Loaded(engine, "llamacpp", f"auto: {failure}", effective)

@@ -85,6 +85,8 @@ class EngineWorker:
                              "engine": self.loaded.kind if self.loaded else None,
                              "engine_reason": self.loaded.reason if self.loaded else None,
                              "n_ctx": self.loaded.engine.n_ctx if self.loaded else None,  # the context in use
+                             # the values the engine runs with, by setting name ("settings" holds what was asked)
+                             "effective": dict(self.loaded.effective) if self.loaded else None,
                              "model": model, "queue": {"running": self.running, "waiting": self.waiting},
                              "settings": {**self.cfg.public(), "model": model}}
         if self.error:

@@ -85,10 +85,23 @@ def test_wizard_to_started_engine(studio, monkeypatch):
     wiz.model_page.path.setText(str(studio.model))
     wait_until(lambda: wiz.model_page.isComplete(), 30, "the model summary")
     details = wiz.model_page.details.text()
-    assert "qwen3moe" in details and "8 experts per layer" in details and "hybrid" in details
+    assert "qwen3moe" in details and "8 experts per layer" in details
+    # one sentence on what runs here and why: the server's own choice for engine auto
+    import torch  # the test's process, not the app's
+
+    cuda = torch.cuda.is_available()
+    if not cuda:
+        assert ("On this machine <b>llama.cpp</b> will run it (engine auto): no CUDA GPU here; llama.cpp is faster "
+                "on the CPU alone (--engine hybrid runs the MoE Studio engine anyway).") in details
     wiz.next()
     plan = wiz.plan_page
     wait_until(plan.isComplete, 30, "the plan")
+    assert plan.engine.currentText() == "auto" and plan.plan["engine"] == ("hybrid" if cuda else "llamacpp")
+    # this test drives the MoE Studio engine: chosen explicitly, and the sentence follows the choice
+    plan.engine.setCurrentText("hybrid")
+    wait_until(lambda: plan.plan is not None and plan.plan["engine"] == "hybrid", 10, "the plan for hybrid")
+    assert plan.engine_note.text() == ("On this machine <b>the MoE Studio hybrid engine</b> will run it: "
+                                       "chosen with --engine hybrid.")
     names = [plan.table.item(r, 0).text() for r in range(plan.table.rowCount())]
     assert "KV cache" in names and "decode ceiling" in names
     kv_row = names.index("KV cache")
@@ -116,6 +129,7 @@ def test_wizard_to_started_engine(studio, monkeypatch):
     wiz.next()
     wiz.summary_page.name.setText("tiny-test")
     assert "ctx = 768" in wiz.summary_page.preview.toPlainText()
+    assert 'engine = "hybrid"' in wiz.summary_page.preview.toPlainText()
     wiz.accept()  # Finish: saves the preset and starts the engine
     preset = studio.paths.presets / "tiny-test.toml"
     assert preset.is_file() and "ctx = 768" in preset.read_text() and str(studio.model) in preset.read_text()

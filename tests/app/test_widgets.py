@@ -133,17 +133,99 @@ def test_send_without_engine_says_so(qtbot, tmp_path):
     assert not ctl.send("hello") and errors and "not running" in errors[0]
 
 
-def test_settings_panel_round_trip_and_errors(qtbot):
+def test_settings_panel_round_trip_with_typed_widgets(qtbot):
+    from PySide6.QtWidgets import QCheckBox, QComboBox, QDoubleSpinBox, QSpinBox
+
+    from engine.config import ENGINES, LOAD_MODES, POLICIES, Config
+    p = SettingsPanel()
+    qtbot.addWidget(p)
+    every = Config(model="/m.gguf", engine="hybrid", ctx=2048, threads=3, device="cuda:1", moe_expert_cache_size=12,
+                   moe_gpu_miss_fraction=0.25, moe_profile_adapt="lru", moe_expert_profile="/p.strp",
+                   vram_budget_mib=8000, load_mode="none", prefill_chunk=256, n_cpu_moe=4)
+    p.set_config(every, "mine")
+    assert p.config() == every  # no file to read limits from: every value kept as written
+    p.set_config(Config(model="/m.gguf"), "mine")
+    assert p.config() == Config(model="/m.gguf")  # defaults and "not set" round-trip too
+    # the widgets follow the schema's domains (engine/config.py), not free text
+    f = p.fields
+    assert [f["engine"].combo.itemText(i) for i in range(f["engine"].combo.count())] == list(ENGINES)
+    assert [f["moe_profile_adapt"].combo.itemText(i) for i in range(len(POLICIES))] == list(POLICIES)
+    assert [f["load_mode"].combo.itemText(i) for i in range(len(LOAD_MODES))] == list(LOAD_MODES)
+    assert isinstance(f["ctx"].spin, QSpinBox) and f["ctx"].spin.minimum() == 0
+    assert f["ctx"].spin.specialValueText() == "the model's training length"
+    assert f["threads"].spin.minimum() == 0 and f["threads"].spin.specialValueText() == "auto (physical cores)"
+    assert isinstance(f["moe_gpu_miss_fraction"].spin, QDoubleSpinBox)
+    assert isinstance(f["moe_gpu_miss_fraction"].auto, QCheckBox) and f["moe_gpu_miss_fraction"].auto.isChecked()
+    cache = f["moe_expert_cache_size"]
+    assert [cache.combo.itemText(i) for i in range(cache.combo.count())] == ["auto", "all", "number"]
+    assert not cache.spin.isEnabled()
+    from app.settings_panel import FileEditor, TextEditor
+    assert {n for n, w in f.items() if isinstance(w, (FileEditor, TextEditor))} == {"model", "moe_expert_profile"}
+    # a value the schema refuses (typed into the device box) is refused with the schema's words
+    f["device"].combo.setCurrentText("gpu")
+    with qtbot.assertNotEmitted(p.applyRequested):
+        p.apply_btn.click()
+    assert p.error.text() == "device must be auto, cpu, cuda or cuda:N, got 'gpu'"
+    f["device"].combo.setCurrentText("cpu")
+    with qtbot.waitSignal(p.applyRequested) as sent:
+        p.apply_btn.click()
+    assert sent.args[0] == Config(model="/m.gguf", device="cpu") and p.error.text() == ""
+    assert isinstance(f["device"].combo, QComboBox)
+
+
+def test_settings_panel_bounds_the_context_by_the_model_and_says_so(qtbot, make_model, tmp_path):
+    """Context 999999 in a preset: shown clamped to the model's training length with a visible
+    message, and saved as what the engine will run (never a value /health would contradict)."""
+    from app.library import read_model_info
+    from engine.config import Config
+    model = str(make_model("qwen3moe"))
+    train = read_model_info(model).n_ctx_train
+    p = SettingsPanel()
+    qtbot.addWidget(p)
+    p.show()
+    p.set_config(Config(model=model, ctx=999999, moe_expert_cache_size=99), "mine")
+    assert p.fields["ctx"].spin.maximum() == train and p.fields["ctx"].value() == train
+    assert p.fields["moe_expert_cache_size"].value() == 8  # the model's experts per layer
+    note = p.model_note.text()
+    assert p.model_note.isVisible() and f"trained context {train:,} tokens" in note
+    assert f"ctx 999,999 is above this model's training context ({train:,} tokens)" in note and "clamped" in note
+    with qtbot.waitSignal(p.applyRequested) as sent:
+        p.apply_btn.click()
+    assert sent.args[0].ctx == train and sent.args[0].moe_expert_cache_size == 8
+    # typed past the bound: the spin box keeps the bound
+    p.fields["ctx"].spin.lineEdit().selectAll()
+    qtbot.keyClicks(p.fields["ctx"].spin.lineEdit(), "999999")
+    assert p.fields["ctx"].value() <= train
+    # a model typed in whose bounds were not read yet: the save is refused, saying why
+    p.set_config(Config(model="/elsewhere.gguf", ctx=999999), "mine")
+    assert p.fields["ctx"].value() == 999999 and p.model_note.text() == ""
+    p.fields["model"].line.setText(model)  # no editingFinished: the limits are read at Save
+    with qtbot.assertNotEmitted(p.applyRequested):
+        p.apply_btn.click()
+    assert "ctx 999,999 is above this model's training context" in p.error.text()
+
+
+def test_settings_panel_shows_what_the_engine_uses(qtbot):
     from engine.config import Config
     p = SettingsPanel()
     qtbot.addWidget(p)
-    p.set_config(Config(model="/m.gguf", ctx=2048, moe_expert_cache_size=12, engine="hybrid"), "mine")
-    cfg = p.config()
-    assert (cfg.model, cfg.ctx, cfg.moe_expert_cache_size, cfg.engine) == ("/m.gguf", 2048, 12, "hybrid")
-    p.fields["ctx"].setText("lots")
-    with qtbot.assertNotEmitted(p.applyRequested):
-        p.apply_btn.click()
-    assert "ctx must be" in p.error.text()
+    p.set_config(Config(model="/m.gguf"), "mine")
+    health = {"engine": "llamacpp", "engine_reason": "auto: no CUDA GPU here",
+              "effective": {"engine": "llamacpp", "ctx": 4096, "threads": 2, "device": "cpu", "n_cpu_moe": 0,
+                            "load_mode": "mmap"}}
+    p.set_effective(health)
+    assert p.effective["ctx"].text() == "engine: 4,096 tokens" and p.effective["threads"].text() == "engine: 2"
+    assert p.effective["engine"].text() == "engine: llamacpp" and p.effective["moe_gpu_miss_fraction"].text() == ""
+    assert p.engine_note.text() == "Running: llamacpp engine (auto: no CUDA GPU here)"
+    p.set_effective({"engine": "hybrid", "effective": {"moe_expert_cache_size": 0, "moe_gpu_miss_fraction": 0.25}})
+    assert p.effective["moe_expert_cache_size"].text() == "engine: 0 slots per layer"
+    assert p.effective["moe_gpu_miss_fraction"].text() == "engine: 0.25" and p.effective["ctx"].text() == ""
+    p.set_effective(None)  # the engine stopped
+    assert not any(label.text() for label in p.effective.values()) and p.engine_note.text() == ""
+    # Save is outside the scrolled options: visible in a short window
+    p.resize(700, 300)
+    p.show()
+    assert p.apply_btn.isVisible() and p.apply_btn.mapTo(p, p.apply_btn.rect().bottomLeft()).y() <= p.height()
 
 
 def test_logs_filter_and_copy(qtbot, tmp_path):
@@ -193,6 +275,15 @@ def test_dashboard_without_expert_cache_says_so(qtbot):
     assert list(d.decode_curve.getData()[1]) == [5.0, 6.0, 7.0]
     assert d.hit_curves[0].getData()[1] is None or len(d.hit_curves[0].getData()[1]) == 0
     assert "resident" not in d.summary.text() and "VRAM" not in d.summary.text()
+    # why llama.cpp runs: the server's reason (/health), told in this layout only
+    assert not d.why_note.isVisibleTo(d)
+    reason = ("auto: no CUDA GPU here; llama.cpp is faster on the CPU alone "
+              "(--engine hybrid runs the MoE Studio engine anyway)")
+    d.set_engine_reason(reason)
+    assert d.why_note.isVisibleTo(d) and d.why_note.text() == f"<b>Why llama.cpp:</b> {reason}"
+    d.ingest(_snap(3, 3, cache=_cache(slots=0)))  # the hybrid engine (another start): no such note
+    d.redraw()
+    assert d.mode == "cpu" and not d.why_note.isVisibleTo(d)
 
 
 def test_dashboard_cpu_only_mode_shows_heat_cpu_and_ram_and_says_why(qtbot):

@@ -74,7 +74,7 @@ def test_first_run_demo_model_chats_through_the_frozen_executable(bundle, qtbot,
     engine = EngineManager(AppPaths.under(tmp_path).ensure(), tasks)
     try:
         with qtbot.waitSignal(engine.ready, timeout=180_000):
-            engine.start(LaunchSpec(str(model)))
+            engine.start(LaunchSpec(str(model), extra_args=("--engine", "hybrid")))
         assert engine.health["engine"] == "hybrid"  # torch and the ggml CPU kernels, both from the bundle
         text = []
         for event in engine.client(timeout=120).chat_stream(

@@ -31,7 +31,7 @@ USER = [{"role": "user", "content": "Hi"}]
 
 @pytest.fixture(scope="module")
 def server(make_model):
-    s = start_server(make_model("qwen3moe"), "-c", str(CTX))
+    s = start_server(make_model("qwen3moe"), "--engine", "hybrid", "-c", str(CTX))
     assert s.health_seen[-1]["status"] == "ok", "".join(s.log)
     yield s
     assert s.stop() == 0, "".join(s.log)

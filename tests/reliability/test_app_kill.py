@@ -79,7 +79,7 @@ def killed_app(make_model, tmp_path_factory):
         paths = AppPaths.default().ensure()
     assert str(paths.config).startswith(str(root)) and str(paths.log).startswith(str(root))
     # A first run as the user left it: a preset for the model and a chat that already has one exchange.
-    write_preset(paths.presets, "kill-test", Config(model=str(make_model("qwen3moe")), ctx=1024))
+    write_preset(paths.presets, "kill-test", Config(model=str(make_model("qwen3moe")), ctx=1024, engine="hybrid"))
     store = ChatStore(paths.chat_db)
     # seed and temperature as tests/app/test_studio.py: this tiny model then runs to max_tokens
     conv = store.create_conversation("Before the crash", settings={"max_tokens": 1000, "seed": 7, "temperature": 0.9})

@@ -40,7 +40,7 @@ def model(make_model):
 
 @pytest.fixture(scope="module")
 def keyed(model):
-    s = start_server(model, "-c", "512", env={"MOESTUDIO_API_KEY": KEY})
+    s = start_server(model, "--engine", "hybrid", "-c", "512", env={"MOESTUDIO_API_KEY": KEY})
     assert s.health_seen[-1]["status"] == "ok", s.health_seen[-1]
     yield s
     if s.proc.poll() is None:  # the last test stops it itself to read the whole log

@@ -188,7 +188,7 @@ def test_serve_refuses_a_profile_for_another_model_before_listening(tiny, identi
         "missing.gguf": "missing.gguf does not exist",
     }
     procs = {name: subprocess.Popen([sys.executable, "-m", "engine.cli", "serve", str(tiny), "--port", "0",
-                                     "--moe-expert-profile", str(tmp_path / name)], cwd=ROOT, text=True,
+                                     "--engine", "hybrid", "--moe-expert-profile", str(tmp_path / name)], cwd=ROOT, text=True,
                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE) for name in cases}
     for name, words in cases.items():
         _, err = procs[name].communicate(timeout=120)
@@ -201,7 +201,7 @@ def test_serve_refuses_a_profile_for_another_model_before_listening(tiny, identi
 
     # A profile that fits is taken: the server listens and loads.
     save_profile(profile, tmp_path / "good.strp")
-    s = start_server(tiny, "-c", "256", "--moe-expert-profile", str(tmp_path / "good.strp"))
+    s = start_server(tiny, "--engine", "hybrid", "-c", "256", "--moe-expert-profile", str(tmp_path / "good.strp"))
     try:
         assert s.health_seen[-1]["status"] == "ok", "".join(s.log)
     finally:

@@ -47,7 +47,7 @@ def _replies(server) -> tuple[str, str]:
 # ---- a port in use ---------------------------------------------------------------------------------
 
 def test_a_port_held_by_another_server(tiny, tmp_path):
-    first = start_server(tiny, "-c", "256")
+    first = start_server(tiny, "--engine", "hybrid", "-c", "256")
     try:
         before = _replies(first)
         r = moestudio("serve", str(tiny), "--port", str(first.port))

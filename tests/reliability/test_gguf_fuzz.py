@@ -560,7 +560,7 @@ def test_a_file_that_fails_only_while_loading_is_reported_by_the_server(parts, t
     reads the error as a bad model."""
     bad = tmp_path / "layer-1-cut.gguf"
     bad.write_bytes(_build(parts, tiny, _no_moe_in_layer_1))
-    s = start_server(bad)
+    s = start_server(bad, "--engine", "hybrid")  # this engine's builder asks for the tensor
     try:
         status, health = s.request("GET", "/health")
         assert status == 503 and health["status"] == "error", health

@@ -192,7 +192,7 @@ def run_round(server: Server, specs: list[Spec]) -> tuple[list[Result], float]:
 
 @pytest.fixture(scope="module")
 def server(make_model):
-    s = start_server(make_model("qwen3moe"), "-c", "1024")
+    s = start_server(make_model("qwen3moe"), "--engine", "hybrid", "-c", "1024")
     assert s.health_seen[-1]["status"] == "ok", s.health_seen[-1]
     yield s
     assert s.stop() == 0, "".join(s.log)

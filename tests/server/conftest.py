@@ -92,8 +92,9 @@ def tiny_model(make_model) -> Path:
 
 @pytest.fixture(scope="session")
 def server(tiny_model):
-    """The default server (auto engine -> hybrid) shared by the API test modules."""
-    s = start_server(tiny_model, "-c", "1024")
+    """The default server shared by the API test modules: the MoE Studio engine, named (auto would
+    pick llama.cpp on a machine without CUDA)."""
+    s = start_server(tiny_model, "--engine", "hybrid", "-c", "1024")
     assert s.health_seen[-1]["status"] == "ok", s.health_seen[-1]
     yield s
     assert s.stop() == 0, "".join(s.log)

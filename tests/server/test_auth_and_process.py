@@ -16,7 +16,7 @@ USER = [{"role": "user", "content": "Hi"}]
 @pytest.fixture(scope="module")
 def keyed(serve, tiny_model):
     # The key comes from the environment, as it should in real use: it stays out of `ps`.
-    return serve(tiny_model, "-c", "512", env={"MOESTUDIO_API_KEY": KEY})
+    return serve(tiny_model, "--engine", "hybrid", "-c", "512", env={"MOESTUDIO_API_KEY": KEY})
 
 
 def test_openai_key_accepted_and_refused(keyed):
@@ -58,7 +58,7 @@ def test_bad_settings_are_refused_before_listening(run_cli, tiny_model, tmp_path
 
 
 def test_sigint_stops_mid_generation_and_releases_the_port(serve, tiny_model):
-    s = serve(tiny_model, "-c", "512")
+    s = serve(tiny_model, "--engine", "hybrid", "-c", "512")
     stream = openai.OpenAI(base_url=s.url + "/v1", api_key="x", max_retries=0).chat.completions.create(
         model="m", messages=USER, max_tokens=400, stream=True)
     next(iter(stream))

@@ -1,12 +1,15 @@
-"""The llama.cpp engine behind the same API, and `--engine auto` choosing it for what we cannot run."""
+"""The llama.cpp engine behind the same API, and `--engine auto` choosing it: without CUDA, and for
+what the MoE Studio engine cannot run."""
 from __future__ import annotations
 
 import openai
 import pytest
+import torch
 from gguf import GGMLQuantizationType as QT
 
+from engine.config import Config
 from engine.errors import UserError
-from engine.server.loader import choose_engine
+from engine.server.loader import AUTO_CPU_REASON, Loaded, choose_engine, load_hybrid, validated
 
 USER = [{"role": "user", "content": "Name three colours."}]
 
@@ -17,13 +20,41 @@ def iq4_model(make_model):
     return make_model("qwen3moe", QT.IQ4_NL)
 
 
-def test_auto_prefers_hybrid_and_falls_back_with_a_reason(tiny_model, iq4_model):
-    assert choose_engine(tiny_model, "auto")[0] == "hybrid"
-    kind, reason = choose_engine(iq4_model, "auto")
+@pytest.mark.parametrize("device", ["cuda", "cuda:1"])
+def test_auto_with_cuda_prefers_hybrid_and_falls_back_with_a_reason(tiny_model, iq4_model, device):
+    """The decision alone, for a CUDA device (no GPU needed: nothing is loaded)."""
+    assert choose_engine(tiny_model, "auto", device) == (
+        "hybrid", "auto: the MoE Studio engine supports qwen3moe and every tensor type of this file")
+    kind, reason = choose_engine(iq4_model, "auto", device)
     assert kind == "llamacpp" and "IQ4_NL" in reason
-    assert choose_engine(iq4_model, "llamacpp") == ("llamacpp", "chosen with --engine llamacpp")
+    assert choose_engine(iq4_model, "llamacpp", device) == ("llamacpp", "chosen with --engine llamacpp")
     with pytest.raises(UserError, match="IQ4_NL.*--engine llamacpp"):
-        choose_engine(iq4_model, "hybrid")
+        choose_engine(iq4_model, "hybrid", device)
+
+
+def test_auto_without_cuda_picks_llamacpp_unless_hybrid_is_asked_for(tiny_model, iq4_model):
+    """On the CPU alone llama.cpp is several times faster and the expert cache has no GPU to live on."""
+    assert AUTO_CPU_REASON == ("auto: no CUDA GPU here; llama.cpp is faster on the CPU alone "
+                               "(--engine hybrid runs the MoE Studio engine anyway)")
+    assert choose_engine(tiny_model, "auto", "cpu") == ("llamacpp", AUTO_CPU_REASON)
+    assert choose_engine(tiny_model, "hybrid", "cpu") == ("hybrid", "chosen with --engine hybrid")
+    assert choose_engine(tiny_model, "llamacpp", "cpu") == ("llamacpp", "chosen with --engine llamacpp")
+    kind, reason = choose_engine(iq4_model, "auto", "cpu")  # the file's own reason comes first
+    assert kind == "llamacpp" and "IQ4_NL" in reason
+    with pytest.raises(UserError, match="IQ4_NL.*--engine llamacpp"):
+        choose_engine(iq4_model, "hybrid", "cpu")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="auto picks the MoE Studio engine with CUDA")
+def test_auto_serves_llamacpp_without_cuda_and_says_why(serve, tiny_model):
+    s = serve(tiny_model, "-c", "1024")
+    health = s.request("GET", "/health")[1]
+    assert health["engine"] == "llamacpp" and health["engine_reason"] == AUTO_CPU_REASON
+    assert health["effective"] == {"engine": "llamacpp", "ctx": 1024, "threads": health["effective"]["threads"],
+                                   "device": "cpu", "n_cpu_moe": 0, "load_mode": "mmap"}
+    assert f"engine: llamacpp ({AUTO_CPU_REASON})" in "".join(s.log)  # and in the log the app shows
+    assert chat(s.url).usage.completion_tokens == 8
+    assert s.request("GET", "/v1/stats")[1]["cache"] is None  # the dashboard's llama.cpp layout
 
 
 def chat(url: str, **kwargs):
@@ -83,22 +114,38 @@ def test_the_hybrid_engine_on_a_model_it_cannot_run_is_refused_before_listening(
                                 "engine; use --engine llamacpp or auto")
 
 
-def test_auto_checks_a_file_once_and_falls_back_where_the_engine_does_not_match(serve, make_model):
-    """At a file's first load auto validates this engine against llama.cpp (engine/validate.py) and
-    keeps the verdict in the user cache; a recorded mismatch sends the file to llama.cpp, with why."""
+def test_auto_checks_a_file_once_and_falls_back_where_the_engine_does_not_match(make_model):
+    """At a file's first load auto (on CUDA: the one case where it picks this engine by itself)
+    validates this engine against llama.cpp (engine/validate.py) and keeps the verdict in the user
+    cache; a recorded mismatch sends the file to llama.cpp, with why. The check itself runs on the
+    engine's own device, here the CPU, in process: what load_engine does after choosing."""
     import json
 
     from engine.gguf.fingerprint import file_fingerprint
     from engine.validate import _engine_version, _verdict_cache
 
     path = make_model("olmoe", QT.Q8_0)
+    cfg = Config(model=str(path), device="cpu")
+    kind, reason = choose_engine(path, "auto", "cuda")
     verdict = _verdict_cache() / f"{file_fingerprint(path)}-{_engine_version()}-cpu.json"
     assert not verdict.exists()
-    first = serve(path).request("GET", "/health")[1]
-    assert first["engine"] == "hybrid" and "matched llama.cpp" in first["engine_reason"]
+    first = validated(cfg, hybrid(cfg, kind, reason), _quiet)
+    assert first.kind == "hybrid" and first.reason == f"{reason}; it matched llama.cpp on this file"
     assert json.loads(verdict.read_text())["failure"] is None
 
     verdict.write_text(json.dumps({"failure": "this engine did not match llama.cpp on this file (mean KL 1e-2)"}))
-    health = serve(path).request("GET", "/health")[1]
-    assert health["engine"] == "llamacpp"
-    assert health["engine_reason"] == "auto: this engine did not match llama.cpp on this file (mean KL 1e-2)"
+    second = validated(cfg, hybrid(cfg, kind, reason), _quiet)
+    assert second.kind == "llamacpp" and second.effective["engine"] == "llamacpp"
+    assert second.reason == "auto: this engine did not match llama.cpp on this file (mean KL 1e-2)"
+    from engine.runtime.engine import Request
+
+    assert list(second.engine.generate(Request(messages=USER, max_tokens=2)))[-1].completion_tokens == 2
+
+
+def _quiet(stage: str, fraction: float) -> None:
+    pass
+
+
+def hybrid(cfg: Config, kind: str, reason: str) -> Loaded:
+    engine, effective = load_hybrid(cfg, _quiet)
+    return Loaded(engine, kind, reason, effective)

@@ -29,7 +29,13 @@ def test_health_reported_loading_then_ok(server):
     first, last = server.health_seen[0], server.health_seen[-1]
     assert first["status"] == "loading" and 0 <= first["progress"] < 100 and first["stage"]
     assert last["status"] == "ok" and last["progress"] == 100
-    assert last["engine"] == "hybrid" and last["engine_reason"].startswith("auto:")
+    assert last["engine"] == "hybrid" and last["engine_reason"] == "chosen with --engine hybrid"
+    # what it runs with, by setting name: no GPU here, so no expert slots; the context asked for
+    eff = last["effective"]
+    assert eff["engine"] == "hybrid" and eff["ctx"] == last["n_ctx"] == last["settings"]["ctx"] == 1024
+    assert eff["threads"] >= 1 and eff["load_mode"] in ("mmap", "none") and 0 <= eff["moe_gpu_miss_fraction"] <= 1
+    if eff["device"] == "cpu":
+        assert eff["moe_expert_cache_size"] == 0
 
 
 def test_models_lists_the_loaded_model(client, tiny_model):

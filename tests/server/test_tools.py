@@ -168,7 +168,7 @@ def no_tools_model(tiny_model, tmp_path_factory):
 
 
 def test_a_template_without_tool_support_answers_400(serve, no_tools_model):
-    s = serve(no_tools_model, "-c", "256")
+    s = serve(no_tools_model, "--engine", "hybrid", "-c", "256")
     with pytest.raises(openai.BadRequestError, match="chat-only.gguf has no tool support|has no tool support"):
         oai(s).chat.completions.create(model="m", messages=USER, tools=TOOLS, max_tokens=2)
     with pytest.raises(anthropic.BadRequestError, match="has no tool support"):
