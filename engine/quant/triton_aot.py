@@ -18,7 +18,10 @@ from engine.quant import triton_kernels as tk
 
 _PTR = {"x": "*fp32", "xg": "*fp32", "xu": "*fp32", "out": "*fp32", "gb": "*fp32", "ub": "*fp32", "h": "*fp32",
         "hr": "*fp32", "db": "*fp32", "wt": "*fp32", "g": "*u8", "u": "*u8", "d": "*u8", "count": "*i32",
-        "xr": "*fp32", "xq": "*i8", "xd": "*fp32", "w": "*u8", "part": "*fp32"}
+        "xr": "*fp32", "xq": "*i8", "xd": "*fp32", "w": "*u8", "part": "*fp32",
+        # the grouped GEMM (grouped_gemm.py): rounded rows as int8 quants, scales and values
+        "xgq": "*i8", "xuq": "*i8", "hq": "*i8", "xgd": "*fp32", "xud": "*fp32", "hd": "*fp32",
+        "xgv": "*fp32", "xuv": "*fp32", "hv": "*fp32"}
 _ALIGNED_INTS = {"g_slot_bytes", "g_row_bytes", "u_slot_bytes", "u_row_bytes", "d_slot_bytes", "d_row_bytes",
                  "x_stride", "out_stride_pos", "out_stride_tok", "w_row_bytes"}
 
