@@ -351,8 +351,9 @@ def _eager_us(fn, repeats: int) -> float:
 def _grouped_sweep() -> list:
     from engine.quant import grouped_gemm as gg
 
-    return [gg.GroupedConfig(m, n, w) for m, n, w in
-            ((32, 64, 4), (64, 64, 4), (64, 64, 8), (64, 128, 8), (128, 64, 8), (128, 128, 8))]
+    return [gg.GroupedConfig(m, n, w, s) for m, n, w, s in
+            ((32, 64, 4, 2), (64, 32, 4, 1), (64, 64, 4, 2), (64, 64, 8, 1), (64, 64, 8, 2), (64, 128, 8, 2),
+             (128, 64, 8, 2))]
 
 
 def bench_grouped(name: str, sc: ExpertScenario, tokens: list[int], dev: torch.device, replays: int,
@@ -375,14 +376,15 @@ def bench_grouped(name: str, sc: ExpertScenario, tokens: list[int], dev: torch.d
         ref = torch.zeros_like(per_slot)
         flops = 6.0 * t * sc.top_k * sc.n_embd * sc.n_ff  # gate, up, down: 2 x D x F each per pair
 
-        def kernels(cfg):
-            groups = gg.Groups.build(ids_host, slot_of, cfg.block_m, dev)
+        def kernels(cfg=None):  # cfg: one tile for both kernels (the sweep); None: the defaults
+            gu_cfg, dn_cfg = cfg or gg.GATE_UP_CONFIG[w.gate.qtype], cfg or gg.DOWN_CONFIG[w.down.qtype]
+            groups = gg.Groups.build(ids_host, slot_of, gu_cfg.block_m, dev)
 
             def call() -> None:  # the four launches (grouping done): what a graph replays
                 xg = tk.round_rows(x, w.gate.qtype)
                 xu = xg if tk._vt(w.up.qtype) == tk._vt(w.gate.qtype) else tk.round_rows(x, w.up.qtype)
-                h = gg.gate_up(xg, xu, layer.buffers[0], layer.buffers[1], w, groups, cfg)
-                gg.down(tk.round_rows(h, w.down.qtype), layer.buffers[2], w, groups, weights, per_slot, cfg)
+                h = gg.gate_up(xg, xu, layer.buffers[0], layer.buffers[1], w, groups, gu_cfg)
+                gg.down(tk.round_rows(h, w.down.qtype), layer.buffers[2], w, groups, weights, per_slot, dn_cfg)
             return call
 
         def tflops(us: float) -> float:
@@ -392,7 +394,7 @@ def bench_grouped(name: str, sc: ExpertScenario, tokens: list[int], dev: torch.d
         grouped(x, layer.buffers, w, ids_host, slot_of, weights, per_slot)
         torch_many_rows(x, layer, ids, weights, ref)
         err = ((per_slot - ref).abs().max() / ref.abs().max()).item()
-        g_us = graph_us([kernels(gg.GATE_UP_CONFIG)], replays)
+        g_us = graph_us([kernels()], replays)
         e_us = _eager_us(lambda: grouped(x, layer.buffers, w, ids_host, slot_of, weights, per_slot), replays)
         t_us = _eager_us(lambda: torch_many_rows(x, layer, ids, weights, ref), max(1, replays // 2))
         row = {"kind": "grouped", "shape": name, "types": [q.name for q in sc.qtypes], "n_embd": sc.n_embd,
@@ -408,7 +410,8 @@ def bench_grouped(name: str, sc: ExpertScenario, tokens: list[int], dev: torch.d
                 call = kernels(cfg)
                 call()
                 us = graph_us([call], replays)
-                row["sweep"].append({"config": f"m{cfg.block_m}n{cfg.block_n}w{cfg.num_warps}", "us": round(us, 1),
+                row["sweep"].append({"config": f"m{cfg.block_m}n{cfg.block_n}w{cfg.num_warps}s{cfg.num_stages}",
+                                     "us": round(us, 1),
                                      "TFLOPs": tflops(us)})
             best = min(row["sweep"], key=lambda r: r["us"])
             print(f"       sweep best {best['config']}: {best['us']} us {best['TFLOPs']} TFLOP/s", flush=True)

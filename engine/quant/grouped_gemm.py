@@ -65,16 +65,14 @@ if triton is not None:
         return _f16_bits(tl.load(ptr.to(tl.pointer_type(tl.uint16))).to(tl.int32))
 
     @triton.jit
-    def _k4_sc_m(s, j: tl.constexpr):
-        """get_scale_min_k4 of sub-block j (compile-time) from the 12 scale bytes at `s`
-        ([1, BLOCK_N] byte pointers): (scale, min) as int32."""
-        if j < 4:
-            sc = tl.load(s + j).to(tl.int32) & 63
-            m = tl.load(s + j + 4).to(tl.int32) & 63
-        else:
-            hi = tl.load(s + j + 4).to(tl.int32)
-            sc = (hi & 15) | ((tl.load(s + j - 4).to(tl.int32) >> 6) << 4)
-            m = (hi >> 4) | ((tl.load(s + j).to(tl.int32) >> 6) << 4)
+    def _k4_sc_m(s, j):
+        """get_scale_min_k4 of sub-block j (0..7) from the 12 scale bytes at `s` ([1, BLOCK_N]
+        byte pointers): (scale, min) as int32."""
+        a = tl.load(s + j).to(tl.int32)
+        b = tl.load(s + j + 4).to(tl.int32)
+        e = tl.load(s + (j & 3)).to(tl.int32)  # j - 4 for the upper four
+        sc = tl.where(j < 4, a & 63, (b & 15) | ((e >> 6) << 4))
+        m = tl.where(j < 4, b & 63, (b >> 4) | ((a >> 6) << 4))
         return sc, m
 
     @triton.jit
@@ -100,7 +98,7 @@ if triton is not None:
                 qs = blk + 48
             s_acc = tl.zeros_like(acc)
             m_acc = tl.zeros_like(acc)
-            for c in tl.static_range(4):
+            for c in range(4):  # a loop, not unrolled: one chunk's tiles live at a time
                 # values 64c + t: sub-blocks 2c (low nibbles of qs[32c ...]) and 2c + 1 (high)
                 q = (tl.load(qs + 32 * c + t % 32).to(tl.int32) >> (4 * (t // 32))) & 15
                 if QW == _Q5_K:  # the fifth bit: bit 2c + t // 32 of qh[t % 32]
@@ -119,7 +117,7 @@ if triton is not None:
         elif QW == _Q6_K:
             blk = w + ks * 210
             s_acc = tl.zeros_like(acc)
-            for c in tl.static_range(4):
+            for c in range(4):  # a loop, not unrolled: one chunk's tiles live at a time
                 # values 64c + t: ql[64(c // 2) + t] nibble c % 2; qh[128 + 32(c // 2) + t % 32]
                 # bits 2(2(c % 2) + t // 32); scale int8 at 192 + 4c + t // 16
                 lo = (tl.load(blk + 64 * (c // 2) + t).to(tl.int32) >> (4 * (c % 2))) & 15
@@ -136,7 +134,7 @@ if triton is not None:
         elif QW == _Q8_0 or QW == _MXFP4:
             NB: tl.constexpr = K // 32
             t32 = tl.arange(0, 32)[:, None]
-            for b in tl.static_range(8):
+            for b in range(8):  # a loop, not unrolled: one block's tiles live at a time
                 # Blocks past the row's end read its last block again: the activation there is 0.
                 bi = tl.minimum(ks * 8 + b, NB - 1)
                 if QW == _Q8_0:
@@ -156,7 +154,7 @@ if triton is not None:
                 dx = tl.load(xd_ptr + a_rows * (KP // 32) + ks * 8 + b, mask=live_m, other=0.0)
                 acc += s * (dx * dw)
         else:  # F16, BF16: the rounded activation is a 16-bit value already
-            for c in tl.static_range(4):
+            for c in range(4):  # a loop, not unrolled: one chunk's tiles live at a time
                 k = ks * 256 + 64 * c + t
                 if QW == _F16:
                     wv = tl.load(w.to(tl.pointer_type(tl.float16)) + k, mask=k < K, other=0.0)
@@ -253,11 +251,14 @@ class GroupedConfig:
     num_stages: int = 2
 
 
-# One default per kernel; `moestudio bench kernels --only grouped --sweep` times others. Compiled
-# for sm_90 (engine/quant/triton_aot.py), 4 warps spill in gate/up (two accumulators and the
-# K-quants' partial sums) and in Q8_0's down; 8 warps nearly do not.
-GATE_UP_CONFIG = GroupedConfig(64, 64, 8)
-DOWN_CONFIG = GroupedConfig(64, 64, 8)
+# Defaults per kernel and weight type (gate's for gate/up, down's for down; block_m alike, as
+# both kernels walk the same padded runs). Compiled for sm_90 (engine/quant/triton_aot.py,
+# tests/quant/test_grouped_gemm.py), these spill nothing; Q6_K's gate/up holds three gathered
+# byte tiles per chunk and needs the narrower tile. `moestudio bench kernels --only grouped
+# --sweep` times others on the GPU.
+GATE_UP_CONFIG: dict[QT, GroupedConfig] = {t: GroupedConfig(64, 64, 8) for t in GROUPED_TYPES}
+GATE_UP_CONFIG[QT.Q6_K] = GroupedConfig(64, 32, 4, 1)
+DOWN_CONFIG: dict[QT, GroupedConfig] = {t: GroupedConfig(64, 64, 8) for t in GROUPED_TYPES}
 
 
 def supports(w) -> bool:
@@ -316,7 +317,7 @@ def gate_up(xg: tk.Rounded, xu: tk.Rounded, gate_buf: torch.Tensor, up_buf: torc
             cfg: GroupedConfig | None = None) -> torch.Tensor:
     """h [tiles * block_m, n_ff] float32: act(x . gate (+bias), x . up (+bias)) per padded row
     (padding rows hold act(bias)); xg, xu: the token rows rounded for the gate and up types."""
-    cfg = cfg or GATE_UP_CONFIG
+    cfg = cfg or GATE_UP_CONFIG[w.gate.qtype]
     n_ff, d_in = w.gate.shape[1], w.gate.shape[2]
     h = torch.empty((groups.tiles * groups.block_m, n_ff), dtype=torch.float32, device=xg.padded.device)
     if groups.tiles == 0:
@@ -338,7 +339,7 @@ def down(hr: tk.Rounded, down_buf: torch.Tensor, w, groups: Groups, weights: tor
          out: torch.Tensor, cfg: GroupedConfig | None = None) -> None:
     """out[pos, tok, :] = (hr[row] . down[slot] (+bias)) * weights[tok, pos] for every live row;
     `out` [k, T, D] (the executor's per_slot, last axis contiguous); weights None: unweighted."""
-    cfg = cfg or DOWN_CONFIG
+    cfg = cfg or DOWN_CONFIG[w.down.qtype]
     d_out, n_ff = w.down.shape[1], w.down.shape[2]
     if groups.tiles == 0:
         return
@@ -359,7 +360,8 @@ def experts_forward(x: torch.Tensor, buffers, w, ids_host: np.ndarray, slot_of: 
     """Every (token, top-k) pair whose expert has a slot in `slot_of` ([n_expert] -> slot or -1),
     weighted, into out[pos, tok, :]; other pairs are not touched. x [T, D] float32 (rows
     contiguous), buffers = [gate, up, down] slot buffers (engine/moe/slots.LayerSlots)."""
-    gate_up_cfg, down_cfg = gate_up_cfg or GATE_UP_CONFIG, down_cfg or DOWN_CONFIG
+    gate_up_cfg = gate_up_cfg or GATE_UP_CONFIG[w.gate.qtype]
+    down_cfg = down_cfg or DOWN_CONFIG[w.down.qtype]
     if gate_up_cfg.block_m != down_cfg.block_m:
         raise ValueError("gate/up and down tiles must pad the expert runs alike (block_m)")
     groups = Groups.build(ids_host, slot_of, gate_up_cfg.block_m, x.device)
