@@ -49,11 +49,15 @@ class Step:
         self.slot_of = np.argsort(perm.numpy()).astype(np.int32)
         self.slot_of[:skip] = -1  # experts 0 .. skip - 1: not in this batch (their pairs stay zero)
         self.device = device
+        self._mats: dict[int, tuple] = {}
 
     def mats(self, e: int):
-        s = int(self.slot_of[e]) if self.slot_of[e] >= 0 else None
-        return tuple(dequantize(b[s], t.qtype, t.shape[1:]) for b, t in zip(self.buffers, (self.w.gate, self.w.up,
-                                                                                           self.w.down)))
+        """Expert e's float32 gate, up and down, dequantized from its slot (once)."""
+        if e not in self._mats:
+            s = int(self.slot_of[e])
+            self._mats[e] = tuple(dequantize(b[s], t.qtype, t.shape[1:])
+                                  for b, t in zip(self.buffers, (self.w.gate, self.w.up, self.w.down)))
+        return self._mats[e]
 
     def reference(self) -> torch.Tensor:
         """per_slot [k, T, D] from the torch many-row path (hybrid._run_on_accelerator)."""
