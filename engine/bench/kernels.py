@@ -398,7 +398,8 @@ def bench_grouped(name: str, sc: ExpertScenario, tokens: list[int], dev: torch.d
         e_us = _eager_us(lambda: grouped(x, layer.buffers, w, ids_host, slot_of, weights, per_slot), replays)
         t_us = _eager_us(lambda: torch_many_rows(x, layer, ids, weights, ref), max(1, replays // 2))
         row = {"kind": "grouped", "shape": name, "types": [q.name for q in sc.qtypes], "n_embd": sc.n_embd,
-               "n_ff": sc.n_ff, "top_k": sc.top_k, "experts": GROUPED_EXPERTS, "tokens": t, "GFLOP": round(flops / 1e9, 1),
+               "n_ff": sc.n_ff, "top_k": sc.top_k, "experts": GROUPED_EXPERTS, "tokens": t,
+               "GFLOP": round(flops / 1e9, 1),
                "max_rel_diff_grouped_torch": float(f"{err:.2e}"),
                "grouped": {"us": round(g_us, 1), "TFLOPs": tflops(g_us)},
                "grouped_eager": {"us": round(e_us, 1), "TFLOPs": tflops(e_us)},

@@ -289,7 +289,8 @@ def test_gpu_matches_torch_path(name: str) -> None:
 
 
 @gpu
-@pytest.mark.parametrize("cfg", [gg.GroupedConfig(32, 64, 4), gg.GroupedConfig(64, 128, 8), gg.GroupedConfig(128, 64, 8)],
+@pytest.mark.parametrize("cfg", [gg.GroupedConfig(32, 64, 4), gg.GroupedConfig(64, 128, 8),
+                                 gg.GroupedConfig(128, 64, 8)],
                          ids=lambda c: f"m{c.block_m}n{c.block_n}w{c.num_warps}")
 @pytest.mark.parametrize("qtypes", [(QT.Q4_K, QT.Q4_K, QT.Q6_K), (QT.Q8_0,) * 3], ids=["Q4_K_M", "Q8_0"])
 def test_gpu_other_tiles(cfg: gg.GroupedConfig, qtypes) -> None:
