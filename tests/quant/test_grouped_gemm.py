@@ -261,6 +261,33 @@ def test_interpreter_hybrid_many_rows_match_torch_path(make_model, monkeypatch) 
     assert rel_err(got, want) < 1e-3, rel_err(got, want)
 
 
+@interp
+@pytest.mark.slow  # five interpreted launches of 512 rows: minutes
+def test_interpreter_routing_costs_time_the_grouped_gemm(make_model, monkeypatch) -> None:
+    """measure_costs (engine/moe/tune.py) times the accelerator's side of a many-row step through
+    the path that step takes: with the grouped GEMM on, GROUPED_EXPERTS experts of MANY_ROWS rows
+    in one launch."""
+    from engine.models import build_model
+    from engine.moe.cpu_pool import CpuExpertPool
+    from engine.moe.tune import GROUPED_EXPERTS, MANY_ROWS, measure_costs
+
+    calls = []
+    forward = gg.experts_forward
+    monkeypatch.setattr(gg, "experts_forward", lambda *a, **kw: (calls.append(a[3].shape), forward(*a, **kw)))
+    monkeypatch.setitem(gg.GATE_UP_CONFIG, QT.Q8_0, gg.GroupedConfig(64, 64))
+    monkeypatch.setitem(gg.DOWN_CONFIG, QT.Q8_0, gg.GroupedConfig(64, 64))
+    monkeypatch.setenv("MOESTUDIO_TRITON", "force")
+    model = build_model(make_model("qwen3moe", QT.Q8_0))
+    layer = min(model.expert_weights)
+    pool = CpuExpertPool(model.expert_weights, 1)
+    try:
+        t = measure_costs(layer, model.expert_weights[layer], torch.device("cpu"), pool)
+    finally:
+        pool.close()
+    assert calls and set(calls) == {(GROUPED_EXPERTS * MANY_ROWS, 1)}, calls
+    assert t["gpu_s"] > 0
+
+
 # ------------------------------------------------------------------------------ GPU tests
 
 GPU_TYPES = [QT.Q4_K, QT.Q5_K, QT.Q6_K, QT.Q8_0, QT.MXFP4, QT.F16, QT.BF16]
