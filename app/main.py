@@ -92,6 +92,7 @@ class MainWindow(QMainWindow):
         self.setCentralWidget(self.tabs)
         self.streamer = StatsStreamer(self)
         self.streamer.snapshot.connect(self.dashboard.ingest)
+        self.streamer.snapshot.connect(self.chat_ctl.on_stats)  # "processing prompt 1,536 / 4,000"
 
         self._build_menu()
         self._build_status_bar()

@@ -104,6 +104,7 @@ class ChatController(QObject):
     messageAdded = Signal(object)  # Message
     messageChanged = Signal(object)  # Message (content, status or stats changed)
     busyChanged = Signal(bool)
+    promptProgress = Signal(int, int, int)  # reply message id, prompt tokens processed, total
     error = Signal(str)
     FLUSH_MS = 100  # checkpoint + repaint interval of a growing reply
 
@@ -280,6 +281,15 @@ class ChatController(QObject):
         self.busyChanged.emit(True)
         self._stream.start(self.tasks, client, payload)
         return True
+
+    def on_stats(self, snap: dict) -> None:
+        """A telemetry snapshot (the stats stream): while the streaming reply has no text yet and
+        the engine is reading a prompt, its progress goes to the reply (promptProgress). The
+        engine runs one request at a time, so a prompt read while our reply waits is ours or one
+        queued before it."""
+        progress = snap.get("prefill")
+        if progress and self._reply is not None and self._meter is not None and not self._meter.text:
+            self.promptProgress.emit(self._reply.id, int(progress["processed"]), int(progress["total"]))
 
     def _on_chunk(self, chunk: dict) -> None:
         if self._meter is None or self._reply is None:

@@ -147,6 +147,11 @@ class ReplyMeter:
         return s
 
 
+def format_prompt_progress(processed: int, total: int) -> str:
+    """The note of a reply whose prompt the engine is still reading (/v1/stats' `prefill`)."""
+    return f"processing prompt {processed:,} / {total:,}"
+
+
 def format_stats(stats: dict[str, Any] | None) -> str:
     if not stats:
         return ""

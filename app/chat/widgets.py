@@ -16,7 +16,8 @@ from PySide6.QtWidgets import (QAbstractItemView, QComboBox, QDoubleSpinBox, QFi
 
 from app.chat.controller import ChatController
 from app.chat.markdown import code_blocks, display_markdown
-from app.chat.session import DEFAULT_SETTINGS, context_used, format_stats, format_stops, parse_stops
+from app.chat.session import (DEFAULT_SETTINGS, context_used, format_prompt_progress, format_stats, format_stops,
+                              parse_stops)
 from app.store import Message
 from engine.errors import UserError
 
@@ -117,6 +118,11 @@ class MessageWidget(QFrame):
             w.setVisible(msg.versions > 1)
         self.version_label.setText(f"{msg.version}/{msg.versions}")
         self._enable_versions()
+
+    def show_prompt_progress(self, processed: int, total: int) -> None:
+        """While the reply waits for its first token: how much of the prompt the engine has read."""
+        if self.msg.status == "streaming" and not self.msg.content:
+            self.status_label.setText(f"<i>{format_prompt_progress(processed, total)}</i>")
 
     def _enable_versions(self) -> None:
         self.prev_btn.setEnabled(self._versions_enabled and self.msg.version > 1)
@@ -325,6 +331,7 @@ class ChatWidget(QWidget):
         self.c.conversationOpened.connect(self._rebuild)
         self.c.messageAdded.connect(self._add_message)
         self.c.messageChanged.connect(self._message_changed)
+        self.c.promptProgress.connect(self._prompt_progress)
         self.c.busyChanged.connect(lambda _b: self._update_buttons())
         self.c.error.connect(self.show_banner)
         self.refresh_conversations()
@@ -432,6 +439,11 @@ class ChatWidget(QWidget):
             self._update_context()
         if at_bottom:
             QTimer.singleShot(0, self._scroll_to_bottom)
+
+    def _prompt_progress(self, msg_id: int, processed: int, total: int) -> None:
+        w = self._widgets.get(msg_id)
+        if w is not None:
+            w.show_prompt_progress(processed, total)
 
     def _scroll_to_bottom(self) -> None:
         bar = self.scroll.verticalScrollBar()

@@ -10,7 +10,13 @@ GPU and 1, 2, 4, 8 activation rows:
 Each figure is GPU time per call from a CUDA graph of many calls replayed (no launch gaps), the
 bytes of weights read, GB/s, and the share of the device-to-device copy bandwidth measured in
 the same run. Consecutive calls read other copies of the weights (at least 4x the L2 cache in
-all), so the weights come from HBM, not L2. Results: JSON and a markdown table.
+all), so the weights come from HBM, not L2.
+
+`--only grouped`: the prefill expert step, the grouped GEMM (engine/quant/grouped_gemm.py) over
+a Qwen3-30B-A3B layer (128 experts, top-8, 2048 x 768) at 512 and 4,096 tokens (`--tokens`):
+achieved TFLOP/s of its four launches from a replayed graph, the whole call eager (with the
+host's grouping of pairs), and beside them the torch path it replaces (each expert dequantized,
+then matmul; eager: it reads the routing on the host). Results: JSON and markdown tables.
 """
 from __future__ import annotations
 
@@ -41,6 +47,11 @@ DENSE_SHAPES: dict[str, tuple[int, int]] = {
     "qwen3-30b-a3b output": (151936, 2048),
     "mixtral ffn_down": (4096, 14336),  # llama.cpp's test-backend-ops MUL_MAT 4096 x 14336 shape
 }
+
+
+# The prefill expert step: Qwen3-30B-A3B's routed experts, and the prompt lengths timed.
+GROUPED_EXPERTS = 128
+GROUPED_TOKENS = (512, 4096)
 
 
 @dataclass(frozen=True)
@@ -224,7 +235,7 @@ class ExpertLayer:
     (valid blocks at distinct addresses), enough of them to be 4x the L2 cache and to draw
     top-k distinct experts."""
 
-    def __init__(self, sc: ExpertScenario, dev: torch.device, l2_bytes: int):
+    def __init__(self, sc: ExpertScenario, dev: torch.device, l2_bytes: int, n_slots: int = 0):
         import torch
 
         from engine.layers.moe import ExpertTensor, ExpertWeights
@@ -234,7 +245,7 @@ class ExpertLayer:
         ones = [torch.from_numpy(np.ascontiguousarray(random_weight(rng, q, r, c)))
                 for q, (r, c) in zip(sc.qtypes, shapes)]
         self.expert_bytes = sum(o.numel() for o in ones)
-        self.n_slots = max(2 * sc.top_k, cold_copies(self.expert_bytes, l2_bytes))
+        self.n_slots = n_slots or max(2 * sc.top_k, cold_copies(self.expert_bytes, l2_bytes))
         self.buffers, tensors = [], []
         for one, qtype, (rows, cols) in zip(ones, sc.qtypes, shapes):
             self.buffers.append(one.to(dev).unsqueeze(0).repeat(self.n_slots, 1, 1))
@@ -306,6 +317,112 @@ def bench_experts(name: str, sc: ExpertScenario, rows: list[int], dev: torch.dev
     return out
 
 
+# ------------------------------------------------------------------------------ the prefill expert step
+
+def torch_many_rows(x: torch.Tensor, layer: ExpertLayer, ids: torch.Tensor, weights: torch.Tensor,
+                    out: torch.Tensor) -> None:
+    """The many-row step as hybrid.HybridExperts._run_on_accelerator runs it, expert by expert:
+    dequantize the slot's weights (slots.LayerSlots.weights), then expert_ffn (matmuls)."""
+    from engine.layers.moe import expert_ffn
+    from engine.quant.dequant import dequantize
+
+    w = layer.w
+    for e in range(layer.n_slots):
+        tok, pos = torch.nonzero(ids == e, as_tuple=True)
+        if len(tok):
+            mats = [dequantize(b[e], t.qtype, t.shape[1:]) for b, t in zip(layer.buffers, (w.gate, w.up, w.down))]
+            out[pos, tok] = expert_ffn(x[tok], *mats, w, e) * weights[tok, pos, None]
+
+
+def _eager_us(fn, repeats: int) -> float:
+    """Wall microseconds per call, synchronized (the best of `repeats` after one warm call)."""
+    import torch
+    fn()
+    torch.cuda.synchronize()
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        best = min(best, (time.perf_counter() - t0) * 1e6)
+    return best
+
+
+def _grouped_sweep() -> list:
+    from engine.quant import grouped_gemm as gg
+
+    return [gg.GroupedConfig(m, n, w, s) for m, n, w, s in
+            ((32, 64, 4, 2), (64, 32, 4, 1), (64, 64, 4, 2), (64, 64, 8, 1), (64, 64, 8, 2), (64, 128, 8, 2),
+             (128, 64, 8, 2))]
+
+
+def bench_grouped(name: str, sc: ExpertScenario, tokens: list[int], dev: torch.device, replays: int,
+                  sweep: list | None) -> list[dict]:
+    import torch
+
+    from engine.quant import grouped_gemm as gg
+    from engine.quant import triton_kernels as tk
+
+    layer = ExpertLayer(sc, dev, 0, n_slots=GROUPED_EXPERTS)
+    w, out = layer.w, []
+    for t in tokens:
+        g = torch.Generator().manual_seed(t)
+        x = torch.randn(t, sc.n_embd, generator=g).to(dev)
+        ids_host = torch.stack([torch.randperm(GROUPED_EXPERTS, generator=g)[:sc.top_k] for _ in range(t)]).numpy()
+        ids = torch.from_numpy(ids_host).to(dev)
+        weights = torch.rand(t, sc.top_k, generator=g).to(dev)
+        slot_of = np.arange(GROUPED_EXPERTS, dtype=np.int32)
+        per_slot = torch.zeros(sc.top_k, t, sc.n_embd, device=dev)
+        ref = torch.zeros_like(per_slot)
+        flops = 6.0 * t * sc.top_k * sc.n_embd * sc.n_ff  # gate, up, down: 2 x D x F each per pair
+
+        def kernels(cfg=None):  # cfg: one tile for both kernels (the sweep); None: the defaults
+            gu_cfg, dn_cfg = cfg or gg.GATE_UP_CONFIG[w.gate.qtype], cfg or gg.DOWN_CONFIG[w.down.qtype]
+            groups = gg.Groups.build(ids_host, slot_of, gu_cfg.block_m, dev)
+
+            def call() -> None:  # the four launches (grouping done): what a graph replays
+                xg = tk.round_rows(x, w.gate.qtype)
+                xu = xg if tk._vt(w.up.qtype) == tk._vt(w.gate.qtype) else tk.round_rows(x, w.up.qtype)
+                h = gg.gate_up(xg, xu, layer.buffers[0], layer.buffers[1], w, groups, gu_cfg)
+                gg.down(tk.round_rows(h, w.down.qtype), layer.buffers[2], w, groups, weights, per_slot, dn_cfg)
+            return call
+
+        def tflops(us: float) -> float:
+            return round(flops / us / 1e6, 1)
+
+        grouped = gg.experts_forward
+        grouped(x, layer.buffers, w, ids_host, slot_of, weights, per_slot)
+        torch_many_rows(x, layer, ids, weights, ref)
+        err = ((per_slot - ref).abs().max() / ref.abs().max()).item()
+        g_us = graph_us([kernels()], replays)
+        e_us = _eager_us(lambda: grouped(x, layer.buffers, w, ids_host, slot_of, weights, per_slot), replays)
+        t_us = _eager_us(lambda: torch_many_rows(x, layer, ids, weights, ref), max(1, replays // 2))
+        row = {"kind": "grouped", "shape": name, "types": [q.name for q in sc.qtypes], "n_embd": sc.n_embd,
+               "n_ff": sc.n_ff, "top_k": sc.top_k, "experts": GROUPED_EXPERTS, "tokens": t,
+               "GFLOP": round(flops / 1e9, 1),
+               "max_rel_diff_grouped_torch": float(f"{err:.2e}"),
+               "grouped": {"us": round(g_us, 1), "TFLOPs": tflops(g_us)},
+               "grouped_eager": {"us": round(e_us, 1), "TFLOPs": tflops(e_us)},
+               "torch": {"us": round(t_us, 1), "TFLOPs": tflops(t_us)}}
+        row["speedup"] = round(t_us / e_us, 1)
+        if sweep:
+            row["sweep"] = []
+            for cfg in sweep:
+                call = kernels(cfg)
+                call()
+                us = graph_us([call], replays)
+                row["sweep"].append({"config": f"m{cfg.block_m}n{cfg.block_n}w{cfg.num_warps}s{cfg.num_stages}",
+                                     "us": round(us, 1),
+                                     "TFLOPs": tflops(us)})
+            best = min(row["sweep"], key=lambda r: r["us"])
+            print(f"       sweep best {best['config']}: {best['us']} us {best['TFLOPs']} TFLOP/s", flush=True)
+        out.append(row)
+        print(grouped_line(row), flush=True)
+    del layer
+    torch.cuda.empty_cache()
+    return out
+
+
 # ------------------------------------------------------------------------------ report
 
 def _sweep_tiles() -> list:
@@ -341,6 +458,13 @@ def expert_line(r: dict) -> str:
             f"{r['new']['GBps']:7.0f} GB/s ({r['new']['of_copy_bw']:.2f} of copy)  host {r['host_us_eager']} us eager")
 
 
+def grouped_line(r: dict) -> str:
+    g, e, t = r["grouped"], r["grouped_eager"], r["torch"]
+    return (f"grouped {r['shape']:26s} tokens={r['tokens']:<5d} {r['GFLOP']:7.1f} GFLOP  grouped {g['us']:9.1f} us "
+            f"{g['TFLOPs']:6.1f} TFLOP/s  eager {e['us']:9.1f} us  torch {t['us']:10.1f} us {t['TFLOPs']:6.1f} "
+            f"TFLOP/s  x{r['speedup']}  diff {r['max_rel_diff_grouped_torch']:.1e}")
+
+
 def markdown(result: dict) -> str:
     """The results as markdown tables (dense products; expert steps)."""
     from engine.quant import triton_kernels as tk
@@ -370,6 +494,15 @@ def markdown(result: dict) -> str:
             lines.append(f"| {r['shape']} | {'/'.join(r['types'])} | {r['n_embd']} x {r['n_ff']}, {r['top_k']} | "
                          f"{r['rows']} | {r['MB']} | {n['us']} | {n['GBps']:.0f} | {n['of_copy_bw']:.2f} | "
                          f"{r['host_us_eager']} |")
+    lines += ["", "| prefill expert step | types | experts, top-k, n_embd x n_ff | tokens | GFLOP | grouped µs | "
+              "grouped TFLOP/s | grouped eager µs | torch µs | torch TFLOP/s | speedup (eager) | max rel diff |",
+              "|" + "---|" * 12]
+    for r in result["results"]:
+        if r["kind"] == "grouped":
+            g, e, t = r["grouped"], r["grouped_eager"], r["torch"]
+            lines.append(f"| {r['shape']} | {'/'.join(r['types'])} | {r['experts']}, {r['top_k']}, {r['n_embd']} x "
+                         f"{r['n_ff']} | {r['tokens']} | {r['GFLOP']} | {g['us']} | {g['TFLOPs']} | {e['us']} | "
+                         f"{t['us']} | {t['TFLOPs']} | {r['speedup']}x | {r['max_rel_diff_grouped_torch']:.1e} |")
     return "\n".join(lines) + "\n"
 
 
@@ -417,6 +550,11 @@ def run(args: argparse.Namespace) -> int:
             if set(sc.qtypes) <= set(types):
                 result["results"] += bench_experts(name, sc, args.rows, dev, copy, l2_bytes, args.replays,
                                                    args.steps, _sweep_tiles() if args.sweep else None)
+    if "grouped" in args.only:
+        for name, sc in _expert_scenarios().items():
+            if name.startswith("qwen3-30b-a3b") and set(sc.qtypes) <= set(types):
+                result["results"] += bench_grouped(name, sc, args.tokens, dev, args.replays,
+                                                   _grouped_sweep() if args.sweep else None)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "kernels.json").write_text(json.dumps(result, indent=1))
     table = markdown(result)
@@ -428,11 +566,12 @@ def run(args: argparse.Namespace) -> int:
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("kernels", help="the GPU decode kernels alone at real shapes: GB/s, share of HBM, "
-                       "the dense kernel against the one it replaced", description=__doc__,
+                       "the dense kernel against the one it replaced; the prefill grouped GEMM's TFLOP/s",
+                       description=__doc__,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", type=Path, required=True, help="folder for kernels.json and kernels.md")
-    p.add_argument("--only", type=_csv(str, ("dense", "experts")), default=["dense", "experts"],
-                   help="dense, experts or both (default both)")
+    p.add_argument("--only", type=_csv(str, ("dense", "experts", "grouped")), default=["dense", "experts", "grouped"],
+                   help="any of dense, experts, grouped (default all)")
     p.add_argument("--types", type=_csv(str, [t.name for t in ALL_TYPES]), default=[t.name for t in ALL_TYPES],
                    help="weight types (default all the engine loads on the GPU)")
     p.add_argument("--shapes", type=_csv(str, list(DENSE_SHAPES)), default=list(DENSE_SHAPES),
@@ -440,6 +579,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--rows", type=_csv(int, list(range(1, 9))), default=list(ROWS),
                    help="activation rows, 1 to 8 (default 1,2,4,8)")
     p.add_argument("--steps", type=int, default=24, help="routing draws per expert-step graph")
+    p.add_argument("--tokens", type=_csv(int), default=list(GROUPED_TOKENS),
+                   help="prompt tokens of the grouped (prefill) expert step (default 512,4096)")
     p.add_argument("--replays", type=int, default=5, help="graph replays; the best counts")
     p.add_argument("--sweep", action="store_true", help="also time other tiles (and, for dense products, splits); "
                    "the best of each line is printed")

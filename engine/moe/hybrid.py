@@ -72,6 +72,7 @@ class HybridExperts:
         self.options = options
         self.step_fraction = round(options.miss_fraction * FRACTION_STEPS)
         self._triton_broken = False  # set when a kernel fails to build: torch from then on
+        self._grouped_broken = False  # the same for the grouped GEMM of many-row steps
         self._pinned: dict[torch.dtype, torch.Tensor] = {}  # read-back buffers (CUDA), grown as needed
         self.copier = Copier(self.device, options.copy_delay_s)
         self.pool = pool if pool is not None else CpuExpertPool(expert_weights, options.threads)
@@ -267,10 +268,26 @@ class HybridExperts:
                                   ids: torch.Tensor, ids_host: np.ndarray, weights: torch.Tensor,
                                   per_slot: torch.Tensor) -> None:
         """Every (token, top-k) pair routed to `experts` (living in `slots`): one Triton launch
-        sequence over all of them when the kernels apply, else the torch path expert by expert."""
+        sequence over all of them when the kernels apply (the decode kernels up to
+        TRITON_MAX_PAIRS pairs, the grouped GEMM beyond), else the torch path expert by expert."""
         if not experts:
             return
-        if not self._triton_broken and _use_triton(L.w, x, int(_member(L.w.n_expert, experts)[ids_host].sum())):
+        n_pairs = int(_member(L.w.n_expert, experts)[ids_host].sum())
+        if not self._grouped_broken and _use_grouped(L.w, x, n_pairs):
+            from engine.quant import grouped_gemm as gg
+
+            slot_of = np.full(L.w.n_expert, -1, np.int32)
+            slot_of[experts] = slots
+            try:
+                gg.experts_forward(x.float().contiguous(), L.slots.buffers, L.w, ids_host, slot_of,
+                                   weights.float().contiguous(), per_slot)
+                return
+            except Exception as e:  # a kernel that does not build here: say so once, keep running on torch
+                warnings.warn(f"Triton grouped expert GEMM unavailable ({type(e).__name__}: {e}); using the torch "
+                              f"path for steps of many rows (MOESTUDIO_TRITON=0 silences this)", RuntimeWarning,
+                              stacklevel=2)
+                self._grouped_broken = True
+        if not self._triton_broken and _use_triton(L.w, x, n_pairs):
             from engine.quant import triton_kernels as tk
 
             slot_of = np.full(L.w.n_expert, -1, np.int32)
@@ -327,22 +344,36 @@ def _member(n_expert: int, experts: np.ndarray) -> np.ndarray:
     return table
 
 
-TRITON_MAX_PAIRS = 64  # decode (1-8 tokens x top-k); larger batches take the torch path
+TRITON_MAX_PAIRS = 64  # decode (1-8 tokens x top-k): one program per pair; larger batches: the grouped GEMM
 
 
-def _use_triton(w: ExpertWeights, x: torch.Tensor, n_pairs: int) -> bool:
-    """The Triton kernels run on CUDA for supported expert types unless MOESTUDIO_TRITON=0;
-    MOESTUDIO_TRITON=force also runs them on other devices (Triton's interpreter, tests)."""
+def _triton_applies(x: torch.Tensor) -> bool:
+    """The Triton kernels run on CUDA unless MOESTUDIO_TRITON=0; MOESTUDIO_TRITON=force also runs
+    them on other devices (Triton's interpreter, tests)."""
     import os
 
     mode = os.environ.get("MOESTUDIO_TRITON", "1")
-    if mode == "0" or (x.device.type != "cuda" and mode != "force") or n_pairs > TRITON_MAX_PAIRS:
+    if mode == "0" or (x.device.type != "cuda" and mode != "force"):
         return False
-    if x.dtype != torch.float32 or x.dim() != 2:
+    return x.dtype == torch.float32 and x.dim() == 2
+
+
+def _use_triton(w: ExpertWeights, x: torch.Tensor, n_pairs: int) -> bool:
+    """The decode kernels (triton_kernels.py): up to TRITON_MAX_PAIRS pairs of supported types."""
+    if n_pairs > TRITON_MAX_PAIRS or not _triton_applies(x):
         return False
     from engine.quant import triton_kernels as tk
 
     return tk.supports(w)
+
+
+def _use_grouped(w: ExpertWeights, x: torch.Tensor, n_pairs: int) -> bool:
+    """The grouped GEMM (grouped_gemm.py): more than TRITON_MAX_PAIRS pairs of supported types."""
+    if n_pairs <= TRITON_MAX_PAIRS or not _triton_applies(x):
+        return False
+    from engine.quant import grouped_gemm as gg
+
+    return gg.supports(w)
 
 
 def attach_hybrid(model, config, progress: Progress | None = None) -> HybridExperts:

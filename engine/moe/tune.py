@@ -30,6 +30,7 @@ from engine.quant.dequant import dequantize
 
 SAMPLES = 4  # experts timed each way (distinct ones: first-touch costs included, as in decode)
 MANY_ROWS = 64  # rows of one expert in the CPU pool's second timing: its cost per extra row
+GROUPED_EXPERTS = 8  # experts of MANY_ROWS rows in the timed grouped launch (its fixed costs shared)
 
 
 @dataclass(frozen=True)
@@ -62,8 +63,10 @@ def balanced_uploads(rows: np.ndarray, n_hits: int, costs: RouteCosts) -> int:
 def measure_costs(layer: int, w: ExpertWeights, device: torch.device, pool: CpuExpertPool) -> dict[str, float]:
     """Times single experts of `w`: uploads (from the memory the engine reads: the map, or the
     pinned copies of --load-mode none), the CPU pool's FFN at one row and at MANY_ROWS, and the
-    accelerator's FFN on a staged expert; returns the times (RouteCosts' fields) and the
-    one-token miss fraction they imply."""
+    accelerator's FFN on a staged expert at MANY_ROWS rows, through the path a many-row step
+    takes (the grouped GEMM where it applies, per expert of a launch of GROUPED_EXPERTS; else
+    dequantize + matmul); returns the times (RouteCosts' fields) and the one-token miss
+    fraction they imply."""
     tensors = [t.raw for t in (w.gate, w.up, w.down)]
     experts = np.linspace(0, w.n_expert - 1, 3 * SAMPLES).astype(np.int64)  # distinct per timing
     dst = [torch.empty(t.shape[1:], dtype=torch.uint8, device=device) for t in tensors]
@@ -91,10 +94,28 @@ def measure_costs(layer: int, w: ExpertWeights, device: torch.device, pool: CpuE
     t_row = max(0.0, (cpu_seconds(MANY_ROWS, experts[2 * SAMPLES:]) - t_cpu) / (MANY_ROWS - 1))
 
     x_dev = torch.from_numpy(x).to(device)
+    from engine.moe.hybrid import TRITON_MAX_PAIRS, _use_grouped  # hybrid imports this module
 
-    def staged_ffn() -> torch.Tensor:
-        return expert_ffn(x_dev, *(dequantize(d, t.qtype, t.shape[1:]) for d, t in zip(dst, (w.gate, w.up, w.down))),
-                          w, staged)
+    if _use_grouped(w, x_dev, max(TRITON_MAX_PAIRS + 1, GROUPED_EXPERTS * MANY_ROWS)):
+        # The executor's many-row path on CUDA: the grouped GEMM, timed on GROUPED_EXPERTS experts
+        # of MANY_ROWS rows each (all read from the staged copy: one slot) per launch.
+        from engine.quant import grouped_gemm as gg
+
+        rows = np.arange(GROUPED_EXPERTS * MANY_ROWS)
+        x_many = x_dev[rows % MANY_ROWS]
+        ids = (rows // MANY_ROWS).reshape(-1, 1) % w.n_expert
+        slot_of = np.where(np.arange(w.n_expert) < GROUPED_EXPERTS, 0, -1).astype(np.int32)
+        slot_buffers = [d.unsqueeze(0) for d in dst]
+        out = torch.empty((1, len(rows), x.shape[1]), device=device)
+
+        def staged_ffn() -> None:
+            gg.experts_forward(x_many, slot_buffers, w, ids, slot_of, None, out)
+        per_call = GROUPED_EXPERTS
+    else:
+        def staged_ffn() -> None:
+            expert_ffn(x_dev, *(dequantize(d, t.qtype, t.shape[1:]) for d, t in zip(dst, (w.gate, w.up, w.down))),
+                       w, staged)
+        per_call = 1
 
     staged_ffn()
     sync(device)
@@ -102,6 +123,6 @@ def measure_costs(layer: int, w: ExpertWeights, device: torch.device, pool: CpuE
     for _ in range(SAMPLES):
         staged_ffn()
     sync(device)
-    t_gpu = (time.perf_counter() - start) / SAMPLES
+    t_gpu = (time.perf_counter() - start) / SAMPLES / per_call
     return {"upload_s": t_upload, "cpu_s": t_cpu, "cpu_row_s": t_row, "gpu_s": t_gpu,
             "fraction": balanced_fraction(t_upload, t_cpu)}

@@ -1,4 +1,5 @@
-"""Ahead-of-time compilation of the decode kernels (experts; dense products) for a GPU that is not here.
+"""Ahead-of-time compilation of the GPU kernels (decode experts; dense products; the prefill
+grouped GEMM with --grouped) for a GPU that is not here.
 
 Triton compiles for a named target without a driver (ptxas and cuobjdump ship inside the
 triton wheel), so a CPU-only machine can check that every kernel variant compiles for
@@ -18,7 +19,10 @@ from engine.quant import triton_kernels as tk
 
 _PTR = {"x": "*fp32", "xg": "*fp32", "xu": "*fp32", "out": "*fp32", "gb": "*fp32", "ub": "*fp32", "h": "*fp32",
         "hr": "*fp32", "db": "*fp32", "wt": "*fp32", "g": "*u8", "u": "*u8", "d": "*u8", "count": "*i32",
-        "xr": "*fp32", "xq": "*i8", "xd": "*fp32", "w": "*u8", "part": "*fp32"}
+        "xr": "*fp32", "xq": "*i8", "xd": "*fp32", "w": "*u8", "part": "*fp32",
+        # the grouped GEMM (grouped_gemm.py): rounded rows as int8 quants, scales and values
+        "xgq": "*i8", "xuq": "*i8", "hq": "*i8", "xgd": "*fp32", "xud": "*fp32", "hd": "*fp32",
+        "xgv": "*fp32", "xuv": "*fp32", "hv": "*fp32"}
 _ALIGNED_INTS = {"g_slot_bytes", "g_row_bytes", "u_slot_bytes", "u_row_bytes", "d_slot_bytes", "d_row_bytes",
                  "x_stride", "out_stride_pos", "out_stride_tok", "w_row_bytes"}
 
@@ -146,10 +150,25 @@ def dense_variants(qtype: QT, n_out: int, K: int, rows: int, cfg: tk.TileConfig 
               "BLOCK_N": cfg.block_n, "INTERP": False, "REV": tk.reversed_ties(_target(arch))}, cfg)]
 
 
-def _compiled_row(geometry: str, label: str, fn, const: dict, cfg: tk.TileConfig, arch: int) -> dict:
+def grouped_variants(gate: QT, up: QT, down: QT, n_embd: int, n_ff: int, activation: int = 0, bias: bool = False):
+    """(label, kernel, constexprs, config) of the two grouped-GEMM launches (grouped_gemm.py) of
+    a geometry at their default tiles (its roundings are round_x's kernel)."""
+    from engine.quant import grouped_gemm as gg
+
+    gu, dn = gg.GATE_UP_CONFIG[gate], gg.DOWN_CONFIG[down]
+    return [("grouped gate_up", gg._gate_up_kernel,
+             {"N": n_ff, "K": n_embd, "QG": int(gate), "QU": int(up), "ACT": activation, "HAS_BIAS": bias,
+              "BLOCK_M": gu.block_m, "BLOCK_N": gu.block_n, "INTERP": False}, gu),
+            ("grouped down", gg._down_kernel,
+             {"K": n_ff, "QD": int(down), "HAS_BIAS": bias, "WEIGHTED": True, "BLOCK_M": dn.block_m,
+              "BLOCK_N": dn.block_n, "INTERP": False}, dn)]
+
+
+def _compiled_row(geometry: str, label: str, fn, const: dict, cfg, arch: int) -> dict:
     compiled = compile_kernel(fn, const, cfg.num_warps, cfg.num_stages, arch)
     return {"geometry": geometry, "kernel": label, "block_n": cfg.block_n, "num_warps": cfg.num_warps,
-            "convert_layout": compiled.asm["ttgir"].count("ttg.convert_layout"), **resource_usage(compiled)}
+            "convert_layout": compiled.asm["ttgir"].count("ttg.convert_layout"),
+            "wgmma": "wgmma" in compiled.asm["ptx"], **resource_usage(compiled)}
 
 
 def report(names: list[str], arch: int = 90) -> list[dict]:
@@ -158,6 +177,16 @@ def report(names: list[str], arch: int = 90) -> list[dict]:
     for name in names:
         (g, u, d), n_embd, n_ff, act, bias = STANDARD_GEOMETRIES[name]
         for label, fn, const, cfg in decode_variants(g, u, d, n_embd, n_ff, act, bias, arch=arch):
+            rows.append(_compiled_row(name, label, fn, const, cfg, arch))
+    return rows
+
+
+def grouped_report(names: list[str], arch: int = 90) -> list[dict]:
+    """Compiles the grouped GEMM's kernels of the named expert geometries; one dict per kernel."""
+    rows = []
+    for name in names:
+        (g, u, d), n_embd, n_ff, act, bias = STANDARD_GEOMETRIES[name]
+        for label, fn, const, cfg in grouped_variants(g, u, d, n_embd, n_ff, act, bias):
             rows.append(_compiled_row(name, label, fn, const, cfg, arch))
     return rows
 
@@ -184,16 +213,20 @@ def main() -> None:  # pragma: no cover - a report, run by hand or by the tests 
     ap.add_argument("--arch", type=int, default=90)
     ap.add_argument("--json", action="store_true", help="print one JSON list instead of a table")
     ap.add_argument("--no-dense", action="store_true", help="only the expert kernels")
+    ap.add_argument("--grouped", action="store_true", help="only the grouped GEMM (prefill) kernels")
     ap.add_argument("names", nargs="*", default=list(STANDARD_GEOMETRIES))
     args = ap.parse_args()
     if tk.INTERPRETED:
         raise SystemExit("unset TRITON_INTERPRET: kernels imported for the interpreter cannot be compiled")
-    rows = report(args.names, args.arch) + ([] if args.no_dense else dense_report(args.arch))
+    if args.grouped:
+        rows = grouped_report(args.names, args.arch)
+    else:
+        rows = report(args.names, args.arch) + ([] if args.no_dense else dense_report(args.arch))
     if args.json:
         print(json.dumps(rows))
         return
     for r in rows:
-        print(f"{r['geometry']:13s} {r['kernel']:11s} bn={r['block_n']:<3d} w={r['num_warps']} regs={r['regs']} "
+        print(f"{r['geometry']:13s} {r['kernel']:15s} bn={r['block_n']:<3d} w={r['num_warps']} regs={r['regs']} "
               f"local={r['local']} stack={r['stack']} shared={r['shared']} bar={r['bar_sync']} "
               f"cvt={r['convert_layout']} instr={r['instructions']} loop={r['loop_instructions']} "
               f"loop_smem={r['loop_smem_or_barrier']} loop_spills={r['loop_spill_ops']} dp4a={r['loop_dp4a']} "

@@ -230,10 +230,15 @@ class Engine:
         self.cache.truncate(reuse)
         self._cached = self._cached[:reuse]
         logits = None
-        for start in range(reuse, len(tokens), self.config.prefill_chunk):
-            chunk = tokens[start:start + self.config.prefill_chunk]
-            logits = self.model.forward(torch.tensor(chunk), self.cache, start)
-            self._cached.extend(chunk)
+        try:
+            for start in range(reuse, len(tokens), self.config.prefill_chunk):
+                # /v1/stats shows the progress of a long prompt (the app: "processing prompt 1,536 / 4,000")
+                self.telemetry.prefill_progress(start, len(tokens))
+                chunk = tokens[start:start + self.config.prefill_chunk]
+                logits = self.model.forward(torch.tensor(chunk), self.cache, start)
+                self._cached.extend(chunk)
+        finally:
+            self.telemetry.prefill_done()
         return logits[-1], reuse
 
     def generate(self, request: Request, cancel: threading.Event | None = None) -> Iterator[Event]:

@@ -64,10 +64,21 @@ class Telemetry:
         self._decode_times: deque[float] = deque(maxlen=64)
         self.started = time.time()
         self.gpu_memory_used: int | None = None  # set by engines that own a GPU
+        self._prefill: tuple[int, int] | None = None  # (prompt tokens processed, total) while a prompt runs
 
     def token_generated(self) -> None:
         with self.lock:
             self._decode_times.append(time.perf_counter())
+
+    def prefill_progress(self, processed: int, total: int) -> None:
+        """A prompt is being evaluated: `processed` of its `total` tokens are in the KV cache
+        (tokens reused from the previous request count as processed)."""
+        with self.lock:
+            self._prefill = (processed, total)
+
+    def prefill_done(self) -> None:
+        with self.lock:
+            self._prefill = None
 
     def request_done(self, prompt_tokens: int, completion_tokens: int, ttft_s: float,
                      prefill_tokens_per_s: float, decode_tokens_per_s: float) -> None:
@@ -99,6 +110,8 @@ class Telemetry:
                 "last_request": dict(self.last),
                 "ram_used_bytes": proc.memory_info().rss,
                 "gpu_memory_used_bytes": self.gpu_memory_used,
+                "prefill": ({"processed": self._prefill[0], "total": self._prefill[1]}
+                            if self._prefill is not None else None),
                 "cache": None,
             }
             c = self.cache

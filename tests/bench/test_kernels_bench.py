@@ -72,13 +72,21 @@ def test_table_has_a_line_per_result() -> None:
     q6 = {**dense, "type": "Q6_K", "new_padded": {**rate, "us": 5.0}}
     experts = {"kind": "experts", "shape": "gpt-oss-120b MXFP4", "types": ["MXFP4"] * 3, "n_embd": 2880,
                "n_ff": 2880, "top_k": 4, "rows": 8, "MB": 284.0, "new": rate, "host_us_eager": 500.0}
+    grouped = {"kind": "grouped", "shape": "qwen3-30b-a3b Q4_K_M", "types": ["Q4_K", "Q4_K", "Q6_K"],
+               "n_embd": 2048, "n_ff": 768, "top_k": 8, "experts": 128, "tokens": 512, "GFLOP": 38.7,
+               "max_rel_diff_grouped_torch": 1e-6, "grouped": {"us": 200.0, "TFLOPs": 193.3},
+               "grouped_eager": {"us": 400.0, "TFLOPs": 96.6}, "torch": {"us": 8000.0, "TFLOPs": 4.8},
+               "speedup": 20.0}
     table = kb.markdown({"device": "H200", "torch": "2", "triton": "3", "copy_GBps": 4111.0,
-                         "results": [dense, q6, experts]})
+                         "results": [dense, q6, experts, grouped]})
     rows = [ln for ln in table.splitlines() if ln.startswith("| ") and "---" not in ln]
-    assert len(rows) == 6  # two headers; Q8_0, Q6_K and Q6_K padded; the expert step
+    assert len(rows) == 8  # three headers; Q8_0, Q6_K and Q6_K padded; the expert step; the grouped step
     assert "| qwen3-30b-a3b attn_q | 4096 x 2048 | Q8_0 | 1 |" in table and "| 2.0x | 4 x 2 |" in table
     assert "| Q6_K padded to 224 B blocks | 1 | 8.91 | 5.0 |" in table and "| 4.00x |" in table
     assert "| gpt-oss-120b MXFP4 | MXFP4/MXFP4/MXFP4 | 2880 x 2880, 4 | 8 |" in table
+    assert ("| qwen3-30b-a3b Q4_K_M | Q4_K/Q4_K/Q6_K | 128, 8, 2048 x 768 | 512 | 38.7 | 200.0 | 193.3 | 400.0 | "
+            "8000.0 | 4.8 | 20.0x | 1.0e-06 |") in table
+    assert "TFLOP/s" in kb.grouped_line(grouped)
 
 
 @pytest.mark.gpu
@@ -86,8 +94,9 @@ def test_gpu_bench_kernels_runs_and_reports(tmp_path) -> None:
     """A small run of the command on the GPU: both kernels timed, rates in range, files written."""
     if tk.INTERPRETED:
         pytest.skip("kernels were imported in interpreter mode")
-    args = argparse.Namespace(out=tmp_path, only=["dense", "experts"], types=["Q4_K", "Q6_K"],
-                              shapes=["qwen3-30b-a3b attn_k/v"], rows=[1, 8], steps=4, replays=2, sweep=True)
+    args = argparse.Namespace(out=tmp_path, only=["dense", "experts", "grouped"], types=["Q4_K", "Q6_K"],
+                              shapes=["qwen3-30b-a3b attn_k/v"], rows=[1, 8], steps=4, replays=2, sweep=True,
+                              tokens=[512])
     assert kb.run(args) == 0
     result = json.loads((tmp_path / "kernels.json").read_text())
     assert result["copy_GBps"] > 100
@@ -101,3 +110,8 @@ def test_gpu_bench_kernels_runs_and_reports(tmp_path) -> None:
         assert 0 < r["new"]["GBps"] and 0 < r["old"]["GBps"] and r["sweep"]
         assert ("new_padded" in r) == (r["type"] == "Q6_K")
     assert (tmp_path / "kernels.md").read_text().count("| qwen3-30b-a3b attn_k/v |") == 6
+    grouped = [r for r in result["results"] if r["kind"] == "grouped"]
+    assert {r["shape"] for r in grouped} == {f"qwen3-30b-a3b {t}" for t in ("Q4_K", "Q6_K", "Q4_K_M")}
+    for r in grouped:
+        assert r["tokens"] == 512 and r["max_rel_diff_grouped_torch"] < 1e-3
+        assert r["grouped"]["TFLOPs"] > r["torch"]["TFLOPs"] > 0 and r["sweep"]

@@ -84,7 +84,7 @@ def test_stats_stream_rate_busy_and_idle(server, client):
 
 def test_stats_snapshot(server):
     status, snap = server.request("GET", "/v1/stats")
-    assert status == 200 and snap["engine"] == "hybrid" and snap["requests"] >= 1
+    assert status == 200 and snap["engine"] == "hybrid" and snap["requests"] >= 1 and snap["prefill"] is None
     cache = snap["cache"]
     assert len(cache["gpu_hit"]) == len(cache["layers"]) and len(cache["residency"][0]) == cache["n_expert"]
     assert (cache["load_mode"], cache["miss_fraction"], cache["miss_fraction_tuning"]) == ("mmap", 0.0, None)
@@ -100,3 +100,25 @@ def test_metrics_parse_with_prometheus_client(server):
     hits = families["moestudio_expert_gpu_hit"].samples
     assert {s.labels["layer"] for s in hits} == {"0", "1"}
     assert families["moestudio_gpu_miss_fraction"].samples[0].value == 0.0  # no GPU here: every miss on the CPU
+
+
+def test_stats_carry_prefill_progress_while_a_prompt_runs(serve, tiny_model):
+    """A long prompt read in chunks of 2 tokens: /v1/stats shows tokens processed / total as it
+    goes (the app's "processing prompt 1,536 / 4,000"), and nothing once the prompt is read."""
+    s = serve(tiny_model, "-c", "1024", "--prefill-chunk", "2")
+    prompt = " ".join(f"item {i}," for i in range(120))
+    with ThreadPoolExecutor(1) as pool:
+        done = pool.submit(s.request, "POST", "/v1/completions", {"prompt": prompt, "max_tokens": 1})
+        seen = []
+        while not done.done():
+            seen.append(s.request("GET", "/v1/stats")[1]["prefill"])
+            time.sleep(0.01)
+        status, body = done.result()
+    assert status == 200, body
+    total = body["usage"]["prompt_tokens"]
+    running = [p for p in seen if p is not None]
+    assert len(running) >= 3, f"the prompt's progress was seen {len(running)} times in {len(seen)} polls"
+    assert all(p["total"] == total and 0 <= p["processed"] < total for p in running), running
+    processed = [p["processed"] for p in running]
+    assert processed == sorted(processed) and processed[-1] > processed[0], processed
+    assert s.request("GET", "/v1/stats")[1]["prefill"] is None

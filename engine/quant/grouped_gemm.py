@@ -1,0 +1,373 @@
+"""Grouped expert GEMM (Triton, tensor cores) for steps of many rows: prefill.
+
+The decode kernels (triton_kernels.py) give one program per (token, top-k) pair and read each
+weight row once per pair: right for a few pairs, wasteful for a 512-token chunk in which an
+expert sees dozens of rows. Here the pairs are sorted by slot (expert) and each expert's run of
+rows is padded to the tile height BLOCK_M; a program takes one M tile (rows of one expert) and
+one N tile of the output, walks K, decodes the weight tile from the GGUF bytes in the slot
+buffers in registers, and multiplies it with the tile's activation rows on the tensor cores
+(`tl.dot`, fp16 or bf16 operands, fp32 accumulate). Three launches of the grouped kernels and
+two roundings per layer step, whatever the number of experts:
+
+0. x rounded for the gate/up type (triton_kernels.round_rows, the decode path's kernel);
+1. `_gate_up_kernel`, grid (M tiles, n_ff / BLOCK_N): gate and up of the tile's expert against
+   its rows, biases, the activation -> h [padded rows, n_ff];
+2. h rounded for the down type (round_rows again);
+3. `_down_kernel`, grid (M tiles, n_embd / BLOCK_N): down, bias, times the routing weight,
+   stored into the executor's per_slot[pos, tok, :] (padding rows store nothing).
+
+Exactness: as llama.cpp, the activation is rounded to the weight type's vec-dot type first
+(round_activation: Q8_K for K-quants, Q8_0 for Q8_0 and MXFP4, f16/bf16 for 16-bit weights).
+The tensor-core operands are then *exact*: the activation's int8 quants (or its f16/bf16 values)
+and small integers decoded from the weight blocks, with the scales applied in float32 outside
+the products, as ggml's integer dot products do:
+- Q4_K, Q5_K: per 64 values, dot(qx, sc * q) and dot(qx, m) (sc * q < 2048: exact in fp16);
+  per 256, acc += dx * (d * S - dmin * M);
+- Q6_K: sc * (q - 32) reaches 4064, not exact in fp16, so it is split into an even part (exact)
+  and its low bit, two products; per 256, acc += dx * d * S;
+- Q8_0, MXFP4: per block of 32, acc += dx * dw * dot(qx, q) (MXFP4's q: the doubled e2m1
+  values, triton_kernels._e2m1_words; dw its halved e8m0 scale);
+- F16, BF16: the rounded activation and the weights in their own 16-bit type.
+Integer products and sums stay below 2^24 in practice, so each partial sum is the integer
+ggml forms; the result equals the torch path (round_activation(x) @ dequantize(W).T in
+float32) up to float32 summation order: the decode kernels' tolerance, 2e-5 of the output's
+largest magnitude per kernel (tests/quant/test_grouped_gemm.py).
+
+`TRITON_INTERPRET=1` (before triton_kernels is imported) runs these kernels on CPU tensors.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType as QT
+
+from engine.quant import triton_kernels as tk
+
+triton = tk.triton
+if triton is not None:
+    import triton.language as tl
+
+    # The decode kernels' type ids and block decoders (jit helpers), shared, not copied.
+    from engine.quant.triton_kernels import (  # noqa: F401 (constexpr globals the kernels read)
+        _BF16, _F16, _MXFP4, _Q4_K, _Q5_K, _Q6_K, _Q8_0, _e2m1_words, _f16_bits)
+
+# Weight types the grouped kernels decode: every type the decode kernels take.
+GROUPED_TYPES: frozenset[QT] = tk.KERNEL_TYPES
+
+
+if triton is not None:
+
+    @triton.jit
+    def _u16(ptr):
+        """An fp16 field (2-aligned) at byte pointers `ptr`, widened to float32."""
+        return _f16_bits(tl.load(ptr.to(tl.pointer_type(tl.uint16))).to(tl.int32))
+
+    @triton.jit
+    def _k4_sc_m(s, j):
+        """get_scale_min_k4 of sub-block j (0..7) from the 12 scale bytes at `s` ([1, BLOCK_N]
+        byte pointers): (scale, min) as int32."""
+        a = tl.load(s + j).to(tl.int32)
+        b = tl.load(s + j + 4).to(tl.int32)
+        e = tl.load(s + (j & 3)).to(tl.int32)  # j - 4 for the upper four
+        sc = tl.where(j < 4, a & 63, (b & 15) | ((e >> 6) << 4))
+        m = tl.where(j < 4, b & 63, (b >> 4) | ((a >> 6) << 4))
+        return sc, m
+
+    @triton.jit
+    def _a_tile(a_ptr, a_rows, live_m, k0, KP: tl.constexpr, WIDTH: tl.constexpr, DT: tl.constexpr):
+        """Activation columns k0 .. k0 + WIDTH of the tile's rows (a_rows [BLOCK_M, 1] row
+        indices into a [rows, KP] tensor; dead rows read 0) as tensor-core operand type DT."""
+        k = tl.arange(0, WIDTH)[None, :]
+        return tl.load(a_ptr + a_rows * KP + k0 + k, mask=live_m, other=0).to(DT)
+
+    @triton.jit
+    def _k_step(acc, w, ks, xq_ptr, xd_ptr, xv_ptr, a_rows, live_m, K: tl.constexpr, QW: tl.constexpr,
+                INTERP: tl.constexpr):
+        """acc [BLOCK_M, BLOCK_N] += K step ks (256 values) of the rounded activation rows
+        times the weight rows at byte pointers w [1, BLOCK_N] (one GGUF row each)."""
+        KP: tl.constexpr = (K + 255) // 256 * 256
+        t = tl.arange(0, 64)[:, None]  # 64 values of a chunk, along K
+        if QW == _Q4_K or QW == _Q5_K:
+            if QW == _Q4_K:
+                blk = w + ks * 144
+                qs = blk + 16
+            else:
+                blk = w + ks * 176
+                qs = blk + 48
+            s_acc = tl.zeros_like(acc)
+            m_acc = tl.zeros_like(acc)
+            for c in range(4):  # a loop, not unrolled: one chunk's tiles live at a time
+                # values 64c + t: sub-blocks 2c (low nibbles of qs[32c ...]) and 2c + 1 (high)
+                q = (tl.load(qs + 32 * c + t % 32).to(tl.int32) >> (4 * (t // 32))) & 15
+                if QW == _Q5_K:  # the fifth bit: bit 2c + t // 32 of qh[t % 32]
+                    q = q | (((tl.load(blk + 16 + t % 32).to(tl.int32) >> (2 * c + t // 32)) & 1) << 4)
+                sc0, m0 = _k4_sc_m(blk + 4, 2 * c)
+                sc1, m1 = _k4_sc_m(blk + 4, 2 * c + 1)
+                sc = tl.where(t < 32, sc0, sc1)
+                m = tl.where(t < 32, m0, m1)
+                a = _a_tile(xq_ptr, a_rows, live_m, ks * 256 + 64 * c, KP, 64, tl.float16)
+                s_acc = tl.dot(a, (q * sc).to(tl.float16), s_acc)
+                m_acc = tl.dot(a, m.to(tl.float16), m_acc)
+            d = _u16(blk)
+            dmin = _u16(blk + 2)
+            dx = tl.load(xd_ptr + a_rows * (KP // 32) + ks * 8, mask=live_m, other=0.0)
+            acc += dx * (d * s_acc - dmin * m_acc)
+        elif QW == _Q6_K:
+            blk = w + ks * 210
+            s_acc = tl.zeros_like(acc)
+            for c in range(4):  # a loop, not unrolled: one chunk's tiles live at a time
+                # values 64c + t: ql[64(c // 2) + t] nibble c % 2; qh[128 + 32(c // 2) + t % 32]
+                # bits 2(2(c % 2) + t // 32); scale int8 at 192 + 4c + t // 16
+                lo = (tl.load(blk + 64 * (c // 2) + t).to(tl.int32) >> (4 * (c % 2))) & 15
+                hb = (tl.load(blk + 128 + 32 * (c // 2) + t % 32).to(tl.int32) >> (2 * (2 * (c % 2) + t // 32))) & 3
+                sc = tl.load((blk + 192 + 4 * c + t // 16).to(tl.pointer_type(tl.int8))).to(tl.int32)
+                v = sc * ((lo | (hb << 4)) - 32)
+                even = (v >> 1) << 1  # |v| <= 4096: even integers are exact in fp16, the low bit too
+                a = _a_tile(xq_ptr, a_rows, live_m, ks * 256 + 64 * c, KP, 64, tl.float16)
+                s_acc = tl.dot(a, even.to(tl.float16), s_acc)
+                s_acc = tl.dot(a, (v - even).to(tl.float16), s_acc)
+            d = _u16(blk + 208)
+            dx = tl.load(xd_ptr + a_rows * (KP // 32) + ks * 8, mask=live_m, other=0.0)
+            acc += dx * (d * s_acc)
+        elif QW == _Q8_0 or QW == _MXFP4:
+            NB: tl.constexpr = K // 32
+            t32 = tl.arange(0, 32)[:, None]
+            for b in range(8):  # a loop, not unrolled: one block's tiles live at a time
+                # Blocks past the row's end read its last block again: the activation there is 0.
+                bi = tl.minimum(ks * 8 + b, NB - 1)
+                if QW == _Q8_0:
+                    bp = w + bi * 34
+                    q = tl.load((bp + 2 + t32).to(tl.pointer_type(tl.int8))).to(tl.int32)
+                    dw = _u16(bp)
+                else:
+                    bp = w + bi * 17
+                    byte = tl.load(bp + 1 + t32 % 16).to(tl.int32) >> (4 * (t32 // 16))
+                    q = _e2m1_words(byte, INTERP) & 255  # byte 0: the value, int8
+                    q = q - ((q & 128) << 1)
+                    e = tl.load(bp).to(tl.int32)
+                    # ggml_e8m0_to_fp32_half: 2^(e - 128), subnormal for e < 2
+                    dw = tl.where(e < 2, 0x00200000 << e, (e - 1) << 23).to(tl.float32, bitcast=True)
+                a = _a_tile(xq_ptr, a_rows, live_m, ks * 256 + 32 * b, KP, 32, tl.float16)
+                s = tl.dot(a, q.to(tl.float16))
+                dx = tl.load(xd_ptr + a_rows * (KP // 32) + ks * 8 + b, mask=live_m, other=0.0)
+                acc += s * (dx * dw)
+        else:  # F16, BF16: the rounded activation is a 16-bit value already
+            for c in range(4):  # a loop, not unrolled: one chunk's tiles live at a time
+                k = ks * 256 + 64 * c + t
+                if QW == _F16:
+                    wv = tl.load(w.to(tl.pointer_type(tl.float16)) + k, mask=k < K, other=0.0)
+                    a = _a_tile(xv_ptr, a_rows, live_m, ks * 256 + 64 * c, KP, 64, tl.float16)
+                else:
+                    bits = tl.load(w.to(tl.pointer_type(tl.uint16)) + k, mask=k < K, other=0).to(tl.int32)
+                    wv = (bits << 16).to(tl.float32, bitcast=True)
+                    if INTERP:  # the interpreter's dot would multiply bf16 bit patterns: float32 (exact)
+                        a = _a_tile(xv_ptr, a_rows, live_m, ks * 256 + 64 * c, KP, 64, tl.float32)
+                    else:
+                        wv = wv.to(tl.bfloat16)
+                        a = _a_tile(xv_ptr, a_rows, live_m, ks * 256 + 64 * c, KP, 64, tl.bfloat16)
+                acc = tl.dot(a, wv, acc)
+        return acc
+
+    @triton.jit
+    def _gate_up_kernel(xgq_ptr, xgd_ptr, xgv_ptr, xuq_ptr, xud_ptr, xuv_ptr, g_ptr, g_slot_bytes, g_row_bytes,
+                        u_ptr, u_slot_bytes, u_row_bytes, gb_ptr, ub_ptr, h_ptr, tok_ptr, tslot_ptr, texp_ptr,
+                        N: tl.constexpr, K: tl.constexpr, QG: tl.constexpr, QU: tl.constexpr, ACT: tl.constexpr,
+                        HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                        INTERP: tl.constexpr):
+        """Grid (M tiles, N / BLOCK_N): h[rows of the tile, n] = act(x[tok] . gate[slot], x[tok] .
+        up[slot]) (+ biases) for the tile's BLOCK_M padded rows (row_tok -1: padding, x = 0)."""
+        mt = tl.program_id(0)
+        nb = tl.program_id(1)
+        slot = tl.load(tslot_ptr + mt).to(tl.int64)
+        rows_m = mt * BLOCK_M + tl.arange(0, BLOCK_M)
+        tok = tl.load(tok_ptr + rows_m)
+        live_m = (tok >= 0)[:, None]
+        a_rows = tl.maximum(tok, 0).to(tl.int64)[:, None]
+        n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
+        live_n = n < N
+        n_c = tl.minimum(n, N - 1).to(tl.int64)[None, :]  # loads stay in bounds; stores are masked
+        g_w = g_ptr + slot * g_slot_bytes + n_c * g_row_bytes
+        u_w = u_ptr + slot * u_slot_bytes + n_c * u_row_bytes
+        acc_g = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+        acc_u = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+        NS: tl.constexpr = (K + 255) // 256
+        for ks in range(0, NS):
+            acc_g = _k_step(acc_g, g_w, ks, xgq_ptr, xgd_ptr, xgv_ptr, a_rows, live_m, K, QG, INTERP)
+            acc_u = _k_step(acc_u, u_w, ks, xuq_ptr, xud_ptr, xuv_ptr, a_rows, live_m, K, QU, INTERP)
+        if HAS_BIAS:
+            e = tl.load(texp_ptr + mt).to(tl.int64)
+            acc_g += tl.load(gb_ptr + e * N + n, mask=live_n, other=0.0)[None, :]
+            acc_u += tl.load(ub_ptr + e * N + n, mask=live_n, other=0.0)[None, :]
+        if ACT == 0:  # SiLU(g) * u, as engine.layers.moe.activate writes it
+            h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
+        else:  # SWIGLU_OAI: alpha 1.702, limit 7
+            g7 = tl.minimum(acc_g, 7.0)
+            u7 = tl.minimum(tl.maximum(acc_u, -7.0), 7.0)
+            h = g7 / (1.0 + tl.exp(-1.702 * g7)) * (u7 + 1.0)
+        tl.store(h_ptr + rows_m.to(tl.int64)[:, None] * N + n[None, :], h, mask=live_n[None, :])
+
+    @triton.jit
+    def _down_kernel(hq_ptr, hd_ptr, hv_ptr, d_ptr, d_slot_bytes, d_row_bytes, db_ptr, wt_ptr, wt_stride_tok,
+                     out_ptr, out_stride_pos, out_stride_tok, tok_ptr, pos_ptr, tslot_ptr, texp_ptr, N,
+                     K: tl.constexpr, QD: tl.constexpr, HAS_BIAS: tl.constexpr, WEIGHTED: tl.constexpr,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, INTERP: tl.constexpr):
+        """Grid (M tiles, N / BLOCK_N): out[pos, tok, n] = (h[row] . down[slot] (+ bias)) x the
+        routing weight, for the tile's live rows; h rounded for the down type, [padded rows, K]."""
+        mt = tl.program_id(0)
+        nb = tl.program_id(1)
+        slot = tl.load(tslot_ptr + mt).to(tl.int64)
+        rows_m = mt * BLOCK_M + tl.arange(0, BLOCK_M)
+        tok = tl.load(tok_ptr + rows_m)
+        live = tok >= 0
+        a_rows = rows_m.to(tl.int64)[:, None]
+        n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
+        live_n = n < N
+        n_c = tl.minimum(n, N - 1).to(tl.int64)[None, :]
+        d_w = d_ptr + slot * d_slot_bytes + n_c * d_row_bytes
+        acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+        NS: tl.constexpr = (K + 255) // 256
+        for ks in range(0, NS):
+            acc = _k_step(acc, d_w, ks, hq_ptr, hd_ptr, hv_ptr, a_rows, live[:, None], K, QD, INTERP)
+        if HAS_BIAS:
+            e = tl.load(texp_ptr + mt).to(tl.int64)
+            acc += tl.load(db_ptr + e * N + n, mask=live_n, other=0.0)[None, :]
+        tok64 = tl.maximum(tok, 0).to(tl.int64)
+        pos = tl.load(pos_ptr + rows_m, mask=live, other=0).to(tl.int64)
+        if WEIGHTED:
+            acc = acc * tl.load(wt_ptr + tok64 * wt_stride_tok + pos, mask=live, other=0.0)[:, None]
+        dst = out_ptr + pos[:, None] * out_stride_pos + tok64[:, None] * out_stride_tok + n[None, :]
+        tl.store(dst, acc, mask=live[:, None] & live_n[None, :])
+
+
+# -------------------------------------------------------------------- host side
+
+@dataclass(frozen=True)
+class GroupedConfig:
+    block_m: int  # rows of one expert per tile (each expert's run is padded to a multiple)
+    block_n: int  # output columns per tile
+    num_warps: int = 4
+    num_stages: int = 2
+
+
+# Defaults per kernel and weight type (gate's for gate/up, down's for down; block_m alike, as
+# both kernels walk the same padded runs). Compiled for sm_90 (engine/quant/triton_aot.py,
+# tests/quant/test_grouped_gemm.py), these spill nothing; Q6_K's gate/up holds three gathered
+# byte tiles per chunk and needs the narrower tile. `moestudio bench kernels --only grouped
+# --sweep` times others on the GPU.
+GATE_UP_CONFIG: dict[QT, GroupedConfig] = {t: GroupedConfig(64, 64, 8) for t in GROUPED_TYPES}
+GATE_UP_CONFIG[QT.Q6_K] = GroupedConfig(64, 32, 4, 1)
+DOWN_CONFIG: dict[QT, GroupedConfig] = {t: GroupedConfig(64, 64, 8) for t in GROUPED_TYPES}
+
+
+def supports(w) -> bool:
+    """Whether these kernels run the experts `w` (engine.layers.moe.ExpertWeights)."""
+    return tk.supports(w) and all(t.qtype in GROUPED_TYPES for t in (w.gate, w.up, w.down))
+
+
+@dataclass
+class Groups:
+    """The pairs of a step laid out for the grouped kernels: sorted by slot, each slot's run of
+    rows padded to block_m. row_tok/row_pos [tiles * block_m] (-1: padding), tile_slot and
+    tile_exp [tiles], all int32 on the device."""
+
+    row_tok: torch.Tensor
+    row_pos: torch.Tensor
+    tile_slot: torch.Tensor
+    tile_exp: torch.Tensor
+    block_m: int
+
+    @property
+    def tiles(self) -> int:
+        return self.tile_slot.numel()
+
+    @classmethod
+    def build(cls, ids_host: np.ndarray, slot_of: np.ndarray, block_m: int, device) -> "Groups":
+        """ids_host [T, k] expert ids; slot_of [n_expert] -> slot, -1 for experts not in this
+        batch (their pairs are left out)."""
+        pair_slot = slot_of[ids_host]
+        tok, pos = np.nonzero(pair_slot >= 0)
+        slot = pair_slot[tok, pos]
+        order = np.argsort(slot, kind="stable")
+        tok, pos, slot = tok[order], pos[order], slot[order]
+        slots, start, count = np.unique(slot, return_index=True, return_counts=True)
+        tiles = -(-count // block_m)
+        first_tile = np.concatenate([[0], np.cumsum(tiles)[:-1]]).astype(np.int64)
+        group = np.repeat(np.arange(len(slots)), count)
+        row = first_tile[group] * block_m + (np.arange(len(tok)) - start[group])
+        n_rows = int(tiles.sum()) * block_m
+        meta = np.full((2, n_rows), -1, np.int32)
+        meta[0, row], meta[1, row] = tok, pos
+        tile_slot = np.repeat(slots, tiles).astype(np.int32)
+        live = slot_of >= 0
+        exp_of_slot = np.full(int(slot_of.max(initial=-1)) + 1, -1, np.int32)
+        exp_of_slot[slot_of[live]] = np.nonzero(live)[0]
+        tile_exp = exp_of_slot[tile_slot]
+        packed = torch.from_numpy(np.concatenate([meta.ravel(), tile_slot, tile_exp])).to(device, non_blocking=True)
+        return cls(packed[:n_rows], packed[n_rows:2 * n_rows], packed[2 * n_rows:2 * n_rows + len(tile_slot)],
+                   packed[2 * n_rows + len(tile_slot):], block_m)
+
+
+def _opts(cfg: GroupedConfig) -> dict:
+    return {} if tk.INTERPRETED else {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
+
+
+def gate_up(xg: tk.Rounded, xu: tk.Rounded, gate_buf: torch.Tensor, up_buf: torch.Tensor, w, groups: Groups,
+            cfg: GroupedConfig | None = None) -> torch.Tensor:
+    """h [tiles * block_m, n_ff] float32: act(x . gate (+bias), x . up (+bias)) per padded row
+    (padding rows hold act(bias)); xg, xu: the token rows rounded for the gate and up types."""
+    cfg = cfg or GATE_UP_CONFIG[w.gate.qtype]
+    n_ff, d_in = w.gate.shape[1], w.gate.shape[2]
+    h = torch.empty((groups.tiles * groups.block_m, n_ff), dtype=torch.float32, device=xg.padded.device)
+    if groups.tiles == 0:
+        return h
+    assert cfg.block_m == groups.block_m and xg.K == d_in
+    has_bias = w.gate.bias is not None
+    gb = w.gate.bias if has_bias else h
+    ub = w.up.bias if w.up.bias is not None else gb
+    _gate_up_kernel[(groups.tiles, triton.cdiv(n_ff, cfg.block_n))](
+        xg.quants, xg.scales, xg.padded, xu.quants, xu.scales, xu.padded,
+        gate_buf, gate_buf.stride(0), gate_buf.stride(1), up_buf, up_buf.stride(0), up_buf.stride(1),
+        gb, ub, h, groups.row_tok, groups.tile_slot, groups.tile_exp,
+        N=n_ff, K=d_in, QG=int(w.gate.qtype), QU=int(w.up.qtype), ACT=tk._ACT[w.activation], HAS_BIAS=has_bias,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, INTERP=tk.INTERPRETED, **_opts(cfg))
+    return h
+
+
+def down(hr: tk.Rounded, down_buf: torch.Tensor, w, groups: Groups, weights: torch.Tensor | None,
+         out: torch.Tensor, cfg: GroupedConfig | None = None) -> None:
+    """out[pos, tok, :] = (hr[row] . down[slot] (+bias)) * weights[tok, pos] for every live row;
+    `out` [k, T, D] (the executor's per_slot, last axis contiguous); weights None: unweighted."""
+    cfg = cfg or DOWN_CONFIG[w.down.qtype]
+    d_out, n_ff = w.down.shape[1], w.down.shape[2]
+    if groups.tiles == 0:
+        return
+    assert out.stride(2) == 1 and cfg.block_m == groups.block_m and hr.K == n_ff
+    has_bias = w.down.bias is not None
+    db = w.down.bias if has_bias else hr.padded
+    wt = weights if weights is not None else hr.padded
+    _down_kernel[(groups.tiles, triton.cdiv(d_out, cfg.block_n))](
+        hr.quants, hr.scales, hr.padded, down_buf, down_buf.stride(0), down_buf.stride(1), db, wt, wt.stride(0),
+        out, out.stride(0), out.stride(1), groups.row_tok, groups.row_pos, groups.tile_slot, groups.tile_exp, d_out,
+        K=n_ff, QD=int(w.down.qtype), HAS_BIAS=has_bias, WEIGHTED=weights is not None,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, INTERP=tk.INTERPRETED, **_opts(cfg))
+
+
+def experts_forward(x: torch.Tensor, buffers, w, ids_host: np.ndarray, slot_of: np.ndarray,
+                    weights: torch.Tensor | None, out: torch.Tensor, gate_up_cfg: GroupedConfig | None = None,
+                    down_cfg: GroupedConfig | None = None) -> None:
+    """Every (token, top-k) pair whose expert has a slot in `slot_of` ([n_expert] -> slot or -1),
+    weighted, into out[pos, tok, :]; other pairs are not touched. x [T, D] float32 (rows
+    contiguous), buffers = [gate, up, down] slot buffers (engine/moe/slots.LayerSlots)."""
+    gate_up_cfg = gate_up_cfg or GATE_UP_CONFIG[w.gate.qtype]
+    down_cfg = down_cfg or DOWN_CONFIG[w.down.qtype]
+    if gate_up_cfg.block_m != down_cfg.block_m:
+        raise ValueError("gate/up and down tiles must pad the expert runs alike (block_m)")
+    groups = Groups.build(ids_host, slot_of, gate_up_cfg.block_m, x.device)
+    if groups.tiles == 0:
+        return
+    xg = tk.round_rows(x, w.gate.qtype)
+    xu = xg if tk._vt(w.up.qtype) == tk._vt(w.gate.qtype) else tk.round_rows(x, w.up.qtype)
+    h = gate_up(xg, xu, buffers[0], buffers[1], w, groups, gate_up_cfg)
+    down(tk.round_rows(h, w.down.qtype), buffers[2], w, groups, weights, out, down_cfg)
