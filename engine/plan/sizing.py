@@ -42,12 +42,22 @@ def staging_slots(miss_fraction: float, n_expert: int, top_k: int) -> int:
     return -(-step_fraction * (top_k or n_expert) // FRACTION_STEPS)
 
 
+# Rows of one expert per tile of the grouped expert GEMM (engine/quant/grouped_gemm.py's
+# configs; tests/quant/test_grouped_gemm.py holds them equal): each expert's run of rows is
+# padded to a multiple, so a step has at most chunk x top-k + experts x (block - 1) rows.
+GROUPED_BLOCK_M = 64
+
+
 def workspace_bytes(g: Geometry, ctx: int, prefill_chunk: int) -> int:
-    """Scratch memory of one prefill chunk: logits, activations and attention scores."""
+    """Scratch memory of one prefill chunk: logits, activations, attention scores, and the
+    grouped expert GEMM's padded h (float32) with its rounding for the down weights (float32
+    values, int8 quants, a scale per 32: 13 bytes a value)."""
     logits = g.n_vocab * prefill_chunk * 4
     activations = prefill_chunk * (6 * g.n_embd + 3 * g.n_expert_used * g.n_ff_exp) * 4
     scores = g.n_head * prefill_chunk * ctx * 4
-    return logits + activations + scores
+    grouped_rows = prefill_chunk * g.n_expert_used + g.n_expert * (GROUPED_BLOCK_M - 1)
+    grouped = grouped_rows * g.n_ff_exp * 13
+    return logits + activations + scores + grouped
 
 
 @dataclass(frozen=True)
