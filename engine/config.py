@@ -213,7 +213,8 @@ FIELDS: dict[str, Field] = {
                                    "auto|all|N"),
     "moe_expert_cache_mib": Field(_int(0), "Expert cache (MiB)", "expert cache size in MiB, split over the layers"),
     "moe_gpu_miss_fraction": Field(_fraction, "Miss fraction uploaded", "share of expert misses uploaded to the GPU "
-                                   "instead of computed on the CPU: auto (measured at load) or 0..1", "auto|F"),
+                                   "instead of computed on the CPU in steps of many tokens (a prompt); a decode "
+                                   "token's misses run on the CPU: auto (measured at load) or 0..1", "auto|F"),
     "moe_profile_adapt": Field(_choice(POLICIES), "Expert cache policy", "expert cache policy (default: occurrence)",
                                _choices(POLICIES)),
     "moe_expert_profile": Field(_file, "Expert profile file", "expert profile (GGUF or STRP) to fill the cache from",

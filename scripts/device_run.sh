@@ -5,15 +5,17 @@
 # llama-cpp-python sdist) and, when an earlier run packed it, .builds/site_cpu.tar.xz (the CPU
 # build, unpacked instead of compiled).
 # Usage: bash scripts/device_run.sh STAGES   (comma-separated, in this order:
-#   build      CPU build (or unpack) into /tmp/site; CUDA build into /tmp/site_cuda in the background
+#   cudabuild  CUDA build into /tmp/site_cuda in the background (for the llama.cpp baseline)
+#   build      CPU build (or unpack) into /tmp/site
 #   tests      the GPU tests ($GPU_TESTS, default: every test marked gpu)
 #   write      the scenario models (engine/bench/scenarios.py) into /tmp/sc
 #   wait       wait for the CUDA build
 #   engine     the scenarios' runs of this engine;  llama: llama.cpp's;  report: the table
 #   pack       the CPU build into $OUT for later runs)
+# SC_ONLY="label ..." limits the scenarios (engine/bench/scenarios.py labels).
 set -u
 REPO=$PWD
-STAGES=${1:-build,tests,write,wait,engine,llama,report}
+STAGES=${1:-cudabuild,build,tests,write,wait,engine,llama,report}
 OUT=${OUT:-/tmp/out}
 SC=/tmp/sc
 mkdir -p "$OUT" "$SC"
@@ -25,23 +27,28 @@ export PYTHONPATH=/tmp/site:$REPO PYTHONUNBUFFERED=1 MOESTUDIO_LLAMA_SITE=/tmp/s
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; lscpu | grep -E "Model name|^CPU\(s\)"; } \
   >> "$OUT/steps.log" 2>&1
 
-if has build; then
-  # Two builds: a CPU one for this engine's process (ggml CPU pool, tokenizer) and a CUDA one
-  # for the llama.cpp baseline, which runs in its own torch-free process: llama.cpp's CUDA
-  # build and torch's CUDA libraries crash when loaded into one process.
+if has cudabuild; then
+  # The CUDA build of llama.cpp for the baseline, in the background (it runs in its own
+  # torch-free process: llama.cpp's CUDA build and torch's CUDA libraries crash when loaded
+  # into one process).
   mkdir -p /tmp/llcuda && tar xzf .src/llama_cpp_python-*.tar.gz -C /tmp/llcuda
   (cd /tmp/llcuda/llama_cpp_python-* && CMAKE_ARGS="-DGGML_CUDA=on -DCMAKE_CUDA_ARCHITECTURES=90 -DLLAVA_BUILD=OFF" \
      CMAKE_BUILD_PARALLEL_LEVEL=12 timeout 540 python3 -m pip install -q --no-build-isolation --no-deps \
      --target /tmp/site_cuda . > /tmp/build_cuda.log 2>&1; echo $? > /tmp/build_cuda.rc) &
+  log "CUDA build started"
+fi
+if has build; then
+  # The CPU build for this engine's process (ggml CPU pool, tokenizer): unpacked when an
+  # earlier run packed it, else compiled.
   if [ -f .builds/site_cpu.tar.xz ]; then
     tar xJf .builds/site_cpu.tar.xz -C /tmp/site || exit 1
-    log "CPU build unpacked; CUDA build started"
+    log "CPU build unpacked"
   else
     mkdir -p /tmp/llcpu && tar xzf .src/llama_cpp_python-*.tar.gz -C /tmp/llcpu
-    (cd /tmp/llcpu/llama_cpp_python-* && CMAKE_ARGS="-DLLAVA_BUILD=OFF" CMAKE_BUILD_PARALLEL_LEVEL=4 timeout 420 \
+    (cd /tmp/llcpu/llama_cpp_python-* && CMAKE_ARGS="-DLLAVA_BUILD=OFF" CMAKE_BUILD_PARALLEL_LEVEL=${CPU_JOBS:-4} timeout 420 \
        python3 -m pip install -q --no-build-isolation --no-deps --target /tmp/site . > /tmp/build_cpu.log 2>&1) \
        || { log "CPU build failed"; tail -30 /tmp/build_cpu.log >> "$OUT/steps.log"; exit 1; }
-    log "CPU build done; CUDA build going on"
+    log "CPU build done"
   fi
 fi
 python3 -c "import torch, llama_cpp; print(llama_cpp.__version__, torch.__version__, torch.cuda.get_device_name())" \
@@ -49,7 +56,7 @@ python3 -c "import torch, llama_cpp; print(llama_cpp.__version__, torch.__versio
 
 if has write; then
   log "writing the scenario models"
-  (python3 -m engine.cli bench scenarios $SC --phase write > /tmp/write.log 2>&1; echo $? > /tmp/write.rc) &
+  (python3 -m engine.cli bench scenarios $SC --phase write ${SC_ONLY:+--only $SC_ONLY} > /tmp/write.log 2>&1; echo $? > /tmp/write.rc) &
   write_pid=$!
 fi
 
@@ -73,7 +80,7 @@ fi
 for phase in engine llama report; do
   if has $phase; then
     log "scenarios: $phase"
-    timeout ${PHASE_TIMEOUT:-400} python3 -m engine.cli bench scenarios $SC --phase $phase >> "$OUT/scenarios.log" 2>&1
+    timeout ${PHASE_TIMEOUT:-400} python3 -m engine.cli bench scenarios $SC --phase $phase ${SC_ONLY:+--only $SC_ONLY} >> "$OUT/scenarios.log" 2>&1
     log "$phase rc=$?"
     cp $SC/results.json $SC/results.md "$OUT/" 2>/dev/null
   fi

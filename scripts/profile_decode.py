@@ -1,50 +1,60 @@
-"""Where a decode step's time goes: torch profiler table plus coarse timers, on one model.
+"""Where a decode token's time goes, on one model: the token graph's host phases and the CPU pool.
 
-python scripts/profile_decode.py MODEL --budget-mib N [--tokens 32] [--out DIR]
-Writes profile_<label>.txt (the profiler's top ops by self CPU and CUDA time) and prints
-per-token wall time split into MoE executor time and everything else, for load modes
-mmap and none (issue 4 asks for that comparison).
+python scripts/profile_decode.py MODEL [--budget-mib N] [--tokens 64] [--out DIR] [--profile]
+Prints per token: wall time, host time in each phase of the token step (engine/moe/token_step.py:
+map push, mailbox serving, and after_launch, whose excess over serving is the learning the
+serving's waits did not hide), the CPU pool's calls, experts and time, and the spin the
+host spends waiting for the GPU to reach the next layer; then one-row CPU pool timings for 1-8
+experts at several thread counts. With --profile, the torch profiler's tables go to DIR.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import time
+from collections import defaultdict
 from pathlib import Path
 
+import numpy as np
 import torch
 
 
-def run(model: Path, budget: int | None, tokens: int, load_mode: str, out: Path, threads: int, profile: bool,
-        cache: str = "auto") -> dict:
+def _timed(obj, name: str, into: dict, count_experts: bool = False) -> None:
+    fn = getattr(obj, name)
+
+    def wrapper(*a, **k):
+        t = time.perf_counter()
+        r = fn(*a, **k)
+        into[name] += time.perf_counter() - t
+        into[name + "_calls"] += 1
+        if count_experts:
+            into["experts"] += len(a[-1])
+        return r
+
+    setattr(obj, name, wrapper)
+
+
+def run(model: Path, budget: int | None, tokens: int, threads: int, out: Path, profile: bool) -> dict:
     from engine.moe.hybrid import attach_hybrid
     from engine.runtime.engine import Engine, EngineConfig
 
-    t0 = time.perf_counter()
-    engine = Engine.load(model, EngineConfig(device="cuda", n_ctx=tokens + 64, threads=threads,
-                                             vram_budget_mib=budget, load_mode=load_mode,
-                                             moe_expert_cache_size=cache), attach_experts=attach_hybrid)
-    load_s = time.perf_counter() - t0
+    engine = Engine.load(model, EngineConfig(device="cuda", n_ctx=tokens + 600, threads=threads,
+                                             vram_budget_mib=budget), attach_experts=attach_hybrid)
     m, kv = engine.model, engine.cache
-    hybrid = m.experts
-    moe_time = [0.0]
-    call = hybrid.__call__
-
-    def timed(*a):
-        t = time.perf_counter()
-        r = call(*a)
-        moe_time[0] += time.perf_counter() - t
-        return r
-
-    m.experts = timed
-    ids = [(i * 7919) % 2000 + 3 for i in range(tokens + 40)]
-    m.forward(torch.tensor(ids[:16]), kv, 0)
-    for p in range(16, 40):
+    ids = [(i * 7919) % 2000 + 3 for i in range(tokens + 600)]
+    m.forward(torch.tensor(ids[:512]), kv, 0)
+    for p in range(512, 528):
         m.forward(torch.tensor([ids[p]]), kv, p)
+    tx = m._runner.token_experts
+    phases: dict = defaultdict(float)
+    if tx is not None:
+        for name in ("_push_map", "after_launch"):  # after_launch - serve: learning the serving's waits did not hide
+            _timed(tx, name, phases)
+        _timed(tx.mailbox, "serve", phases)
+    _timed(m.experts.pool, "compute", phases, count_experts=True)
     torch.cuda.synchronize()
-    moe_time[0] = 0.0
     t = time.perf_counter()
-    for p in range(40, 40 + tokens):
+    for p in range(528, 528 + tokens):
         m.forward(torch.tensor([ids[p]]), kv, p)
     torch.cuda.synchronize()
     wall = time.perf_counter() - t
@@ -52,26 +62,46 @@ def run(model: Path, budget: int | None, tokens: int, load_mode: str, out: Path,
         from torch.profiler import ProfilerActivity, profile as prof
 
         with prof(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as pr:
-            for p in range(40 + tokens, 48 + tokens):
-                m.forward(torch.tensor([ids[p % len(ids)]]), kv, p)
+            for p in range(528 + tokens, 536 + tokens):
+                m.forward(torch.tensor([ids[p]]), kv, p)
             torch.cuda.synchronize()
         ka = pr.key_averages()
-        (out / f"profile_{load_mode}.txt").write_text(
-            ka.table(sort_by="self_cpu_time_total", row_limit=40) + "\n\n"
-            + ka.table(sort_by="self_cuda_time_total", row_limit=25))
+        (out / "profile_decode.txt").write_text(ka.table(sort_by="self_cuda_time_total", row_limit=30))
     c = engine.telemetry.cache
     total = c.gpu_hit.sum() + c.uploaded.sum() + c.cpu_computed.sum()
-    r = {"load_mode": load_mode, "load_s": load_s, "decode_tok_s": tokens / wall, "ms_per_token": 1e3 * wall / tokens,
-         "moe_ms_per_token": 1e3 * moe_time[0] / tokens, "slots": c.slots_per_layer,
-         "hit": float(c.gpu_hit.sum() / total), "uploaded": float(c.uploaded.sum() / total),
-         "triton_broken": hybrid._triton_broken, "bytes_uploaded": int(c.bytes_uploaded),
+    per_token = {k: (1e3 * v / tokens if not k.endswith("_calls") and k != "experts" else v / tokens)
+                 for k, v in phases.items()}
+    r = {"decode_tok_s": tokens / wall, "ms_per_token": 1e3 * wall / tokens, "slots": c.slots_per_layer,
+         "hit": float(c.gpu_hit.sum() / total), "graph": tx is not None, "per_token_ms_or_count": per_token,
+         "cpu_ms_per_expert": 1e3 * phases["compute"] / max(1, phases["experts"]),
          "peak_vram_mib": torch.cuda.max_memory_allocated() / 2**20}
-    hybrid.close()
-    del engine, m, kv, hybrid
-    import gc
+    pool_w = m.experts.pool
+    layer = min(m.expert_weights)
+    x = np.random.default_rng(0).standard_normal((1, m.config.n_embd)).astype(np.float32)
+    m.experts.close()
+    from engine.moe.cpu_pool import CpuExpertPool
 
-    gc.collect()
-    torch.cuda.empty_cache()  # the next load mode's auto-sizing must not see this one's memory
+    bench = {}
+    layers = sorted(m.expert_weights)
+    rng = np.random.default_rng(1)
+    n_expert = m.expert_weights[layer].n_expert
+    for n_threads in (8, 16):
+        with CpuExpertPool(m.expert_weights, n_threads) as pool:
+            for n in (1, 2, 4, 8):
+                experts = np.arange(n, dtype=np.int32) * 3
+                pool.compute(layer, x, np.zeros(n, np.int32), experts)
+                t = time.perf_counter()
+                for _ in range(50):  # the same experts: warm in the L3 cache
+                    pool.compute(layer, x, np.zeros(n, np.int32), experts + 1)
+                bench[f"t{n_threads}_e{n}_warm_us"] = 1e6 * (time.perf_counter() - t) / 50
+                t = time.perf_counter()
+                for _ in range(3):  # layer after layer, random experts: from DRAM, as a decode token reads them
+                    for lay in layers:
+                        pool.compute(lay, x, np.zeros(n, np.int32),
+                                     rng.choice(n_expert, n, replace=False).astype(np.int32))
+                bench[f"t{n_threads}_e{n}_cold_us"] = 1e6 * (time.perf_counter() - t) / (3 * len(layers))
+    r["pool_one_row"] = bench
+    del pool_w
     return r
 
 
@@ -79,17 +109,14 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("model", type=Path)
     p.add_argument("--budget-mib", type=int)
-    p.add_argument("--cache", default="auto", help="expert cache size: auto (from the budget), all or N")
-    p.add_argument("--load-modes", default="mmap,none")
-    p.add_argument("--tokens", type=int, default=32)
+    p.add_argument("--tokens", type=int, default=64)
     p.add_argument("--threads", type=int, default=16)
     p.add_argument("--out", type=Path, default=Path("."))
+    p.add_argument("--profile", action="store_true")
     a = p.parse_args()
-    results = [run(a.model, a.budget_mib, a.tokens, mode, a.out, a.threads, profile=mode == "mmap", cache=a.cache)
-               for mode in a.load_modes.split(",")]
-    for r in results:
-        print(json.dumps(r))
-    (a.out / "profile_decode.json").write_text(json.dumps(results, indent=2))
+    r = run(a.model, a.budget_mib, a.tokens, a.threads, a.out, a.profile)
+    print(json.dumps(r, indent=1))
+    (a.out / "profile_decode.json").write_text(json.dumps(r, indent=2))
 
 
 if __name__ == "__main__":

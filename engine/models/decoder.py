@@ -104,7 +104,7 @@ class DecoderModel:
     experts: Experts
     source: ModelFile
     device: torch.device | str = "cpu"
-    _graphs: object | None = field(default=None, repr=False)  # DecodeGraphs of the last cache decoded
+    _runner: object | None = field(default=None, repr=False)  # DecodeRunner of the last cache decoded
 
     def new_cache(self, n_ctx: int) -> KVCache:
         c = self.config
@@ -118,28 +118,43 @@ class DecoderModel:
         if end > cache.n_ctx:
             raise ValueError(f"context full: {end} tokens exceed the context length {cache.n_ctx}")
         if tokens.numel() == 1 and decode_graphs_enabled(self.device):
-            return self._decode_graphs(cache).step(tokens, start)
+            return self._decode_runner(cache).step(tokens, start)
         positions = torch.arange(start, end, device=self.device)
+        logits = self.run(self.embed(tokens), positions, cache, start, self.experts)
+        cache.length = end
+        return logits
+
+    def run(self, h: torch.Tensor, positions: torch.Tensor, cache: KVCache, start: int | None,
+            experts: Experts) -> torch.Tensor:
+        """The forward from the embedded rows h [T, D] to the logits, written once: eagerly for
+        prompts, and captured as the decode token's CUDA graph (start None: attention reads the
+        whole cache, masked by position; nothing here may wait for the host)."""
         eps = self.config.rms_eps
-        h = self.embed(tokens)
         for i, block in enumerate(self.blocks):
             h = h + block.attention(rms_norm(h, block.attn_norm, eps), positions, cache, i, start)
             x = rms_norm(h, block.ffn_norm, eps)
-            h = h + (block.ffn(x, self.experts) if isinstance(block.ffn, MoEFFN) else block.ffn(x))
-        cache.length = end
+            h = h + (block.ffn(x, experts) if isinstance(block.ffn, MoEFFN) else block.ffn(x))
         return self.output(rms_norm(h, self.output_norm, eps))
 
-    def _decode_graphs(self, cache: KVCache):
-        from engine.models.decode_graphs import DecodeGraphs
+    def settle(self) -> None:
+        """Brings the expert counters up to date after decoding (the decode graph's trail by
+        one token)."""
+        if self._runner is not None:
+            self._runner.settle()
 
-        if self._graphs is None or self._graphs.cache is not cache:
-            self._graphs = None  # free the old graphs' memory before capturing new ones
-            self._graphs = DecodeGraphs(self, cache)
-        return self._graphs
+    def _decode_runner(self, cache: KVCache):
+        from engine.runtime.decode_runner import DecodeRunner
+
+        if self._runner is None or self._runner.cache is not cache:
+            if self._runner is not None:
+                self._runner.close()
+            self._runner = None  # free the old graph's memory before capturing a new one
+            self._runner = DecodeRunner(self, cache)
+        return self._runner
 
 
 def decode_graphs_enabled(device: torch.device | str) -> bool:
-    """One-token steps replay CUDA graphs on CUDA devices unless MOESTUDIO_CUDA_GRAPHS=0."""
+    """One-token steps replay a CUDA graph on CUDA devices unless MOESTUDIO_CUDA_GRAPHS=0."""
     import os
 
     return torch.device(device).type == "cuda" and os.environ.get("MOESTUDIO_CUDA_GRAPHS", "1") != "0"

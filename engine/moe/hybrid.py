@@ -1,6 +1,8 @@
 """The hybrid expert executor: resident experts on the accelerator, the rest on the CPU.
 
-One MoE layer step (DESIGN.md, "the hot path"):
+A decode token on CUDA runs inside the token's CUDA graph instead (`token_experts`,
+engine/moe/token_step.py); prompts, and one-token steps without the graph, take this path.
+One MoE layer step here:
 1. the selected ids (and the layer input, for the CPU pool) come to the host once: the only
    wait on the accelerator per layer;
 2. distinct experts split into hits (landed in a slot), uploads (a `miss_fraction` share of
@@ -29,7 +31,6 @@ from engine.moe.copier import Copier
 from engine.moe.cpu_pool import CpuExpertPool
 from engine.moe.policy import AdaptParams, Policy
 from engine.moe.slots import LayerSlots, resident_copies, resolve_load_mode
-from engine.moe.step_graph import ExpertStepGraph
 from engine.moe.tune import RouteCosts, balanced_uploads, measure_costs
 from engine.plan.sizing import FRACTION_STEPS, staging_slots
 from engine.runtime.progress import ByteProgress, Progress
@@ -58,7 +59,6 @@ class _Layer:
     def __init__(self, w: ExpertWeights, slots: LayerSlots, policy: Policy):
         self.w, self.slots, self.policy = w, slots, policy
         self.upload_credit = 0.0
-        self.step_graph: ExpertStepGraph | None = None  # one-token steps on CUDA (step_graph.py)
 
 
 class HybridExperts:
@@ -86,6 +86,19 @@ class HybridExperts:
             slots = LayerSlots(w, n_slots, n_staging, self.device, self.copier)
             self.layers[layer] = _Layer(w, slots, Policy(options.policy, w.n_expert, n_slots, options.adapt))
         self.counters = CacheCounters(self.layer_ids, k_max, min(options.slots_per_layer, k_max))
+
+    # --- the decode token's graph ----------------------------------------------------------------
+    def token_experts(self, k: int, n_embd: int):
+        """The one-token step for the decode graph (engine/moe/token_step.py), where it applies:
+        CUDA, the Triton kernels for every layer's expert types, a slot buffer in every layer."""
+        if self.device.type != "cuda" or self._triton_broken:
+            return None
+        x = torch.empty(1, n_embd, device=self.device)
+        if not all(_use_triton(L.w, x, k) and L.slots.n_slots + L.slots.n_staging > 0 for L in self.layers.values()):
+            return None
+        from engine.moe.token_step import TokenExperts
+
+        return TokenExperts(self, k, n_embd)
 
     # --- residency -----------------------------------------------------------------------------
     def prefill_residency(self, ranking: list[tuple[int, int]],
@@ -149,11 +162,6 @@ class HybridExperts:
         # With every expert resident (landed) no CPU miss can need the input.
         ids_host, x_host = self._read_back(ids, x.float() if L.slots.resident.min() < 0 else None)
         rows_of, experts, hits, uploads, cpu = self._split(L, ids_host)
-        if self._one_token_graph_applies(L, x, weights):
-            total = self._one_token_step(layer, L, x, x_host, ids_host, weights, hits, uploads, cpu)
-            self._account(layer, L, rows_of, experts, hits, uploads, cpu)
-            return total
-
         k = ids_host.shape[1]
         per_slot = torch.zeros(k, *x.shape, dtype=x.dtype, device=x.device)
         futures = []
@@ -227,34 +235,6 @@ class HybridExperts:
                 compute(turn, slots)
             if halves == 1 and i + 1 < len(turns):
                 staged.append(L.slots.stage_async(turns[i + 1], first=0))
-
-    def _one_token_graph_applies(self, L: _Layer, x: torch.Tensor, weights: torch.Tensor) -> bool:
-        return (x.shape[0] == 1 and self.device.type == "cuda" and not self._triton_broken
-                and L.slots.n_slots + L.slots.n_staging > 0 and weights.dtype == torch.float32
-                and x.is_contiguous() and weights.is_contiguous() and _use_triton(L.w, x, weights.shape[1]))
-
-    def _one_token_step(self, layer: int, L: _Layer, x: torch.Tensor, x_host: np.ndarray | None,
-                        ids_host: np.ndarray, weights: torch.Tensor,
-                        hits: np.ndarray, uploads: np.ndarray, cpu: np.ndarray) -> torch.Tensor:
-        """A decode step through two graph replays (step_graph.py); the CPU pool's rows go in between."""
-        g = L.step_graph
-        if g is None or not g.matches(x, weights):
-            g = L.step_graph = ExpertStepGraph(L.slots.buffers, L.w, x, weights)
-        chosen = ids_host[0]
-        future = None
-        if cpu.size:
-            on_cpu = _member(L.w.n_expert, cpu)[chosen].nonzero()[0]
-            future = self.pool.submit(layer, x_host, np.zeros(len(on_cpu), np.int32),
-                                      chosen[on_cpu].astype(np.int32))
-        slot_of = np.zeros(L.w.n_expert, np.int32)  # slot 0 for CPU experts: computed, then overwritten
-        slot_of[hits] = L.slots.resident[hits]
-        if uploads.size:
-            slot_of[uploads] = L.slots.stage(uploads.tolist())
-        g.compute(chosen, slot_of[chosen])
-        if future is not None:
-            g.put(on_cpu, torch.from_numpy(future.result()).to(x.device))
-            self.counters.cpu_busy_s = self.pool.busy_seconds
-        return g.combine()
 
     def _run_on_accelerator(self, L: _Layer, slot: int, e: int, x: torch.Tensor, ids: torch.Tensor,
                             weights: torch.Tensor, per_slot: torch.Tensor) -> None:

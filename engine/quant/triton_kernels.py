@@ -621,7 +621,9 @@ if triton is not None:
         p = tl.program_id(0)
         nb = tl.program_id(1)
         tok = tl.load(pair_tok + p).to(tl.int64)
-        slot = tl.load(pair_slot + p).to(tl.int64)
+        # A pair whose expert has no slot (-1: it runs on the CPU) reads slot 0 and its result is
+        # never stored (see _down_kernel): one expert's read instead of a second graph shape.
+        slot = tl.maximum(tl.load(pair_slot + p), 0).to(tl.int64)
         r4 = tl.arange(0, BLOCK_N)[None, :, None, None, None]
         rows_c = tl.minimum(nb * BLOCK_N + r4, N - 1).to(tl.int64)  # loads stay in bounds; stores are masked
         NS: tl.constexpr = (K + 255) // 256
@@ -704,7 +706,8 @@ if triton is not None:
         """Grid (pairs, N / BLOCK_N). hr/hq/hd: the rounded h [pairs, K]; out[pos, tok, :N]."""
         p = tl.program_id(0)
         nb = tl.program_id(1)
-        slot = tl.load(pair_slot + p).to(tl.int64)
+        slot_or_none = tl.load(pair_slot + p)
+        slot = tl.maximum(slot_or_none, 0).to(tl.int64)
         r4 = tl.arange(0, BLOCK_N)[None, :, None, None, None]
         rows_c = tl.minimum(nb * BLOCK_N + r4, N - 1).to(tl.int64)
         d_rows = d_ptr + slot * d_slot_bytes + rows_c * d_row_bytes
@@ -734,7 +737,7 @@ if triton is not None:
         pos = tl.load(pair_pos + p).to(tl.int64)
         if WEIGHTED:
             y = y * tl.load(wt_ptr + tok * wt_stride_tok + pos)
-        tl.store(out_ptr + pos * out_stride_pos + tok * out_stride_tok + rows, y, mask=live)
+        tl.store(out_ptr + pos * out_stride_pos + tok * out_stride_tok + rows, y, mask=live & (slot_or_none >= 0))
 
     # ---------------------------------------------------------------- dense products
 

@@ -288,6 +288,7 @@ class Engine:
                 break
             logits = self.model.forward(torch.tensor([token]), self.cache, len(history) - 1)[-1]
             self._cached.append(token)
+        self.model.settle()
         tail = completion.tail()
         if tail:
             yield TokenEvent(None, tail)

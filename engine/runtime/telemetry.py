@@ -39,6 +39,7 @@ class CacheCounters:
     load_mode: str = "mmap"  # where uploads and the CPU pool read experts: the map, or RAM copies ("none")
     miss_fraction: float = 0.0  # the share of misses uploaded (measured when auto)
     miss_fraction_tuning: dict | None = None  # upload_s, cpu_s per expert, when measured
+    decode_path: str = "per layer"  # "graph": a decode token is one CUDA graph, its misses on the CPU pool
 
     def __post_init__(self) -> None:
         n = len(self.layers)
@@ -129,6 +130,7 @@ class Telemetry:
                     "load_mode": c.load_mode,
                     "miss_fraction": c.miss_fraction,
                     "miss_fraction_tuning": c.miss_fraction_tuning,
+                    "decode_path": c.decode_path,
                     "residency": c.residency.tolist(),
                     "heat": np.round(c.heat, 3).tolist(),
                 }

@@ -58,6 +58,7 @@ def _sweep(model, tokens: list[int], resident: torch.Tensor, device: str, thread
         model.experts = hybrid
         try:
             logits = decode_logits(model, tokens)
+            model.settle()
         finally:
             hybrid.close()
         case = f"{label} cache={size_name} fraction={fraction} policy={policy}"

@@ -1,0 +1,167 @@
+"""The hybrid executor's one-token step as it runs inside the decode token's CUDA graph.
+
+HybridExperts splits along three lines here:
+  decide   on the GPU: the residency map turns router ids into slot ids (mailbox.route)
+  execute  on the GPU: the expert kernels over the resident pairs; on the CPU: the missed
+           experts, answered through the mailbox while the graph runs (Mailbox.serve)
+  learn    on the host, off the critical path: the GPU's per-layer expert counts are read back
+           asynchronously after each token, fed to the residency policy, whose refills copy on
+           the copier's stream; a map entry flips only once its copy has landed, between tokens
+
+The host's order per token (engine/runtime/decode_runner.DecodeRunner.step):
+  before_token   publish landed copies (and unpublished slots) in the GPU map
+  replay         the graph (its prologue bumps the token number on the GPU)
+  after_launch   serve the mailbox; in its waits for the GPU, learn from the previous token's
+                 counters (their read-back has landed); enqueue this token's read-back
+  check          after the logits were read: a timed-out wait becomes an engine error
+The telemetry's counters therefore trail the GPU by one token.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import numpy as np
+import torch
+
+from engine.moe.mailbox import Mailbox
+from engine.runtime.telemetry import Telemetry
+
+
+class TokenExperts:
+    """Drop-in for DecoderModel.experts inside the token graph (one row, float32)."""
+
+    def __init__(self, hybrid, k: int, n_embd: int):
+        self.hybrid = hybrid
+        layers = hybrid.layer_ids
+        n_expert = max(hybrid.layers[layer].w.n_expert for layer in layers)
+        # Every expert landed and a slot for each: no policy ever evicts one (refills only
+        # answer misses), so no layer can miss and the graph needs no mailbox.
+        all_resident = all(L.slots.n_slots >= L.w.n_expert and L.slots.resident.min() >= 0
+                           for L in hybrid.layers.values())
+        self.mailbox = Mailbox(layers, n_expert, k, n_embd, hybrid.device, with_mailbox=not all_resident)
+        self._pushed: np.ndarray | None = None  # the residency table the GPU map holds
+        self._seen = np.zeros((len(layers), n_expert + 1), np.int64)  # counters learnt from so far
+        self._refills: list = []  # (layer index, layer, refills) learnt, not yet started
+        self._sync_copies: list = []  # occurrence-sync's refills, waited for before the next token
+
+    # --- inside the graph ------------------------------------------------------------------------
+    def prologue(self) -> None:
+        self.mailbox.prologue()
+
+    def __call__(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        from engine.quant import triton_kernels as tk
+
+        mb, i = self.mailbox, self.mailbox.index[layer]
+        L = self.hybrid.layers[layer]
+        mb.route(layer, x, ids, weights)
+        tk.experts_forward(x, L.slots.buffers, L.w, mb.pair_tok, mb.pair_pos, mb.pair_slot[i], mb.pair_exp[i],
+                           weights, mb.per_slot[i])
+        return mb.collect(layer)
+
+    # --- on the host -----------------------------------------------------------------------------
+    def arm(self, armed: bool) -> None:
+        """Unarmed, the graph's layers neither publish nor wait (and missed pairs read stale
+        rows): for the warm-up that compiles and loads every kernel before any wait can spin."""
+        self.mailbox.arm(armed)
+
+    def before_token(self) -> None:
+        self._push_map()
+        self.mailbox.token_no += 1
+
+    def after_launch(self) -> None:
+        """While the replay runs: answer the layers that missed, and between them (while the GPU
+        has not reached the next layer) learn from the previous token's counters, whose
+        read-back has landed; then enqueue this token's read-back and start the refills. Nothing
+        here may wait for the GPU before the last layer is answered: the GPU may be waiting
+        for the host."""
+        h = self.hybrid
+        learning = self._learning()
+        if self.mailbox.with_mailbox:
+            self.mailbox.serve(self._compute_misses, lambda: next(learning, None) is not None)
+            h.counters.cpu_busy_s = h.pool.busy_seconds
+        for _ in learning:
+            pass
+        self.mailbox.snapshot_stats()
+        self._start_refills()
+
+    def after_warmup(self) -> None:
+        """The unarmed warm-up counted one token on the GPU that is not one: skip it."""
+        self._seen = self.mailbox.stats.cpu().numpy().astype(np.int64)
+
+    @torch.inference_mode()
+    def settle(self) -> None:
+        """The last token's counters into the telemetry and the policy now (end of a request)."""
+        torch.cuda.current_stream(self.hybrid.device).synchronize()
+        for _ in self._learning():
+            pass
+        self._start_refills()
+        self._push_map()
+
+    def check(self) -> None:
+        self.mailbox.check()
+
+    def _compute_misses(self, layer: int, x: np.ndarray, experts: np.ndarray) -> np.ndarray:
+        return self.hybrid.pool.compute(layer, x, np.zeros(len(experts), np.int32), experts)
+
+    def _learning(self) -> Iterator[None]:
+        """The counters of the tokens since the last call: the telemetry at once, then each
+        layer's policy, one layer per step (so the host can do it in the gaps of serving)."""
+        mb = self.mailbox
+        if not mb.stats_ready():
+            return
+        now = mb.stats_host.numpy().astype(np.int64)
+        delta, self._seen = now - self._seen, now
+        n_expert = mb.n_expert
+        chosen, hits = delta[:, :n_expert], delta[:, n_expert]
+        if not chosen.any():
+            return
+        h = self.hybrid
+        c = h.counters
+        c.gpu_hit += hits
+        c.cpu_computed += chosen.sum(axis=1) - hits
+        c.heat *= Telemetry.HEAT_DECAY
+        c.heat[:, :n_expert] += chosen
+        for i, layer in enumerate(mb.layers):
+            experts = chosen[i].nonzero()[0]
+            if not experts.size:
+                continue
+            L = h.layers[layer]
+            refills = L.policy.refills(experts, chosen[i, experts], L.slots.slot_expert, L.slots.resident,
+                                       L.slots.in_flight())
+            if refills:
+                self._refills.append((i, L, refills))
+            yield
+
+    def _start_refills(self) -> None:
+        """The refills learnt, copied now that no layer of the token waits for the host: a copy
+        from pageable memory (the memory map) blocks the host until the copy stream, which
+        follows the compute stream, has run it."""
+        h = self.hybrid
+        c = h.counters
+        for i, L, refills in self._refills:
+            handle = L.slots.load(refills)
+            c.swaps[i] += len(refills)
+            if L.policy.synchronous:  # waited for before the next token
+                self._sync_copies.append(handle)
+        if self._refills:
+            c.bytes_uploaded = h.copier.bytes_copied
+        self._refills.clear()
+
+    def _push_map(self) -> None:
+        """Landed copies join the GPU map, unpublished slots leave it (before the next replay,
+        in stream order, so no replay reads a slot whose copy is in flight)."""
+        h = self.hybrid
+        if self._sync_copies:  # occurrence-sync: the next token sees every refill landed
+            for handle in self._sync_copies:
+                h.copier.wait(handle)
+            torch.cuda.current_stream(h.device).synchronize()
+            self._sync_copies.clear()
+        for L in h.layers.values():
+            if L.slots.pending:
+                L.slots.refresh()
+        table = np.stack([h.layers[layer].slots.resident for layer in self.mailbox.layers])
+        if self._pushed is not None and np.array_equal(table, self._pushed):
+            return
+        self.mailbox.map[:, :table.shape[1]].copy_(torch.from_numpy(table))
+        self._pushed = table
+        h.counters.residency[:, :table.shape[1]] = table

@@ -1,0 +1,111 @@
+"""The decode runner: a one-token step is one CUDA graph replay.
+
+The graph is DecoderModel.run (the forward written once) captured on static buffers: the
+token's embedding row and its position go in, the logits come out; attention reads the whole
+cache masked by position (start None), so one capture serves every position of the cache.
+The experts inside are the executor's token step (engine/moe/token_step.TokenExperts): the
+residency map, the expert kernels and the mailbox to the CPU pool all run in the graph, and
+the host only answers the layers that missed while the replay runs. The sampled token comes
+back once per token.
+
+An executor without a token step (the reference executor, a type the expert kernels lack)
+runs the same forward eagerly on the same static buffers, so its numerics equal the graph's:
+where an expert lived still cannot change a token. A capture that fails is said once, and the
+eager path takes over.
+
+Numerics equal the prompt's forward except attention, which sums over the whole cache (masked)
+instead of its filled prefix: float32 reduction order, ~1e-7 relative.
+"""
+from __future__ import annotations
+
+import warnings
+
+import torch
+
+from engine.layers.attention import KVCache
+
+
+class DecodeRunner:
+    def __init__(self, model, cache: KVCache):
+        self.model, self.cache = model, cache
+        self.device = torch.device(model.device)
+        self.position = torch.zeros(1, dtype=torch.long, device=self.device)
+        self.h0 = torch.zeros(1, model.config.n_embd, device=self.device)
+        make = getattr(model.experts, "token_experts", None)
+        self.token_experts = make(model.config.n_expert_used, model.config.n_embd) if make else None
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.logits: torch.Tensor | None = None
+        self.broken = False  # capture failed: eager from then on
+
+    @property
+    def captured(self) -> bool:
+        return self.graph is not None
+
+    def _forward(self) -> torch.Tensor:
+        """The token on the static buffers through the token step (eagerly, or being captured)."""
+        self.token_experts.prologue()
+        return self.model.run(self.h0, self.position, self.cache, None, self.token_experts)
+
+    def _capture(self) -> None:
+        """The first step compiles and loads every kernel eagerly, unarmed (no layer publishes
+        or waits, so no kernel can spin while another is still being loaded), then records."""
+        tx = self.token_experts
+        tx.arm(False)
+        tx.before_token()
+        self._forward()
+        torch.cuda.synchronize(self.device)
+        tx.after_warmup()
+        tx.arm(True)
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.stream(stream):
+            # capture_begin/end rather than torch.cuda.graph(): that one also collects garbage
+            # and empties the allocator's cache at every capture.
+            graph.capture_begin()
+            try:
+                self.logits = self._forward()
+            finally:
+                graph.capture_end()
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        self.graph = graph
+        self.model.experts.counters.decode_path = "graph"
+
+    def step(self, token: torch.Tensor, start: int) -> torch.Tensor:
+        """Logits [1, n_vocab] of `token` at position `start` (the KV cache is written there)."""
+        self.position.fill_(start)
+        self.h0.copy_(self.model.embed(token))
+        tx = self.token_experts
+        if tx is None or self.broken:
+            logits = self._eager_step()
+        else:
+            if self.graph is None:
+                try:
+                    self._capture()
+                except RuntimeError as e:
+                    warnings.warn(f"CUDA graph capture failed ({e}); decoding without graphs", RuntimeWarning,
+                                  stacklevel=2)
+                    self.broken, self.graph = True, None
+                    self.model.experts.counters.decode_path = "per layer"
+                    return self.step(token, start)
+            tx.before_token()
+            self.graph.replay()
+            tx.after_launch()
+            logits = self.logits.clone()
+            torch.cuda.current_stream(self.device).synchronize()
+            tx.check()
+        self.cache.length = start + 1
+        return logits
+
+    def _eager_step(self) -> torch.Tensor:
+        """Without a token graph: the forward on the static buffers with the executor's own
+        per-layer step (it may wait for the host at every layer)."""
+        return self.model.run(self.h0, self.position, self.cache, None, self.model.experts)
+
+    def settle(self) -> None:
+        """The counters of the last token reach the telemetry (they trail the GPU by one)."""
+        if self.token_experts is not None and self.graph is not None:
+            self.token_experts.settle()
+
+    def close(self) -> None:
+        self.graph = None

@@ -1,0 +1,120 @@
+"""A decode token is one CUDA graph replay (GPU only).
+
+The graph attends over the whole (masked) cache instead of its filled prefix, so logits may
+differ from the eager forward by float32 reduction order; the greedy tokens must not. With a
+partial expert cache the graph's layers send their misses to the CPU pool through the mailbox
+while the replay runs; the residency map on the GPU follows the policy's refills.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as QT
+
+from engine.errors import EngineError
+from engine.models import build_model
+from engine.moe.hybrid import HybridExperts, HybridOptions
+from engine.runtime.tokenizer import tokenize_text
+
+ARCHS = ("qwen3moe", "qwen2moe", "gpt-oss", "deepseek2")
+QUANT = {"gpt-oss": QT.MXFP4}
+N_PROMPT, N_GEN = 16, 48
+
+
+def greedy(model, prompt: list[int], n_gen: int = N_GEN) -> tuple[list[int], torch.Tensor]:
+    cache = model.new_cache(N_PROMPT + n_gen + 1)
+    logits = model.forward(torch.tensor(prompt), cache)[-1]
+    tokens, rows = [], []
+    for _ in range(n_gen):
+        tokens.append(int(logits.argmax()))
+        logits = model.forward(torch.tensor(tokens[-1:]), cache)[-1]
+        rows.append(logits)
+    return tokens, torch.stack(rows)
+
+
+def hybrid(model, n_slots: int, policy: str = "lru") -> HybridExperts:
+    model.experts = HybridExperts(model.expert_weights, "cuda", HybridOptions(
+        slots_per_layer=n_slots, miss_fraction=0.0, policy=policy, threads=4))
+    return model.experts
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("executor", ["reference", "hybrid"])
+def test_graph_decode_matches_eager(make_model, prompt_text, monkeypatch, arch, executor):
+    path = make_model(arch, QUANT.get(arch, QT.Q4_K))
+    model = build_model(path, "cuda")
+    if executor == "hybrid":  # half the experts resident, the rest through the mailbox
+        hybrid(model, model.config.n_expert // 2)
+    prompt = tokenize_text(path, prompt_text)[:N_PROMPT]
+    monkeypatch.setenv("MOESTUDIO_CUDA_GRAPHS", "0")
+    eager_tokens, eager_logits = greedy(model, prompt)
+    monkeypatch.setenv("MOESTUDIO_CUDA_GRAPHS", "1")
+    if executor == "hybrid":
+        before = model.experts.counters.cpu_computed.sum()
+    graph_tokens, graph_logits = greedy(model, prompt)
+    runner = model._runner
+    assert graph_tokens == eager_tokens
+    diff = (graph_logits - eager_logits).abs().max().item()
+    assert diff < 1e-3 * max(1.0, eager_logits.abs().max().item()), diff
+    if executor == "hybrid":
+        assert runner.captured and not runner.broken and runner.token_experts.mailbox.with_mailbox
+        assert model.experts.counters.decode_path == "graph"
+        assert model.experts.counters.cpu_computed.sum() > before  # misses went through the mailbox
+        model.experts.close()
+    else:
+        assert runner.token_experts is None  # the reference executor has no token step: eager
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("policy", ["lru", "occurrence", "off"])
+def test_every_cache_size_gives_the_all_resident_tokens(make_model, prompt_text, policy):
+    path = make_model("qwen3moe", QT.Q4_K)
+    model = build_model(path, "cuda")
+    prompt = tokenize_text(path, prompt_text)[:N_PROMPT]
+    n_expert = model.config.n_expert
+    hybrid(model, n_expert).prefill_residency([(layer, e) for layer in model.expert_weights for e in range(n_expert)])
+    expected, _ = greedy(model, prompt)
+    assert not model._runner.token_experts.mailbox.with_mailbox  # all resident: no host in the loop
+    model.experts.close()
+    for n_slots in (1, 2, n_expert // 2, n_expert - 1):
+        h = hybrid(model, n_slots, policy)
+        tokens, _ = greedy(model, prompt)
+        assert tokens == expected, (policy, n_slots)
+        model.settle()  # the counters trail the GPU by one token
+        c = h.counters
+        k = model.config.n_expert_used
+        assert (c.gpu_hit + c.uploaded + c.cpu_computed == (N_PROMPT + N_GEN) * k).all(), (policy, n_slots)
+        if policy != "off":
+            assert c.swaps.sum() > 0
+        # the GPU map holds exactly the landed copies (settle published them)
+        table = model._runner.token_experts.mailbox.map.cpu().numpy()
+        assert np.array_equal(table, np.stack([h.layers[layer].slots.resident for layer in h.layer_ids]))
+        h.close()
+
+
+@pytest.mark.gpu
+def test_a_failing_cpu_pool_is_an_engine_error_not_a_hang(make_model, prompt_text):
+    path = make_model("qwen3moe", QT.Q4_K)
+    model = build_model(path, "cuda")
+    h = hybrid(model, 2, "off")
+    prompt = tokenize_text(path, prompt_text)[:N_PROMPT]
+    greedy(model, prompt, n_gen=4)  # captured and serving
+    calls = {"n": 0}
+    compute = h.pool.compute
+
+    def failing(layer, x, rows, experts):
+        if len(x) == 1:  # a decode token's miss (the prompt's rows take the eager path)
+            calls["n"] += 1
+            if calls["n"] == 2:
+                raise RuntimeError("injected")
+        return compute(layer, x, rows, experts)
+
+    expected, _ = greedy(model, prompt, n_gen=4)
+    h.pool.compute = failing
+    with pytest.raises(EngineError, match="CPU expert pool failed on layer"):
+        greedy(model, prompt, n_gen=4)
+    h.pool.compute = compute
+    assert greedy(model, prompt, n_gen=4)[0] == expected  # the graph keeps working afterwards
+    h.close()
