@@ -20,7 +20,6 @@ from __future__ import annotations
 import ctypes as C
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
@@ -67,9 +66,15 @@ class _Graph:
 class CpuExpertPool:
     """Unweighted expert outputs for (row, expert) pairs, on a persistent ggml threadpool.
 
-    `compute` is serialised by a lock; `submit` runs it on one persistent worker thread. This
-    libggml-cpu is an OpenMP build: the ggml threadpool only carries per-thread state, and the
-    threads are the calling thread's OpenMP team, which stays warm as long as one thread calls.
+    `compute` runs on the calling thread, serialised by a lock. This libggml-cpu is an OpenMP
+    build: the ggml threadpool only carries per-thread state, and the threads are the calling
+    thread's OpenMP team. libgomp gives every calling thread a team of its own and, once its
+    teams hold more threads than there are cores, stops spinning between calls (its throttled
+    spin count), so each call then wakes sleeping threads. The engine therefore calls from one
+    thread only (its own: prompts and decode alike). On the H200 machine a decode token's one-
+    or two-expert calls took ~250 µs per missed expert while a second thread held a team,
+    against ~90 µs for a one-expert call alone; GOMP_SPINCOUNT changed nothing, as throttling
+    predicts (docs/BENCHMARKS.md).
     Memory besides the map: an arena of 4 * max_rows * (3 D + 5 F) bytes (10 MiB for Qwen3-30B).
     """
 
@@ -82,7 +87,6 @@ class CpuExpertPool:
         self._lock = threading.Lock()
         self._graphs: dict[tuple[_Shape, int], _Graph] = {}
         self._threadpool = None
-        self._executor: ThreadPoolExecutor | None = None
         self._keep: list[object] = [expert_weights]  # everything ggml tensors point into
         self._layers = {layer: self._bind_layer(w) for layer, w in expert_weights.items()}
         # Floats per pair: x3, d and its bias sum (3 D); g, u, their bias sums and the activation (5 F); the id.
@@ -91,10 +95,6 @@ class CpuExpertPool:
         self._work = np.empty(0, dtype=np.uint8)
         params = self._api.ggml_threadpool_params_default(n_threads)
         self._threadpool = self._api.ggml_threadpool_new(C.byref(params))
-        # The worker records its id in a list, not on self: the thread must not keep the pool alive.
-        self._worker: list[int] = []
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="moe-cpu-pool",
-                                            initializer=lambda ids=self._worker: ids.append(threading.get_ident()))
 
     def _bind_layer(self, w: ExpertWeights) -> _Layer:
         if w.activation not in (SILU, SWIGLU_OAI):
@@ -195,25 +195,13 @@ class CpuExpertPool:
         self._graphs[(s, n)] = gr
         return gr
 
-    def submit(self, layer: int, x: np.ndarray, rows: np.ndarray, experts: np.ndarray) -> Future:
-        """`compute` on the pool's worker thread. The arrays are read when the job starts: leave
-        them unchanged until the future is done."""
-        if self._executor is None:
-            raise RuntimeError("the CPU expert pool is closed")
-        return self._executor.submit(self.compute, layer, x, rows, experts)
-
     @property
     def n_graphs(self) -> int:
         """Graphs built so far (one per layer shape and pair count seen)."""
         return len(self._graphs)
 
     def close(self) -> None:
-        """Waits for submitted jobs, then frees the threadpool and the graphs (idempotent)."""
-        executor, self._executor = getattr(self, "_executor", None), None
-        if executor is not None:
-            # The last reference can die on the worker itself (a job outliving its caller's
-            # handle): a thread cannot join itself, and no job is running then anyway.
-            executor.shutdown(wait=threading.get_ident() not in self._worker)
+        """Frees the threadpool and the graphs, after a call in progress (idempotent)."""
         if getattr(self, "_threadpool", None) is None:
             return
         with self._lock:

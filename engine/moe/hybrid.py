@@ -9,8 +9,8 @@ One MoE layer step here:
    the misses, copied into staging slots; in a step of many rows, the misses whose CPU cost
    is highest, as many as balance the two sides by measured cost, streamed through the
    staging slots in turns) and CPU misses (the rest);
-3. the CPU pool starts on its misses at once, from the memory-mapped GGUF bytes, while the
-   accelerator computes hits and uploads;
+3. the CPU pool computes its misses from the memory-mapped GGUF bytes on this thread, once the
+   accelerator's work is launched (on CUDA it runs meanwhile);
 4. the weighted outputs are summed slot by slot in top-k order, the same order and maths as
    the all-resident path, so where an expert ran does not change the result;
 5. counters are bumped and the policy's refills start copying; a slot joins the residency
@@ -164,23 +164,21 @@ class HybridExperts:
         rows_of, experts, hits, uploads, cpu = self._split(L, ids_host)
         k = ids_host.shape[1]
         per_slot = torch.zeros(k, *x.shape, dtype=x.dtype, device=x.device)
-        futures = []
-        if cpu.size:
-            tok, pos = np.nonzero(_member(L.w.n_expert, cpu)[ids_host])
-            pair_experts = ids_host[tok, pos].astype(np.int32)
-            pair_rows = tok.astype(np.int32)
-            step = self.pool.max_rows
-            for a in range(0, len(pair_rows), step):  # prefill: many pairs, bounded jobs
-                futures.append(self.pool.submit(layer, x_host, pair_rows[a:a + step], pair_experts[a:a + step]))
-
-        # Hits first (they need no copy), then the uploads once staged: one batch each.
+        # Hits first (they need no copy), then the uploads once staged: one batch each, launched
+        # asynchronously on CUDA, so the CPU pool's misses below run while the GPU computes them.
         self._run_batch_on_accelerator(L, hits.tolist(), slots.resident[hits].tolist(), x, ids, ids_host,
                                        weights, per_slot)
         self._run_uploads(L, uploads.tolist(), lambda turn, turn_slots: self._run_batch_on_accelerator(
             L, turn, turn_slots, x, ids, ids_host, weights, per_slot))
 
-        if futures:
-            out = torch.from_numpy(np.concatenate([f.result() for f in futures])).to(x.device, x.dtype)
+        if cpu.size:
+            tok, pos = np.nonzero(_member(L.w.n_expert, cpu)[ids_host])
+            pair_experts = ids_host[tok, pos].astype(np.int32)
+            pair_rows = tok.astype(np.int32)
+            step = self.pool.max_rows  # prefill: many pairs, bounded jobs
+            out = np.concatenate([self.pool.compute(layer, x_host, pair_rows[a:a + step], pair_experts[a:a + step])
+                                  for a in range(0, len(pair_rows), step)])
+            out = torch.from_numpy(out).to(x.device, x.dtype)
             self.counters.cpu_busy_s = self.pool.busy_seconds
             tok_t, pos_t = torch.from_numpy(tok).to(x.device), torch.from_numpy(pos).to(x.device)
             per_slot[pos_t, tok_t] = out * weights[tok_t, pos_t, None]

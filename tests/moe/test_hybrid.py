@@ -230,3 +230,27 @@ def test_prefill_streams_its_misses_through_the_staging_slots_in_turns(reference
     assert (logits - resident).abs().max().item() < 5e-2
     c = hybrid.counters
     assert (c.gpu_hit + c.uploaded + c.cpu_computed == (len(tokens) - 1) * k).all()
+
+
+def test_the_cpu_pool_is_called_from_the_engine_thread_only(make_model, prompt_text):
+    """libgomp gives each calling thread its own team and stops spinning between calls once the
+    teams outnumber the cores (cpu_pool.py): prompts and decode call the pool from one thread."""
+    import threading
+
+    path = make_model("qwen3moe", QT.Q4_K)
+    model = build_model(path)
+    hybrid = HybridExperts(model.expert_weights, "cpu", HybridOptions(slots_per_layer=2, miss_fraction=0.0, threads=2))
+    model.experts = hybrid
+    callers = set()
+    compute = hybrid.pool.compute
+
+    def recording(*args):
+        callers.add(threading.get_ident())
+        return compute(*args)
+
+    hybrid.pool.compute = recording
+    try:
+        decode_logits(model, tokenize_text(path, prompt_text)[:N_PROMPT + 8])
+    finally:
+        hybrid.close()
+    assert callers == {threading.get_ident()}
