@@ -166,6 +166,7 @@ def bench_dense(name: str, n_out: int, K: int, qtype: QT, rows: list[int], dev: 
     import torch
 
     from engine.quant import triton_kernels as tk
+    from engine.quant.layout import pad_q6_k
 
     rng = np.random.default_rng(int(qtype) + n_out + K)
     # Up to 4096 distinct random rows, repeated to n_out (drawing an output head's 150k rows
@@ -175,7 +176,7 @@ def bench_dense(name: str, n_out: int, K: int, qtype: QT, rows: list[int], dev: 
     n_copies = cold_copies(one.numel(), l2_bytes)
     weights = one.to(dev).unsqueeze(0).repeat(n_copies, 1, 1)  # [copies, n_out, row_bytes]
     raws = [weights[i:i + 1] for i in range(n_copies)]
-    padded = tk.pad_q6_k(weights) if qtype == QT.Q6_K else None
+    padded = pad_q6_k(weights) if qtype == QT.Q6_K else None
     calls_per_graph = max(n_copies, 8)
     out = []
     for t in rows:
@@ -343,7 +344,7 @@ def expert_line(r: dict) -> str:
 
 def markdown(result: dict) -> str:
     """The results as markdown tables (dense products; expert steps)."""
-    from engine.quant import triton_kernels as tk
+    from engine.quant.layout import Q6_K_PADDED_BLOCK
 
     head = (f"{result['device']}, torch {result['torch']}, triton {result['triton']}; device-to-device copy "
             f"{result['copy_GBps']:.0f} GB/s (read + write). GPU time per call from a replayed CUDA graph; "
@@ -359,7 +360,7 @@ def markdown(result: dict) -> str:
             if "new_padded" in r:  # GB/s of the GGUF bytes, so that it compares with the line above
                 n = r["new_padded"]
                 lines.append(f"| {r['shape']} | {r['n_out']} x {r['K']} | {r['type']} padded to "
-                             f"{tk.Q6_K_PADDED_BLOCK} B blocks | {r['rows']} | {r['MB']} | {n['us']} | "
+                             f"{Q6_K_PADDED_BLOCK} B blocks | {r['rows']} | {r['MB']} | {n['us']} | "
                              f"{n['GBps']:.0f} | {n['of_copy_bw']:.2f} | {o['us']} | {o['GBps']:.0f} | "
                              f"{o['of_copy_bw']:.2f} | {o['us'] / n['us']:.2f}x | {r['split'][0]} x {r['split'][1]} |")
     lines += ["", "| expert step | types | n_embd x n_ff, top-k | rows | MB | µs | GB/s | share | host µs eager |",

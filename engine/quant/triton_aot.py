@@ -15,6 +15,7 @@ from pathlib import Path
 from gguf import GGMLQuantizationType as QT
 
 from engine.quant import triton_kernels as tk
+from engine.quant.layout import Q6_K_PADDED_BLOCK
 
 _PTR = {"x": "*fp32", "xg": "*fp32", "xu": "*fp32", "out": "*fp32", "gb": "*fp32", "ub": "*fp32", "h": "*fp32",
         "hr": "*fp32", "db": "*fp32", "wt": "*fp32", "g": "*u8", "u": "*u8", "d": "*u8", "count": "*i32",
@@ -138,7 +139,7 @@ def dense_variants(qtype: QT, n_out: int, K: int, rows: int, cfg: tk.TileConfig 
                    sm_count: int = H200_SMS, arch: int = 90, padded: bool = False):
     """(label, kernel, constexprs, config) of the product tk.dense launches for this shape
     (the rounding launch is round_x of the expert geometries); `padded`: Q6_K rows as
-    tk.pad_q6_k lays them out."""
+    layout.pad_q6_k lays them out."""
     cfg = cfg or tk.DENSE_CONFIG[qtype]
     split = tk.DenseSplit.choose(n_out, K, sm_count, cfg.block_n)
     return [(f"dense r{rows} s{split.split}", tk._dense_kernel,
@@ -166,7 +167,7 @@ def dense_report(arch: int = 90) -> list[dict]:
     """Compiles the dense product for every kernel type (and padded Q6_K, named Q6_K/224),
     DENSE_GEOMETRIES and DENSE_ROWS."""
     layouts = [(t.name, t, False) for t in sorted(tk.KERNEL_TYPES, key=lambda t: t.name)]
-    layouts.append((f"Q6_K/{tk.Q6_K_PADDED_BLOCK}", QT.Q6_K, True))
+    layouts.append((f"Q6_K/{Q6_K_PADDED_BLOCK}", QT.Q6_K, True))
     rows = []
     for type_name, qtype, padded in layouts:
         for name, n_out, K in DENSE_GEOMETRIES:

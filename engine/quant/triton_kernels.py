@@ -43,6 +43,8 @@ from dataclasses import dataclass
 import torch
 from gguf import GGMLQuantizationType as QT
 
+from engine.quant.layout import is_padded_q6_k
+
 try:  # Triton is optional: without it the torch path runs.
     import triton
     import triton.language as tl
@@ -55,10 +57,9 @@ INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
 # Weight types these kernels decode (their GGUF type ids are the kernels' QT constexpr).
 KERNEL_TYPES: frozenset[QT] = frozenset({QT.Q4_K, QT.Q5_K, QT.Q6_K, QT.Q8_0, QT.MXFP4, QT.F16, QT.BF16})
 KSTEP = 256  # activation values per K step
-# Kernel type id of Q6_K rows whose blocks are padded from 210 to 224 bytes (pad_q6_k): every
-# block 16-aligned, so the kernels load them 16 bytes at a time instead of 2.
+# Kernel type id of Q6_K rows whose blocks are padded from 210 to 224 bytes (layout.pad_q6_k):
+# every block 16-aligned, so the kernels load them 16 bytes at a time instead of 2.
 Q6_K_PADDED = 256 + int(QT.Q6_K)
-Q6_K_PADDED_BLOCK = 224
 
 
 def available() -> bool:
@@ -1069,8 +1070,8 @@ def sm_count(device: str) -> int:
 def dense(x: torch.Tensor, raw: torch.Tensor, qtype: QT, n_out: int, cfg: TileConfig | None = None,
           split: DenseSplit | None = None) -> torch.Tensor:
     """round(x) @ W.T for x [T, K] float32 (T <= DENSE_MAX_ROWS, rows contiguous) and a dense
-    weight W [n_out, K] kept as its GGUF rows raw [1, n_out, row_bytes] (Q6_K also as pad_q6_k
-    made them): two launches (round x; the split-K product). `split` defaults to
+    weight W [n_out, K] kept as its GGUF rows raw [1, n_out, row_bytes] (Q6_K also as
+    layout.pad_q6_k made them): two launches (round x; the split-K product). `split` defaults to
     DenseSplit.choose for this device."""
     T, K = x.shape
     if T > DENSE_MAX_ROWS:
@@ -1081,7 +1082,7 @@ def dense(x: torch.Tensor, raw: torch.Tensor, qtype: QT, n_out: int, cfg: TileCo
     cfg = cfg or DENSE_CONFIG[qtype]
     split = split or DenseSplit.choose(n_out, K, sm_count(str(x.device)), cfg.block_n)
     xr = round_rows(x, qtype)
-    padded = qtype == QT.Q6_K and raw.shape[-1] == Q6_K_PADDED_BLOCK * (K // KSTEP)
+    padded = is_padded_q6_k(raw, qtype, K)
     blocks = triton.cdiv(n_out, cfg.block_n)
     if split.split > 1:
         part = torch.empty((split.split, T, n_out), dtype=torch.float32, device=x.device)
@@ -1093,16 +1094,3 @@ def dense(x: torch.Tensor, raw: torch.Tensor, qtype: QT, n_out: int, cfg: TileCo
         K=K, QW=Q6_K_PADDED if padded else int(qtype), ROWS=T, SPLIT=split.split, STEPS=split.steps, BLOCK_N=cfg.block_n,
         INTERP=INTERPRETED, REV=reversed_ties(), **_launch_opts(cfg))
     return out
-
-
-def pad_q6_k(raw: torch.Tensor) -> torch.Tensor:
-    """Q6_K rows [..., n, 210 * blocks] with every block padded to 224 bytes (zeros after its
-    scale d), for a GPU copy that `dense` reads 16 bytes at a time: 6.7% more bytes, each
-    block 16-aligned. The values are unchanged; the CPU keeps the GGUF rows."""
-    blocks = raw.shape[-1] // 210
-    if raw.dtype != torch.uint8 or raw.shape[-1] != 210 * blocks:
-        raise ValueError(f"pad_q6_k takes uint8 Q6_K rows (a multiple of 210 bytes), got {raw.dtype} "
-                         f"rows of {raw.shape[-1]} bytes")
-    out = raw.new_zeros((*raw.shape[:-1], blocks, Q6_K_PADDED_BLOCK))
-    out[..., :210] = raw.reshape(*raw.shape[:-1], blocks, 210)
-    return out.reshape(*raw.shape[:-1], blocks * Q6_K_PADDED_BLOCK)

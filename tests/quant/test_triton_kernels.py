@@ -26,6 +26,7 @@ from engine.layers.moe import SILU, SWIGLU_OAI, ExpertTensor, ExpertWeights, exp
 from engine.quant import triton_kernels as tk  # noqa: E402
 from engine.quant.activation import round_activation  # noqa: E402
 from engine.quant.dequant import dequantize  # noqa: E402
+from engine.quant.layout import Q6_K_PADDED_BLOCK, dequantize_layout, pad_q6_k  # noqa: E402
 from engine.synth.randblocks import random_blocks  # noqa: E402
 
 interp = pytest.mark.skipif(not tk.INTERPRETED, reason="interpreter tests run where there is no GPU "
@@ -296,7 +297,7 @@ def test_dense_kernel_compiles_for_hopper_without_spills(aot_report) -> None:
     from engine.quant.triton_aot import DENSE_GEOMETRIES, DENSE_ROWS
 
     dense = [r for r in aot_report if r["kernel"].startswith("dense")]
-    types = [t.name for t in tk.KERNEL_TYPES] + [f"Q6_K/{tk.Q6_K_PADDED_BLOCK}"]
+    types = [t.name for t in tk.KERNEL_TYPES] + [f"Q6_K/{Q6_K_PADDED_BLOCK}"]
     want = {(f"{t} {name}", rows) for t in types for name, _, _ in DENSE_GEOMETRIES for rows in DENSE_ROWS}
     assert {(r["geometry"], int(r["kernel"].split()[1][1:])) for r in dense} == want
     assert any(r["kernel"].endswith("s1") for r in dense) and any(not r["kernel"].endswith("s1") for r in dense)
@@ -442,7 +443,7 @@ def check_dense(qtype: QT, n_out: int, K: int, rows: int, device: str, cfg: tk.T
     raw = _random_raw(rng, qtype, (1, n_out, K), K ** -0.5).to(device)
     x = torch.from_numpy(rng.standard_normal((rows, K)).astype(np.float32) * 2.0).to(device)
     want = round_activation(x, qtype) @ dequantize(raw[0], qtype, (n_out, K)).T
-    got = tk.dense(x, tk.pad_q6_k(raw) if padded else raw, qtype, n_out, cfg, split)
+    got = tk.dense(x, pad_q6_k(raw) if padded else raw, qtype, n_out, cfg, split)
     assert got.shape == want.shape
     err = rel_err(got, want)
     assert err < REL_TOL, (qtype.name, rows, split, err)
@@ -478,14 +479,44 @@ def test_interpreter_dense_q6_k_padded_blocks(rows: int) -> None:
         check_dense(QT.Q6_K, n_out=160, K=768, rows=rows, device="cpu", cfg=SMALL, split=split, padded=True)
 
 
-def test_pad_q6_k_keeps_every_block_and_rejects_other_rows() -> None:
-    raw = torch.from_numpy(random_blocks(np.random.default_rng(0), QT.Q6_K, (3, 512), 0.1).reshape(3, -1))
-    padded = tk.pad_q6_k(raw.unsqueeze(0))
-    assert padded.shape == (1, 3, 2 * tk.Q6_K_PADDED_BLOCK)
-    blocks = padded.reshape(3, 2, tk.Q6_K_PADDED_BLOCK)
-    assert torch.equal(blocks[..., :210].reshape(3, -1), raw) and not blocks[..., 210:].any()
-    with pytest.raises(ValueError, match="multiple of 210"):
-        tk.pad_q6_k(raw[:, :200])
+def check_linear(qtype: QT, n_out: int, K: int, device: str, monkeypatch, decode_rows=(1, 3),
+                 prefill_rows: int = tk.DENSE_MAX_ROWS + 1) -> None:
+    """engine.layers.linear.Linear with the kernels (MOESTUDIO_TRITON=force, or 1 on CUDA)
+    against the same Linear decoded to float32 (MOESTUDIO_TRITON=0): it keeps one copy of the
+    weight, in layout.kernel_layout's layout (Q6_K padded); decode-sized products (the dense
+    kernel) agree to float32 summation order, prefill-sized ones (dequantized from that copy)
+    exactly on the CPU."""
+    from engine.layers.linear import Linear
+
+    rng = np.random.default_rng(int(qtype) + n_out + K)
+    raw = _random_raw(rng, qtype, (1, n_out, K), K ** -0.5)[0]  # [n_out, row_bytes], as the GGUF holds it
+    bias = torch.from_numpy(rng.standard_normal(n_out).astype(np.float32)).to(device)
+    monkeypatch.setenv("MOESTUDIO_TRITON", "0")
+    ref = Linear(raw, qtype, (n_out, K), bias, device)
+    monkeypatch.setenv("MOESTUDIO_TRITON", "force" if device == "cpu" else "1")
+    lin = Linear(raw, qtype, (n_out, K), bias, device)
+    assert ref.raw is None and lin.weight is None
+    assert lin.raw.device.type == torch.device(device).type
+    assert torch.equal(lin.raw[0].cpu(), pad_q6_k(raw) if qtype == QT.Q6_K else raw)
+    for rows in decode_rows:
+        x = torch.from_numpy(rng.standard_normal((rows, K)).astype(np.float32) * 2.0).to(device)
+        err = rel_err(lin(x), ref(x))
+        assert err < REL_TOL, (qtype.name, rows, err)
+    # The prefill path decodes the kernel layout to the very weights of the GGUF bytes; the
+    # product is then the same matmul (bit-equal on the CPU; on CUDA cuBLAS may pick another
+    # algorithm for another allocation, hence the tolerance there).
+    assert torch.equal(dequantize_layout(lin.raw[0], qtype, (n_out, K)), ref.weight)
+    x = torch.from_numpy(rng.standard_normal((prefill_rows, K)).astype(np.float32) * 2.0).to(device)
+    if device == "cpu":
+        assert torch.equal(lin(x), ref(x))
+    else:
+        assert rel_err(lin(x), ref(x)) < REL_TOL
+
+
+@interp
+@pytest.mark.parametrize("qtype", [QT.Q6_K, QT.Q4_K], ids=lambda t: t.name)
+def test_interpreter_linear_uses_the_kernel_layout(qtype: QT, monkeypatch) -> None:
+    check_linear(qtype, n_out=40, K=768, device="cpu", monkeypatch=monkeypatch)
 
 
 @interp
@@ -544,6 +575,17 @@ def test_gpu_dense_q6_k_padded_blocks(rows: int) -> None:
     _needs_compiled()
     for n_out, K in GPU_DENSE_SHAPES.values():
         check_dense(QT.Q6_K, n_out=n_out, K=K, rows=rows, device="cuda", padded=True)
+
+
+@gpu
+@pytest.mark.parametrize("qtype", DENSE_TYPES, ids=lambda t: t.name)
+def test_gpu_linear_uses_the_kernel_layout(qtype: QT, monkeypatch) -> None:
+    """The engine's dense layers on CUDA: one copy of each weight (Q6_K padded), the kernel at
+    1 and 8 rows, the prefill path exact against the float32 weights."""
+    _needs_compiled()
+    for n_out, K in (GPU_DENSE_SHAPES["qwen3-q"], GPU_DENSE_SHAPES["head-partial-tile"]):
+        check_linear(qtype, n_out=n_out, K=K, device="cuda", monkeypatch=monkeypatch, decode_rows=(1, 8),
+                     prefill_rows=32)
 
 
 @gpu
