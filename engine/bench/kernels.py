@@ -223,12 +223,14 @@ def bench_dense(name: str, n_out: int, K: int, qtype: QT, rows: list[int], dev: 
 class ExpertLayer:
     """Slot buffers [slots, rows, row_bytes] whose slots are copies of one random expert
     (valid blocks at distinct addresses), enough of them to be 4x the L2 cache and to draw
-    top-k distinct experts."""
+    top-k distinct experts; laid out as the engine's slots are (Q6_K padded), while the bytes
+    counted are the GGUF ones (what llama.cpp reads for the same experts)."""
 
     def __init__(self, sc: ExpertScenario, dev: torch.device, l2_bytes: int):
         import torch
 
         from engine.layers.moe import ExpertTensor, ExpertWeights
+        from engine.quant.layout import kernel_layout
 
         rng = np.random.default_rng(0)
         shapes = ((sc.n_ff, sc.n_embd), (sc.n_ff, sc.n_embd), (sc.n_embd, sc.n_ff))
@@ -238,7 +240,7 @@ class ExpertLayer:
         self.n_slots = max(2 * sc.top_k, cold_copies(self.expert_bytes, l2_bytes))
         self.buffers, tensors = [], []
         for one, qtype, (rows, cols) in zip(ones, sc.qtypes, shapes):
-            self.buffers.append(one.to(dev).unsqueeze(0).repeat(self.n_slots, 1, 1))
+            self.buffers.append(kernel_layout(one, qtype).to(dev).unsqueeze(0).repeat(self.n_slots, 1, 1))
             b = torch.randn(self.n_slots, rows, device=dev) * 0.1 if sc.bias else None
             tensors.append(ExpertTensor(self.buffers[-1], qtype, (self.n_slots, rows, cols), b))
         self.w = ExpertWeights(*tensors, activation=sc.activation)

@@ -105,18 +105,23 @@ def _target(arch: int = 90):
 def decode_variants(gate: QT, up: QT, down: QT, n_embd: int, n_ff: int, activation: int = 0, bias: bool = False,
                     gate_up_cfg: tk.TileConfig | None = None, down_cfg: tk.TileConfig | None = None,
                     arch: int = 90):
-    """(label, kernel, constexprs, config) of every launch experts_forward makes for this geometry."""
+    """(label, kernel, constexprs, config) of every launch experts_forward makes for this geometry,
+    over slot buffers as engine/moe/slots.LayerSlots lays them out (Q6_K padded)."""
     vt = tk._vt
+
+    def slot_type(q: QT) -> int:
+        return tk.Q6_K_PADDED if q == QT.Q6_K else int(q)
+
     rev = tk.reversed_ties(_target(arch))
     gu = gate_up_cfg or tk.GATE_UP_CONFIG[gate]
     dn = down_cfg or tk.DOWN_CONFIG[down]
     out = [("round_x", tk._round_rows_kernel, {"K": n_embd, "VT": vt(gate), "INTERP": False}, tk.TileConfig(0, 4))]
     out.append(("gate_up", tk._gate_up_kernel,
-                {"N": n_ff, "K": n_embd, "QG": int(gate), "QU": int(up), "SAME_X": vt(gate) == vt(up),
+                {"N": n_ff, "K": n_embd, "QG": slot_type(gate), "QU": slot_type(up), "SAME_X": vt(gate) == vt(up),
                  "VT_DOWN": vt(down), "ACT": activation, "HAS_BIAS": bias, "BLOCK_N": gu.block_n, "UNROLL": gu.unroll,
                  "INTERP": False, "REV": rev}, gu))
     out.append(("down", tk._down_kernel,
-                {"K": n_ff, "QD": int(down), "HAS_BIAS": bias, "WEIGHTED": True, "BLOCK_N": dn.block_n,
+                {"K": n_ff, "QD": slot_type(down), "HAS_BIAS": bias, "WEIGHTED": True, "BLOCK_N": dn.block_n,
                  "UNROLL": dn.unroll, "INTERP": False, "REV": rev}, dn))
     return out
 

@@ -3,7 +3,8 @@ buffers, and the dense product of up to 8 rows (`dense`, see "dense products" be
 
 The work item is a *pair* (token row t, top-k position j) whose expert lives in slot `slot` of
 a layer's slot buffers (engine/moe/slots.LayerSlots.buffers: gate, up and down as uint8
-[n_slots, rows, row_bytes], each row a run of GGUF blocks). Three launches per batch of pairs
+[n_slots, rows, row_bytes], each row a run of GGUF blocks; Q6_K blocks padded to 224 bytes,
+engine/quant/layout.py). Three launches per batch of pairs
 (the hybrid executor sends one batch for its hits, one for its uploads; no Python per expert):
 
 0. `_round_rows_kernel`, grid (tokens, K / 256): the activation rows rounded as
@@ -896,6 +897,12 @@ def _launch_opts(cfg: TileConfig | None) -> dict:
     return {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
 
 
+def kernel_type(qtype: QT, rows: torch.Tensor, K: int) -> int:
+    """The kernels' type id for weight rows `rows` [..., row_bytes] of `qtype` with K values
+    a row: Q6_K_PADDED where they are in layout.pad_q6_k's layout, else the GGUF type id."""
+    return Q6_K_PADDED if is_padded_q6_k(rows, qtype, K) else int(qtype)
+
+
 def _vt(qtype: QT) -> int:
     from engine.quant.activation import activation_type
 
@@ -979,7 +986,8 @@ def gate_up(xg: Rounded, xu: Rounded, gate_buf: torch.Tensor, up_buf: torch.Tens
         xg.padded, xg.quants, xg.scales, xu.padded, xu.quants, xu.scales,
         gate_buf, gate_buf.stride(0), gate_buf.stride(1), up_buf, up_buf.stride(0), up_buf.stride(1),
         gb, ub, h, hr.padded, hr.quants, hr.scales, _counter(h.device, P), pair_tok, pair_slot, pair_exp,
-        N=n_ff, K=d_in, QG=int(w.gate.qtype), QU=int(w.up.qtype), SAME_X=xg is xu, VT_DOWN=_vt(w.down.qtype),
+        N=n_ff, K=d_in, QG=kernel_type(w.gate.qtype, gate_buf, d_in), QU=kernel_type(w.up.qtype, up_buf, d_in),
+        SAME_X=xg is xu, VT_DOWN=_vt(w.down.qtype),
         ACT=_ACT[w.activation], HAS_BIAS=has_bias, BLOCK_N=cfg.block_n, UNROLL=cfg.unroll, INTERP=INTERPRETED,
         REV=reversed_ties(), **_launch_opts(cfg))
     return h, hr
@@ -1005,7 +1013,7 @@ def down(hr: Rounded, down_buf: torch.Tensor, w, pair_tok: torch.Tensor, pair_po
     _down_kernel[grid](
         hr.padded, hr.quants, hr.scales, down_buf, down_buf.stride(0), down_buf.stride(1), db, wt, wt.stride(0),
         out, out.stride(0), out.stride(1), pair_tok, pair_pos, pair_slot, pair_exp, d_out,
-        K=n_ff, QD=int(w.down.qtype), HAS_BIAS=has_bias, WEIGHTED=weights is not None,
+        K=n_ff, QD=kernel_type(w.down.qtype, down_buf, n_ff), HAS_BIAS=has_bias, WEIGHTED=weights is not None,
         BLOCK_N=cfg.block_n, UNROLL=cfg.unroll, INTERP=INTERPRETED, REV=reversed_ties(), **_launch_opts(cfg))
 
 
@@ -1016,7 +1024,8 @@ def experts_forward(x: torch.Tensor, buffers, w, pair_tok: torch.Tensor, pair_po
     """Every pair's expert output, weighted, into out[pos, tok, :]: three launches in all
     (round x; gate/up + activation + round h; down).
 
-    x [T, D] float32; buffers = [gate, up, down] uint8 slot buffers [slots, rows, row_bytes];
+    x [T, D] float32; buffers = [gate, up, down] uint8 slot buffers [slots, rows, row_bytes]
+    (GGUF rows; Q6_K either so or as layout.pad_q6_k lays them out, as LayerSlots does);
     pair_* int32 [P] on x's device (pairs sorted by slot let pairs of one expert meet in L2)."""
     if pair_tok.numel() == 0:
         return
@@ -1082,7 +1091,6 @@ def dense(x: torch.Tensor, raw: torch.Tensor, qtype: QT, n_out: int, cfg: TileCo
     cfg = cfg or DENSE_CONFIG[qtype]
     split = split or DenseSplit.choose(n_out, K, sm_count(str(x.device)), cfg.block_n)
     xr = round_rows(x, qtype)
-    padded = is_padded_q6_k(raw, qtype, K)
     blocks = triton.cdiv(n_out, cfg.block_n)
     if split.split > 1:
         part = torch.empty((split.split, T, n_out), dtype=torch.float32, device=x.device)
@@ -1091,6 +1099,6 @@ def dense(x: torch.Tensor, raw: torch.Tensor, qtype: QT, n_out: int, cfg: TileCo
         part, count = out, _counter(x.device, 1)
     _dense_kernel[(blocks, split.split)](
         xr.padded, xr.quants, xr.scales, raw, raw.stride(1), part, out, count, n_out,
-        K=K, QW=Q6_K_PADDED if padded else int(qtype), ROWS=T, SPLIT=split.split, STEPS=split.steps, BLOCK_N=cfg.block_n,
+        K=K, QW=kernel_type(qtype, raw, K), ROWS=T, SPLIT=split.split, STEPS=split.steps, BLOCK_N=cfg.block_n,
         INTERP=INTERPRETED, REV=reversed_ties(), **_launch_opts(cfg))
     return out

@@ -8,8 +8,8 @@ import torch
 from gguf import GGMLQuantizationType as QT
 
 from engine.quant.dequant import dequantize, dequantize_blocks
-from engine.quant.layout import (Q6_K_BLOCK, Q6_K_PADDED_BLOCK, dequantize_layout, is_padded_q6_k, kernel_layout,
-                                 pad_q6_k)
+from engine.quant.layout import (Q6_K_BLOCK, Q6_K_PADDED_BLOCK, copy_views, dequantize_layout, is_padded_q6_k,
+                                 kernel_layout, layout_bytes, pad_q6_k)
 from engine.synth.randblocks import random_blocks
 
 
@@ -59,3 +59,20 @@ def test_dequantize_blocks_refuses_what_it_cannot_decode() -> None:
         dequantize_blocks(raw.repeat_interleave(2, dim=1).reshape(2, -1)[:, ::2], QT.Q6_K, (2, 256))
     with pytest.raises(ValueError, match="expected uint8 blocks"):
         dequantize_blocks(raw.reshape(-1, 2), QT.F16, (2, 256))  # not a block type
+
+
+def test_copy_views_put_gguf_rows_into_either_layout() -> None:
+    raw = _rows(QT.Q6_K, 4, 512).reshape(2, 2, -1)  # [experts, rows, row_bytes]
+    slot = torch.zeros(2, 2, layout_bytes(QT.Q6_K, raw.shape[-1]), dtype=torch.uint8)
+    assert slot.shape[-1] == 2 * Q6_K_PADDED_BLOCK
+    src, dst = copy_views(raw[1], slot[0])
+    dst.copy_(src)
+    assert torch.equal(slot[0], pad_q6_k(raw[1])) and not slot[1].any()
+    same = torch.zeros_like(raw[0])
+    s2, d2 = copy_views(raw[0], same)  # same layout: the tensors themselves
+    assert s2.shape == raw[0].shape and d2.data_ptr() == same.data_ptr()
+    d2.copy_(s2)
+    assert torch.equal(same, raw[0])
+    with pytest.raises(ValueError, match="do not go into"):
+        copy_views(raw[0], torch.zeros(2, 500, dtype=torch.uint8))
+    assert layout_bytes(QT.Q4_K, 144 * 3) == 144 * 3
