@@ -177,6 +177,7 @@ def bench_dense(name: str, n_out: int, K: int, qtype: QT, rows: list[int], dev: 
     import torch
 
     from engine.quant import triton_kernels as tk
+    from engine.quant.layout import pad_q6_k
 
     rng = np.random.default_rng(int(qtype) + n_out + K)
     # Up to 4096 distinct random rows, repeated to n_out (drawing an output head's 150k rows
@@ -186,7 +187,7 @@ def bench_dense(name: str, n_out: int, K: int, qtype: QT, rows: list[int], dev: 
     n_copies = cold_copies(one.numel(), l2_bytes)
     weights = one.to(dev).unsqueeze(0).repeat(n_copies, 1, 1)  # [copies, n_out, row_bytes]
     raws = [weights[i:i + 1] for i in range(n_copies)]
-    padded = tk.pad_q6_k(weights) if qtype == QT.Q6_K else None
+    padded = pad_q6_k(weights) if qtype == QT.Q6_K else None
     calls_per_graph = max(n_copies, 8)
     out = []
     for t in rows:
@@ -233,12 +234,14 @@ def bench_dense(name: str, n_out: int, K: int, qtype: QT, rows: list[int], dev: 
 class ExpertLayer:
     """Slot buffers [slots, rows, row_bytes] whose slots are copies of one random expert
     (valid blocks at distinct addresses), enough of them to be 4x the L2 cache and to draw
-    top-k distinct experts."""
+    top-k distinct experts; laid out as the engine's slots are (Q6_K padded), while the bytes
+    counted are the GGUF ones (what llama.cpp reads for the same experts)."""
 
     def __init__(self, sc: ExpertScenario, dev: torch.device, l2_bytes: int, n_slots: int = 0):
         import torch
 
         from engine.layers.moe import ExpertTensor, ExpertWeights
+        from engine.quant.layout import kernel_layout
 
         rng = np.random.default_rng(0)
         shapes = ((sc.n_ff, sc.n_embd), (sc.n_ff, sc.n_embd), (sc.n_embd, sc.n_ff))
@@ -248,7 +251,7 @@ class ExpertLayer:
         self.n_slots = n_slots or max(2 * sc.top_k, cold_copies(self.expert_bytes, l2_bytes))
         self.buffers, tensors = [], []
         for one, qtype, (rows, cols) in zip(ones, sc.qtypes, shapes):
-            self.buffers.append(one.to(dev).unsqueeze(0).repeat(self.n_slots, 1, 1))
+            self.buffers.append(kernel_layout(one, qtype).to(dev).unsqueeze(0).repeat(self.n_slots, 1, 1))
             b = torch.randn(self.n_slots, rows, device=dev) * 0.1 if sc.bias else None
             tensors.append(ExpertTensor(self.buffers[-1], qtype, (self.n_slots, rows, cols), b))
         self.w = ExpertWeights(*tensors, activation=sc.activation)
@@ -467,7 +470,7 @@ def grouped_line(r: dict) -> str:
 
 def markdown(result: dict) -> str:
     """The results as markdown tables (dense products; expert steps)."""
-    from engine.quant import triton_kernels as tk
+    from engine.quant.layout import Q6_K_PADDED_BLOCK
 
     head = (f"{result['device']}, torch {result['torch']}, triton {result['triton']}; device-to-device copy "
             f"{result['copy_GBps']:.0f} GB/s (read + write). GPU time per call from a replayed CUDA graph; "
@@ -483,7 +486,7 @@ def markdown(result: dict) -> str:
             if "new_padded" in r:  # GB/s of the GGUF bytes, so that it compares with the line above
                 n = r["new_padded"]
                 lines.append(f"| {r['shape']} | {r['n_out']} x {r['K']} | {r['type']} padded to "
-                             f"{tk.Q6_K_PADDED_BLOCK} B blocks | {r['rows']} | {r['MB']} | {n['us']} | "
+                             f"{Q6_K_PADDED_BLOCK} B blocks | {r['rows']} | {r['MB']} | {n['us']} | "
                              f"{n['GBps']:.0f} | {n['of_copy_bw']:.2f} | {o['us']} | {o['GBps']:.0f} | "
                              f"{o['of_copy_bw']:.2f} | {o['us'] / n['us']:.2f}x | {r['split'][0]} x {r['split'][1]} |")
     lines += ["", "| expert step | types | n_embd x n_ff, top-k | rows | MB | µs | GB/s | share | host µs eager |",

@@ -6,8 +6,11 @@ the CPU expert pool do. The product itself is float32. So dense layers, GPU expe
 experts all agree with llama.cpp up to float32 summation order.
 
 On CUDA a quantized weight stays in its GGUF bytes (a VRAM budget is not spent on float32
-copies, 3.8x the size of Q8_0): a few rows (decode) go through the Triton kernel that reads
-the blocks directly, more rows (prefill) decode the weight for the one product.
+copies, 3.8x the size of Q8_0), in the layout the kernels read fastest
+(engine/quant/layout.kernel_layout: Q6_K blocks padded to 224 bytes, 6.7% more bytes, the
+other types as the file has them); one copy serves both paths: a few rows (decode) go through
+the Triton kernel that reads the blocks directly, more rows (prefill) decode the weight for the
+one product (layout.dequantize_layout, bit-identical to decoding the GGUF bytes).
 """
 from __future__ import annotations
 
@@ -18,6 +21,7 @@ from engine.gguf.reader import ModelFile
 from engine.layers.precision import matmul
 from engine.quant.activation import round_activation
 from engine.quant.dequant import check_supported, dequantize
+from engine.quant.layout import dequantize_layout, kernel_layout
 
 
 class Linear:
@@ -31,7 +35,8 @@ class Linear:
         self.raw: torch.Tensor | None = None
         self.weight: torch.Tensor | None = None
         if _kernel_applies(qtype, device):
-            self.raw = raw.to(device).reshape(1, shape[0], -1)
+            # Laid out on the host, then uploaded: the GPU never holds a second layout.
+            self.raw = kernel_layout(raw.reshape(shape[0], -1), qtype).to(device).unsqueeze(0)
         else:
             self.weight = dequantize(raw.to(device), qtype, shape)
 
@@ -48,23 +53,24 @@ class Linear:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.raw is None:
             y = matmul(round_activation(x, self.qtype), self.weight.T)
-        elif x.shape[0] <= DENSE_MAX_ROWS and x.dtype == torch.float32:
-            from engine.quant.triton_kernels import dense
-
-            y = dense(x if x.stride(-1) == 1 else x.contiguous(), self.raw, self.qtype, self.shape[0])
         else:
-            y = matmul(round_activation(x, self.qtype), dequantize(self.raw[0], self.qtype, self.shape).T)
+            from engine.quant import triton_kernels as tk  # loaded already: _kernel_applies imported it
+
+            if x.shape[0] <= tk.DENSE_MAX_ROWS and x.dtype == torch.float32:
+                y = tk.dense(x if x.stride(-1) == 1 else x.contiguous(), self.raw, self.qtype, self.shape[0])
+            else:
+                y = matmul(round_activation(x, self.qtype), dequantize_layout(self.raw[0], self.qtype, self.shape).T)
         return y + self.bias if self.bias is not None else y
 
 
-DENSE_MAX_ROWS = 8  # engine/quant/triton_kernels.dense: rows it takes before decoding pays off
-
-
 def _kernel_applies(qtype: QT, device: torch.device | str) -> bool:
-    """Quantized weights stay quantized on CUDA when the Triton kernels can read them."""
+    """Quantized weights stay quantized on CUDA when the Triton kernels can read them, unless
+    MOESTUDIO_TRITON=0; MOESTUDIO_TRITON=force also keeps them on other devices (Triton's
+    interpreter, tests), as for the expert kernels (engine/moe/hybrid._use_triton)."""
     import os
 
-    if torch.device(device).type != "cuda" or qtype == QT.F32 or os.environ.get("MOESTUDIO_TRITON", "1") == "0":
+    mode = os.environ.get("MOESTUDIO_TRITON", "1")
+    if (torch.device(device).type != "cuda" and mode != "force") or qtype == QT.F32 or mode == "0":
         return False
     from engine.quant import triton_kernels as tk
 

@@ -1,6 +1,8 @@
 """Per-layer expert slots on the accelerator and the residency map that says who lives where.
 
-A slot holds one whole expert (gate, up, down) in its GGUF-quantized bytes. The residency
+A slot holds one whole expert (gate, up, down) in its GGUF-quantized bytes, in the layout the
+kernels read fastest (engine/quant/layout.py: Q6_K blocks padded from 210 to 224 bytes as they
+are copied in; the host keeps the GGUF bytes, which the CPU pool reads). The residency
 map only ever names experts whose copy has LANDED: a slot being refilled is first taken out
 of the map (so no hit can read it), then copied, and only after the copy has landed does the
 map point at it again. Staging slots after the resident ones receive this step's uploads.
@@ -16,7 +18,7 @@ import torch
 from engine.config import LOAD_MODES
 from engine.layers.moe import ExpertTensor, ExpertWeights
 from engine.moe.copier import Copier, Copy
-from engine.quant.dequant import dequantize
+from engine.quant.layout import copy_views, dequantize_layout, layout_bytes
 
 PIN_SHARE_OF_FREE_RAM = 0.5  # auto pins the experts only when they take at most this share
 
@@ -59,15 +61,16 @@ class LayerSlots:
         self.w, self.n_slots, self.n_staging, self.device = w, n_slots, n_staging, device
         self.copier = copier
         n = n_slots + n_staging
-        self.buffers = [torch.empty((n, *t.raw.shape[1:]), dtype=torch.uint8, device=device)
-                        for t in (w.gate, w.up, w.down)]
+        self.buffers = [_slot_buffer(t, n, device) for t in (w.gate, w.up, w.down)]
         self.resident = np.full(w.n_expert, -1, np.int32)  # expert -> slot, landed copies only
         self.slot_expert = np.full(n_slots, -1, np.int32)  # slot -> expert, landed or in flight
         self.pending: list[tuple[int, int, Copy]] = []  # (slot, expert, copy)
         # Per-expert and per-slot views made once: indexing a tensor costs microseconds of host
-        # time, and every decode step copies experts.
-        self._host_views = [t.raw.unbind(0) for t in (w.gate, w.up, w.down)]
-        self._slot_views = [b.unbind(0) for b in self.buffers]
+        # time, and every decode step copies experts. Padded Q6_K: the GGUF blocks, and the
+        # first 210 bytes of each padded block (layout.copy_views).
+        views = [copy_views(t.raw, b) for t, b in zip((w.gate, w.up, w.down), self.buffers)]
+        self._host_views = [h.unbind(0) for h, _ in views]
+        self._slot_views = [d.unbind(0) for _, d in views]
 
     @property
     def expert_bytes(self) -> int:
@@ -129,4 +132,14 @@ class LayerSlots:
     def weights(self, slot: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Float32 gate, up, down of the expert in `slot`, decoded on the accelerator."""
         w = self.w
-        return tuple(dequantize(buf[slot], t.qtype, t.shape[1:]) for buf, t in zip(self.buffers, (w.gate, w.up, w.down)))
+        return tuple(dequantize_layout(buf[slot], t.qtype, t.shape[1:])
+                     for buf, t in zip(self.buffers, (w.gate, w.up, w.down)))
+
+
+def _slot_buffer(t: ExpertTensor, n: int, device: torch.device) -> torch.Tensor:
+    """Slots for `n` experts of tensor `t` in the kernels' layout; padded rows start zeroed
+    (copies never write the padding: its bytes stay defined)."""
+    rows, row_bytes = t.raw.shape[1], t.raw.shape[2]
+    padded_row = layout_bytes(t.qtype, row_bytes)
+    alloc = torch.zeros if padded_row != row_bytes else torch.empty
+    return alloc((n, rows, padded_row), dtype=torch.uint8, device=device)

@@ -31,6 +31,9 @@ class Geometry:
     n_vocab: int
     n_ctx_train: int
     expert_bytes: int  # one expert of one layer, all its tensors (the mean over MoE layers)
+    # The same in a GPU slot, whose layout pads Q6_K blocks (engine/quant/layout.py): what a
+    # slot costs in VRAM (expert_bytes is what an upload or a CPU computation reads).
+    expert_slot_bytes: int
     experts_bytes_total: int
     dense_bytes: int  # every non-expert tensor but the token embeddings
     embedding_bytes: int
@@ -84,6 +87,7 @@ def read_geometry(path: str | Path) -> Geometry:
 def geometry_of(mf: Any) -> Geometry:
     """The geometry of an opened engine.gguf.reader.ModelFile (the engine sizes from its own)."""
     from engine.gguf.reader import GGUFError
+    from engine.quant.layout import layout_bytes
 
     path = Path(mf.path)
     try:
@@ -91,13 +95,14 @@ def geometry_of(mf: Any) -> Geometry:
         n_head = int(mf.arch_key("attention.head_count"))
         n_expert = int(mf.arch_key("expert_count", 0) or 0)
         per_layer: dict[int, int] = {}
-        dense = embedding = 0
+        slot_bytes = dense = embedding = 0
         for name, t in mf.tensors.items():
             if name.startswith("token_embd."):
                 embedding += t.n_bytes
             elif name.startswith("blk.") and "_exps." in name:
                 layer = int(name.split(".")[1])
                 per_layer[layer] = per_layer.get(layer, 0) + t.n_bytes
+                slot_bytes += layout_bytes(t.qtype, t.n_bytes)
             else:
                 dense += t.n_bytes
         if not n_expert or not per_layer:
@@ -111,6 +116,7 @@ def geometry_of(mf: Any) -> Geometry:
             n_ff_exp=int(mf.arch_key("expert_feed_forward_length", 0) or 0), n_head=n_head,
             n_vocab=embd.shape[0] if embd else 0, n_ctx_train=int(mf.arch_key("context_length")),
             expert_bytes=sum(per_layer.values()) // (len(per_layer) * n_expert),
+            expert_slot_bytes=-(-slot_bytes // (len(per_layer) * n_expert)),
             experts_bytes_total=sum(per_layer.values()), dense_bytes=dense, embedding_bytes=embedding,
             kv_values_per_token=_kv_values_per_token(mf, n_layer, n_head),
         )

@@ -167,9 +167,9 @@ def make_plan(hw: Hardware, g: Geometry, s: Config = Config(), o: PlanOptions = 
         PlanLine("headroom", p.headroom_bytes, "gpu", "left free for the CUDA context, allocator and other programs "
                  "(1 GiB, or an eighth of a smaller budget)"),
         PlanLine("expert cache", cache, "gpu", f"{slots} of {g.n_expert} experts per layer x {len(g.moe_layers)} layers "
-                 f"({share:.0%} resident; {_mib(g.expert_bytes)} per expert)", slots),
-        PlanLine("experts left in RAM", g.experts_bytes_total - cache, "ram", "memory-mapped; computed by the CPU "
-                 "pool or uploaded when routed to"),
+                 f"({share:.0%} resident; {_mib(g.expert_slot_bytes)} per expert in a slot)", slots),
+        PlanLine("experts left in RAM", g.experts_bytes_total - slots * len(g.moe_layers) * g.expert_bytes, "ram",
+                 "memory-mapped; computed by the CPU pool or uploaded when routed to"),
         PlanLine("token embeddings", g.embedding_bytes, "ram", "one row read per token: stays in RAM"),
         PlanLine("CPU threads", None, "-", "one per physical core for the CPU expert pool", threads),
         PlanLine("miss fraction", None, "-", f"share of distinct misses uploaded to the GPU; the rest run on the CPU "

@@ -88,7 +88,7 @@ def place(g: Geometry, gpu_free_bytes: int | None, *, ctx: int, prefill_chunk: i
     come checked from engine/config.Config (an EngineConfig passes through it too)."""
     ctx = resolve_ctx(ctx, g.n_ctx_train)
     layers = len(g.moe_layers)
-    per_slot = g.expert_bytes * layers  # one slot in every MoE layer
+    per_slot = g.expert_slot_bytes * layers  # one slot in every MoE layer, in the slots' layout
     if gpu_free_bytes is None:
         budget = 0
     else:

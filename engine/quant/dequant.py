@@ -194,5 +194,17 @@ def dequantize(raw: torch.Tensor, qtype: QT, shape: tuple[int, ...]) -> torch.Te
         return flat.view(torch.float16).float().reshape(shape)
     if qtype == QT.BF16:
         return (flat.view(torch.int16).to(torch.int32) << 16).view(torch.float32).reshape(shape)
-    blocks = flat.reshape(n_blocks, type_size)
+    return dequantize_blocks(flat.reshape(n_blocks, type_size), qtype, shape)
+
+
+def dequantize_blocks(blocks: torch.Tensor, qtype: QT, shape: tuple[int, ...]) -> torch.Tensor:
+    """Float32 values of a block-quantized tensor given as its blocks, uint8 [n_blocks,
+    type_size] with any stride between blocks (engine/quant/layout.py passes a view of padded
+    blocks); `shape` as for dequantize. The same arithmetic as dequantize, bit for bit."""
+    block_size, type_size = GGML_QUANT_SIZES[qtype]
+    n_blocks = prod(shape) // block_size
+    if qtype not in _BLOCK_DECODERS or blocks.dtype != torch.uint8 or tuple(blocks.shape) != (n_blocks, type_size) \
+            or blocks.stride(1) != 1:
+        raise ValueError(f"{qtype.name} {shape}: expected uint8 blocks [{n_blocks}, {type_size}] with contiguous "
+                         f"bytes, got {blocks.dtype} {list(blocks.shape)} strides {blocks.stride()}")
     return _BLOCK_DECODERS[qtype](blocks).reshape(shape)

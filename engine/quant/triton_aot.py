@@ -16,6 +16,7 @@ from pathlib import Path
 from gguf import GGMLQuantizationType as QT
 
 from engine.quant import triton_kernels as tk
+from engine.quant.layout import Q6_K_PADDED_BLOCK
 
 _PTR = {"x": "*fp32", "xg": "*fp32", "xu": "*fp32", "out": "*fp32", "gb": "*fp32", "ub": "*fp32", "h": "*fp32",
         "hr": "*fp32", "db": "*fp32", "wt": "*fp32", "g": "*u8", "u": "*u8", "d": "*u8", "count": "*i32",
@@ -108,18 +109,23 @@ def _target(arch: int = 90):
 def decode_variants(gate: QT, up: QT, down: QT, n_embd: int, n_ff: int, activation: int = 0, bias: bool = False,
                     gate_up_cfg: tk.TileConfig | None = None, down_cfg: tk.TileConfig | None = None,
                     arch: int = 90):
-    """(label, kernel, constexprs, config) of every launch experts_forward makes for this geometry."""
+    """(label, kernel, constexprs, config) of every launch experts_forward makes for this geometry,
+    over slot buffers as engine/moe/slots.LayerSlots lays them out (Q6_K padded)."""
     vt = tk._vt
+
+    def slot_type(q: QT) -> int:
+        return tk.Q6_K_PADDED if q == QT.Q6_K else int(q)
+
     rev = tk.reversed_ties(_target(arch))
     gu = gate_up_cfg or tk.GATE_UP_CONFIG[gate]
     dn = down_cfg or tk.DOWN_CONFIG[down]
     out = [("round_x", tk._round_rows_kernel, {"K": n_embd, "VT": vt(gate), "INTERP": False}, tk.TileConfig(0, 4))]
     out.append(("gate_up", tk._gate_up_kernel,
-                {"N": n_ff, "K": n_embd, "QG": int(gate), "QU": int(up), "SAME_X": vt(gate) == vt(up),
+                {"N": n_ff, "K": n_embd, "QG": slot_type(gate), "QU": slot_type(up), "SAME_X": vt(gate) == vt(up),
                  "VT_DOWN": vt(down), "ACT": activation, "HAS_BIAS": bias, "BLOCK_N": gu.block_n, "UNROLL": gu.unroll,
                  "INTERP": False, "REV": rev}, gu))
     out.append(("down", tk._down_kernel,
-                {"K": n_ff, "QD": int(down), "HAS_BIAS": bias, "WEIGHTED": True, "BLOCK_N": dn.block_n,
+                {"K": n_ff, "QD": slot_type(down), "HAS_BIAS": bias, "WEIGHTED": True, "BLOCK_N": dn.block_n,
                  "UNROLL": dn.unroll, "INTERP": False, "REV": rev}, dn))
     return out
 
@@ -142,7 +148,7 @@ def dense_variants(qtype: QT, n_out: int, K: int, rows: int, cfg: tk.TileConfig 
                    sm_count: int = H200_SMS, arch: int = 90, padded: bool = False):
     """(label, kernel, constexprs, config) of the product tk.dense launches for this shape
     (the rounding launch is round_x of the expert geometries); `padded`: Q6_K rows as
-    tk.pad_q6_k lays them out."""
+    layout.pad_q6_k lays them out."""
     cfg = cfg or tk.DENSE_CONFIG[qtype]
     split = tk.DenseSplit.choose(n_out, K, sm_count, cfg.block_n)
     return [(f"dense r{rows} s{split.split}", tk._dense_kernel,
@@ -195,7 +201,7 @@ def dense_report(arch: int = 90) -> list[dict]:
     """Compiles the dense product for every kernel type (and padded Q6_K, named Q6_K/224),
     DENSE_GEOMETRIES and DENSE_ROWS."""
     layouts = [(t.name, t, False) for t in sorted(tk.KERNEL_TYPES, key=lambda t: t.name)]
-    layouts.append((f"Q6_K/{tk.Q6_K_PADDED_BLOCK}", QT.Q6_K, True))
+    layouts.append((f"Q6_K/{Q6_K_PADDED_BLOCK}", QT.Q6_K, True))
     rows = []
     for type_name, qtype, padded in layouts:
         for name, n_out, K in DENSE_GEOMETRIES:

@@ -3,7 +3,8 @@ buffers, and the dense product of up to 8 rows (`dense`, see "dense products" be
 
 The work item is a *pair* (token row t, top-k position j) whose expert lives in slot `slot` of
 a layer's slot buffers (engine/moe/slots.LayerSlots.buffers: gate, up and down as uint8
-[n_slots, rows, row_bytes], each row a run of GGUF blocks). Three launches per batch of pairs
+[n_slots, rows, row_bytes], each row a run of GGUF blocks; Q6_K blocks padded to 224 bytes,
+engine/quant/layout.py). Three launches per batch of pairs
 (the hybrid executor sends one batch for its hits, one for its uploads; no Python per expert):
 
 0. `_round_rows_kernel`, grid (tokens, K / 256): the activation rows rounded as
@@ -43,6 +44,8 @@ from dataclasses import dataclass
 import torch
 from gguf import GGMLQuantizationType as QT
 
+from engine.quant.layout import is_padded_q6_k
+
 try:  # Triton is optional: without it the torch path runs.
     import triton
     import triton.language as tl
@@ -55,10 +58,9 @@ INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
 # Weight types these kernels decode (their GGUF type ids are the kernels' QT constexpr).
 KERNEL_TYPES: frozenset[QT] = frozenset({QT.Q4_K, QT.Q5_K, QT.Q6_K, QT.Q8_0, QT.MXFP4, QT.F16, QT.BF16})
 KSTEP = 256  # activation values per K step
-# Kernel type id of Q6_K rows whose blocks are padded from 210 to 224 bytes (pad_q6_k): every
-# block 16-aligned, so the kernels load them 16 bytes at a time instead of 2.
+# Kernel type id of Q6_K rows whose blocks are padded from 210 to 224 bytes (layout.pad_q6_k):
+# every block 16-aligned, so the kernels load them 16 bytes at a time instead of 2.
 Q6_K_PADDED = 256 + int(QT.Q6_K)
-Q6_K_PADDED_BLOCK = 224
 
 
 def available() -> bool:
@@ -898,6 +900,12 @@ def _launch_opts(cfg: TileConfig | None) -> dict:
     return {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
 
 
+def kernel_type(qtype: QT, rows: torch.Tensor, K: int) -> int:
+    """The kernels' type id for weight rows `rows` [..., row_bytes] of `qtype` with K values
+    a row: Q6_K_PADDED where they are in layout.pad_q6_k's layout, else the GGUF type id."""
+    return Q6_K_PADDED if is_padded_q6_k(rows, qtype, K) else int(qtype)
+
+
 def _vt(qtype: QT) -> int:
     from engine.quant.activation import activation_type
 
@@ -981,7 +989,8 @@ def gate_up(xg: Rounded, xu: Rounded, gate_buf: torch.Tensor, up_buf: torch.Tens
         xg.padded, xg.quants, xg.scales, xu.padded, xu.quants, xu.scales,
         gate_buf, gate_buf.stride(0), gate_buf.stride(1), up_buf, up_buf.stride(0), up_buf.stride(1),
         gb, ub, h, hr.padded, hr.quants, hr.scales, _counter(h.device, P), pair_tok, pair_slot, pair_exp,
-        N=n_ff, K=d_in, QG=int(w.gate.qtype), QU=int(w.up.qtype), SAME_X=xg is xu, VT_DOWN=_vt(w.down.qtype),
+        N=n_ff, K=d_in, QG=kernel_type(w.gate.qtype, gate_buf, d_in), QU=kernel_type(w.up.qtype, up_buf, d_in),
+        SAME_X=xg is xu, VT_DOWN=_vt(w.down.qtype),
         ACT=_ACT[w.activation], HAS_BIAS=has_bias, BLOCK_N=cfg.block_n, UNROLL=cfg.unroll, INTERP=INTERPRETED,
         REV=reversed_ties(), **_launch_opts(cfg))
     return h, hr
@@ -1007,7 +1016,7 @@ def down(hr: Rounded, down_buf: torch.Tensor, w, pair_tok: torch.Tensor, pair_po
     _down_kernel[grid](
         hr.padded, hr.quants, hr.scales, down_buf, down_buf.stride(0), down_buf.stride(1), db, wt, wt.stride(0),
         out, out.stride(0), out.stride(1), pair_tok, pair_pos, pair_slot, pair_exp, d_out,
-        K=n_ff, QD=int(w.down.qtype), HAS_BIAS=has_bias, WEIGHTED=weights is not None,
+        K=n_ff, QD=kernel_type(w.down.qtype, down_buf, n_ff), HAS_BIAS=has_bias, WEIGHTED=weights is not None,
         BLOCK_N=cfg.block_n, UNROLL=cfg.unroll, INTERP=INTERPRETED, REV=reversed_ties(), **_launch_opts(cfg))
 
 
@@ -1018,7 +1027,8 @@ def experts_forward(x: torch.Tensor, buffers, w, pair_tok: torch.Tensor, pair_po
     """Every pair's expert output, weighted, into out[pos, tok, :]: three launches in all
     (round x; gate/up + activation + round h; down).
 
-    x [T, D] float32; buffers = [gate, up, down] uint8 slot buffers [slots, rows, row_bytes];
+    x [T, D] float32; buffers = [gate, up, down] uint8 slot buffers [slots, rows, row_bytes]
+    (GGUF rows; Q6_K either so or as layout.pad_q6_k lays them out, as LayerSlots does);
     pair_* int32 [P] on x's device (pairs sorted by slot let pairs of one expert meet in L2)."""
     if pair_tok.numel() == 0:
         return
@@ -1072,8 +1082,8 @@ def sm_count(device: str) -> int:
 def dense(x: torch.Tensor, raw: torch.Tensor, qtype: QT, n_out: int, cfg: TileConfig | None = None,
           split: DenseSplit | None = None) -> torch.Tensor:
     """round(x) @ W.T for x [T, K] float32 (T <= DENSE_MAX_ROWS, rows contiguous) and a dense
-    weight W [n_out, K] kept as its GGUF rows raw [1, n_out, row_bytes] (Q6_K also as pad_q6_k
-    made them): two launches (round x; the split-K product). `split` defaults to
+    weight W [n_out, K] kept as its GGUF rows raw [1, n_out, row_bytes] (Q6_K also as
+    layout.pad_q6_k made them): two launches (round x; the split-K product). `split` defaults to
     DenseSplit.choose for this device."""
     T, K = x.shape
     if T > DENSE_MAX_ROWS:
@@ -1084,7 +1094,6 @@ def dense(x: torch.Tensor, raw: torch.Tensor, qtype: QT, n_out: int, cfg: TileCo
     cfg = cfg or DENSE_CONFIG[qtype]
     split = split or DenseSplit.choose(n_out, K, sm_count(str(x.device)), cfg.block_n)
     xr = round_rows(x, qtype)
-    padded = qtype == QT.Q6_K and raw.shape[-1] == Q6_K_PADDED_BLOCK * (K // KSTEP)
     blocks = triton.cdiv(n_out, cfg.block_n)
     if split.split > 1:
         part = torch.empty((split.split, T, n_out), dtype=torch.float32, device=x.device)
@@ -1093,19 +1102,6 @@ def dense(x: torch.Tensor, raw: torch.Tensor, qtype: QT, n_out: int, cfg: TileCo
         part, count = out, _counter(x.device, 1)
     _dense_kernel[(blocks, split.split)](
         xr.padded, xr.quants, xr.scales, raw, raw.stride(1), part, out, count, n_out,
-        K=K, QW=Q6_K_PADDED if padded else int(qtype), ROWS=T, SPLIT=split.split, STEPS=split.steps, BLOCK_N=cfg.block_n,
+        K=K, QW=kernel_type(qtype, raw, K), ROWS=T, SPLIT=split.split, STEPS=split.steps, BLOCK_N=cfg.block_n,
         INTERP=INTERPRETED, REV=reversed_ties(), **_launch_opts(cfg))
     return out
-
-
-def pad_q6_k(raw: torch.Tensor) -> torch.Tensor:
-    """Q6_K rows [..., n, 210 * blocks] with every block padded to 224 bytes (zeros after its
-    scale d), for a GPU copy that `dense` reads 16 bytes at a time: 6.7% more bytes, each
-    block 16-aligned. The values are unchanged; the CPU keeps the GGUF rows."""
-    blocks = raw.shape[-1] // 210
-    if raw.dtype != torch.uint8 or raw.shape[-1] != 210 * blocks:
-        raise ValueError(f"pad_q6_k takes uint8 Q6_K rows (a multiple of 210 bytes), got {raw.dtype} "
-                         f"rows of {raw.shape[-1]} bytes")
-    out = raw.new_zeros((*raw.shape[:-1], blocks, Q6_K_PADDED_BLOCK))
-    out[..., :210] = raw.reshape(*raw.shape[:-1], blocks, 210)
-    return out.reshape(*raw.shape[:-1], blocks * Q6_K_PADDED_BLOCK)

@@ -48,7 +48,7 @@ class FakeNVML:
 # Qwen3-30B-A3B as the synth preset writes it (48 layers, 128 experts, 8 active, Q4_K experts).
 Q3 = Geometry(name="qwen3-30b-a3b", arch="qwen3moe", file_bytes=17_330_232_768, n_layer=48, moe_layers=tuple(range(48)),
               n_expert=128, n_expert_used=8, n_embd=2048, n_ff_exp=768, n_head=32, n_vocab=2048, n_ctx_train=40960,
-              expert_bytes=2_654_208, experts_bytes_total=2_654_208 * 128 * 48, dense_bytes=1_018_429_440,
+              expert_bytes=2_654_208, expert_slot_bytes=2_654_208, experts_bytes_total=2_654_208 * 128 * 48, dense_bytes=1_018_429_440,
               embedding_bytes=4_456_448, kv_values_per_token=48 * 4 * 256)
 
 

@@ -30,7 +30,7 @@ def swept(tiny):
     memory that leaves room for no slot, some, and every expert; budgets that cap it; contexts
     of 0 (the training length), a short one and one beyond the training length."""
     g = read_geometry(tiny)
-    per_slot = g.expert_bytes * len(g.moe_layers)
+    per_slot = g.expert_slot_bytes * len(g.moe_layers)
     out = {}
     mp = pytest.MonkeyPatch()
     try:

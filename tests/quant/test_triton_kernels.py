@@ -26,6 +26,7 @@ from engine.layers.moe import SILU, SWIGLU_OAI, ExpertTensor, ExpertWeights, exp
 from engine.quant import triton_kernels as tk  # noqa: E402
 from engine.quant.activation import round_activation  # noqa: E402
 from engine.quant.dequant import dequantize  # noqa: E402
+from engine.quant.layout import Q6_K_PADDED_BLOCK, dequantize_layout, kernel_layout, pad_q6_k  # noqa: E402
 from engine.synth.randblocks import random_blocks  # noqa: E402
 
 interp = pytest.mark.skipif(not tk.INTERPRETED, reason="interpreter tests run where there is no GPU "
@@ -67,9 +68,11 @@ def weights_to(w: ExpertWeights, device) -> ExpertWeights:
 
 
 class Case:
-    """A layer step: tokens x, top-k ids/weights, experts in permuted slots of slot buffers."""
+    """A layer step: tokens x, top-k ids/weights, experts in permuted slots of slot buffers, in
+    the layout LayerSlots gives them (layout.kernel_layout: Q6_K padded), or with
+    `gguf_layout` as the file holds them."""
 
-    def __init__(self, w: ExpertWeights, n_tok: int, k: int, device, seed: int = 0):
+    def __init__(self, w: ExpertWeights, n_tok: int, k: int, device, seed: int = 0, gguf_layout: bool = False):
         g = torch.Generator().manual_seed(seed)
         n_expert, n_embd = w.n_expert, w.gate.shape[2]
         self.w = weights_to(w, device)
@@ -79,7 +82,8 @@ class Case:
         self.perm = torch.randperm(n_expert, generator=g)  # slot -> expert
         slot_of = torch.empty_like(self.perm)
         slot_of[self.perm] = torch.arange(n_expert)
-        self.buffers = [t.raw[self.perm].contiguous().to(device) for t in (w.gate, w.up, w.down)]
+        self.buffers = [(t.raw[self.perm].contiguous() if gguf_layout else kernel_layout(t.raw[self.perm], t.qtype))
+                        .to(device) for t in (w.gate, w.up, w.down)]
         tok, pos = torch.nonzero(torch.ones_like(self.ids, dtype=torch.bool), as_tuple=True)
         e = self.ids[tok, pos].cpu()
         order = torch.argsort(slot_of[e], stable=True)  # group pairs by slot, as the hook does
@@ -90,7 +94,7 @@ class Case:
         self.device = device
 
     def mats(self, e: int):
-        return tuple(dequantize(b[int(torch.nonzero(self.perm == e))], t.qtype, t.shape[1:])
+        return tuple(dequantize_layout(b[int(torch.nonzero(self.perm == e))], t.qtype, t.shape[1:])
                      for b, t in zip(self.buffers, (self.w.gate, self.w.up, self.w.down)))
 
     def reference(self):
@@ -238,6 +242,16 @@ def test_interpreter_kernels_match_reference(name: str) -> None:
 
 
 @interp
+def test_interpreter_kernels_read_q6_k_experts_in_either_layout() -> None:
+    """Slot buffers hold Q6_K padded (LayerSlots); the kernels still read the GGUF layout."""
+    w = make_weights(INTERP_CASES["Q4_K-Q4_K-Q6_K"][0], n_expert=4, n_embd=256, n_ff=256, seed=9)
+    padded = Case(w, n_tok=1, k=2, device="cpu", seed=3)
+    gguf = Case(w, n_tok=1, k=2, device="cpu", seed=3, gguf_layout=True)
+    assert padded.buffers[2].shape[-1] == Q6_K_PADDED_BLOCK and gguf.buffers[2].shape[-1] == 210
+    check_case(gguf, SMALL, SMALL, whole=False)
+
+
+@interp
 def test_interpreter_gpt_oss_swiglu_with_biases() -> None:
     w = make_weights((QT.MXFP4,) * 3, n_expert=5, n_embd=320, n_ff=192, activation=SWIGLU_OAI, bias=True, seed=3)
     check_case(Case(w, n_tok=2, k=3, device="cpu", seed=2), SMALL, tk.TileConfig(128, 4), whole=False)
@@ -285,6 +299,10 @@ def test_kernels_compile_for_hopper_without_spills(aot_report) -> None:
         assert r["loop_smem_or_barrier"] == 0, f"{where}: shared memory or barriers in the K loop: {r}"
         if not r["loop_instructions"]:  # a short loop the compiler unrolled: barriers only at the end
             assert r["bar_sync"] <= 2, f"{where}: {r['bar_sync']} barriers"
+        if r["geometry"] in ("Q4_K", "Q5_K", "Q6_K", "Q4_K_M", "Q8_0"):
+            # whole 16-byte loads of the weights (Q6_K: the slots' padded blocks)
+            narrow = {op: n for op, n in r["loads"].items() if op in ("LDG.E.U8", "LDG.E.U16", "LDG.E.S16")}
+            assert r["loads"].get("LDG.E.128", 0) > 0 and not narrow, f"{where}: {r['loads']}"
 
 
 @pytest.mark.slow
@@ -296,7 +314,7 @@ def test_dense_kernel_compiles_for_hopper_without_spills(aot_report) -> None:
     from engine.quant.triton_aot import DENSE_GEOMETRIES, DENSE_ROWS
 
     dense = [r for r in aot_report if r["kernel"].startswith("dense")]
-    types = [t.name for t in tk.KERNEL_TYPES] + [f"Q6_K/{tk.Q6_K_PADDED_BLOCK}"]
+    types = [t.name for t in tk.KERNEL_TYPES] + [f"Q6_K/{Q6_K_PADDED_BLOCK}"]
     want = {(f"{t} {name}", rows) for t in types for name, _, _ in DENSE_GEOMETRIES for rows in DENSE_ROWS}
     assert {(r["geometry"], int(r["kernel"].split()[1][1:])) for r in dense} == want
     assert any(r["kernel"].endswith("s1") for r in dense) and any(not r["kernel"].endswith("s1") for r in dense)
@@ -361,6 +379,15 @@ def test_gpu_kernels_match_reference(name: str, n_tok: int) -> None:
     print(name, n_tok, {k_: f"{v:.1e}" for k_, v in errs.items()})
 
 
+@gpu
+@pytest.mark.parametrize("n_tok", [1, 8])
+def test_gpu_kernels_read_q6_k_experts_in_the_gguf_layout(n_tok: int) -> None:
+    """The slots hold Q6_K padded; buffers of GGUF rows still compute the same."""
+    _needs_compiled()
+    w = make_weights((QT.Q4_K, QT.Q4_K, QT.Q6_K), n_expert=16, n_embd=2048, n_ff=768, seed=n_tok)
+    check_case(Case(w, n_tok=n_tok, k=8, device="cuda", seed=n_tok, gguf_layout=True))
+
+
 OTHER_CONFIGS = [tk.TileConfig(8, 2), tk.TileConfig(16, 1), tk.TileConfig(64, 2, unroll=True),
                  tk.TileConfig(128, 8, num_stages=3)]
 
@@ -411,7 +438,7 @@ def _hook_outputs(make_model, arch: str, qtype: QT, device: str, monkeypatch, mo
 
 
 @interp
-@pytest.mark.parametrize("arch,qtype", [("qwen3moe", QT.Q4_K), ("gpt-oss", QT.MXFP4)])
+@pytest.mark.parametrize("arch,qtype", [("qwen3moe", QT.Q4_K), ("gpt-oss", QT.MXFP4), ("llama", QT.Q6_K)])
 def test_interpreter_hybrid_hook_matches_torch_path(make_model, monkeypatch, arch, qtype) -> None:
     for table in (tk.GATE_UP_CONFIG, tk.DOWN_CONFIG):  # one program per pair: the interpreter's fastest
         monkeypatch.setitem(table, qtype, tk.TileConfig(256, 4))
@@ -442,7 +469,7 @@ def check_dense(qtype: QT, n_out: int, K: int, rows: int, device: str, cfg: tk.T
     raw = _random_raw(rng, qtype, (1, n_out, K), K ** -0.5).to(device)
     x = torch.from_numpy(rng.standard_normal((rows, K)).astype(np.float32) * 2.0).to(device)
     want = round_activation(x, qtype) @ dequantize(raw[0], qtype, (n_out, K)).T
-    got = tk.dense(x, tk.pad_q6_k(raw) if padded else raw, qtype, n_out, cfg, split)
+    got = tk.dense(x, pad_q6_k(raw) if padded else raw, qtype, n_out, cfg, split)
     assert got.shape == want.shape
     err = rel_err(got, want)
     assert err < REL_TOL, (qtype.name, rows, split, err)
@@ -478,14 +505,44 @@ def test_interpreter_dense_q6_k_padded_blocks(rows: int) -> None:
         check_dense(QT.Q6_K, n_out=160, K=768, rows=rows, device="cpu", cfg=SMALL, split=split, padded=True)
 
 
-def test_pad_q6_k_keeps_every_block_and_rejects_other_rows() -> None:
-    raw = torch.from_numpy(random_blocks(np.random.default_rng(0), QT.Q6_K, (3, 512), 0.1).reshape(3, -1))
-    padded = tk.pad_q6_k(raw.unsqueeze(0))
-    assert padded.shape == (1, 3, 2 * tk.Q6_K_PADDED_BLOCK)
-    blocks = padded.reshape(3, 2, tk.Q6_K_PADDED_BLOCK)
-    assert torch.equal(blocks[..., :210].reshape(3, -1), raw) and not blocks[..., 210:].any()
-    with pytest.raises(ValueError, match="multiple of 210"):
-        tk.pad_q6_k(raw[:, :200])
+def check_linear(qtype: QT, n_out: int, K: int, device: str, monkeypatch, decode_rows=(1, 3),
+                 prefill_rows: int = tk.DENSE_MAX_ROWS + 1) -> None:
+    """engine.layers.linear.Linear with the kernels (MOESTUDIO_TRITON=force, or 1 on CUDA)
+    against the same Linear decoded to float32 (MOESTUDIO_TRITON=0): it keeps one copy of the
+    weight, in layout.kernel_layout's layout (Q6_K padded); decode-sized products (the dense
+    kernel) agree to float32 summation order, prefill-sized ones (dequantized from that copy)
+    exactly on the CPU."""
+    from engine.layers.linear import Linear
+
+    rng = np.random.default_rng(int(qtype) + n_out + K)
+    raw = _random_raw(rng, qtype, (1, n_out, K), K ** -0.5)[0]  # [n_out, row_bytes], as the GGUF holds it
+    bias = torch.from_numpy(rng.standard_normal(n_out).astype(np.float32)).to(device)
+    monkeypatch.setenv("MOESTUDIO_TRITON", "0")
+    ref = Linear(raw, qtype, (n_out, K), bias, device)
+    monkeypatch.setenv("MOESTUDIO_TRITON", "force" if device == "cpu" else "1")
+    lin = Linear(raw, qtype, (n_out, K), bias, device)
+    assert ref.raw is None and lin.weight is None
+    assert lin.raw.device.type == torch.device(device).type
+    assert torch.equal(lin.raw[0].cpu(), pad_q6_k(raw) if qtype == QT.Q6_K else raw)
+    for rows in decode_rows:
+        x = torch.from_numpy(rng.standard_normal((rows, K)).astype(np.float32) * 2.0).to(device)
+        err = rel_err(lin(x), ref(x))
+        assert err < REL_TOL, (qtype.name, rows, err)
+    # The prefill path decodes the kernel layout to the very weights of the GGUF bytes; the
+    # product is then the same matmul (bit-equal on the CPU; on CUDA cuBLAS may pick another
+    # algorithm for another allocation, hence the tolerance there).
+    assert torch.equal(dequantize_layout(lin.raw[0], qtype, (n_out, K)), ref.weight)
+    x = torch.from_numpy(rng.standard_normal((prefill_rows, K)).astype(np.float32) * 2.0).to(device)
+    if device == "cpu":
+        assert torch.equal(lin(x), ref(x))
+    else:
+        assert rel_err(lin(x), ref(x)) < REL_TOL
+
+
+@interp
+@pytest.mark.parametrize("qtype", [QT.Q6_K, QT.Q4_K], ids=lambda t: t.name)
+def test_interpreter_linear_uses_the_kernel_layout(qtype: QT, monkeypatch) -> None:
+    check_linear(qtype, n_out=40, K=768, device="cpu", monkeypatch=monkeypatch)
 
 
 @interp
@@ -544,6 +601,17 @@ def test_gpu_dense_q6_k_padded_blocks(rows: int) -> None:
     _needs_compiled()
     for n_out, K in GPU_DENSE_SHAPES.values():
         check_dense(QT.Q6_K, n_out=n_out, K=K, rows=rows, device="cuda", padded=True)
+
+
+@gpu
+@pytest.mark.parametrize("qtype", DENSE_TYPES, ids=lambda t: t.name)
+def test_gpu_linear_uses_the_kernel_layout(qtype: QT, monkeypatch) -> None:
+    """The engine's dense layers on CUDA: one copy of each weight (Q6_K padded), the kernel at
+    1 and 8 rows, the prefill path exact against the float32 weights."""
+    _needs_compiled()
+    for n_out, K in (GPU_DENSE_SHAPES["qwen3-q"], GPU_DENSE_SHAPES["head-partial-tile"]):
+        check_linear(qtype, n_out=n_out, K=K, device="cuda", monkeypatch=monkeypatch, decode_rows=(1, 8),
+                     prefill_rows=32)
 
 
 @gpu

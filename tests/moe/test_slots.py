@@ -1,0 +1,41 @@
+"""Slot buffers hold experts in the kernels' layout (engine/quant/layout.py): Q6_K blocks
+padded to 224 bytes as they are copied in, every other type byte for byte; what a slot decodes
+to is exactly the expert of the GGUF file, for resident and staging slots alike."""
+from __future__ import annotations
+
+import pytest
+import torch
+from gguf import GGMLQuantizationType as QT
+
+from engine.models import build_model
+from engine.moe.copier import Copier
+from engine.moe.slots import LayerSlots
+from engine.plan.geometry import read_geometry
+from engine.quant.dequant import dequantize
+from engine.quant.layout import Q6_K_BLOCK, Q6_K_PADDED_BLOCK
+
+
+@pytest.mark.parametrize("arch,qtype", [("llama", QT.Q6_K), ("qwen3moe", QT.Q4_K)])
+def test_slots_decode_to_the_gguf_experts(make_model, arch: str, qtype: QT) -> None:
+    path = make_model(arch, qtype)
+    model = build_model(path)
+    w = next(iter(model.expert_weights.values()))
+    tensors = (w.gate, w.up, w.down)
+    assert {t.qtype for t in tensors} == {qtype}
+    slots = LayerSlots(w, n_slots=2, n_staging=1, device=torch.device("cpu"), copier=Copier(torch.device("cpu")))
+    for buf, t in zip(slots.buffers, tensors):
+        row_bytes = t.raw.shape[-1]
+        want = row_bytes // Q6_K_BLOCK * Q6_K_PADDED_BLOCK if qtype == QT.Q6_K else row_bytes
+        assert buf.shape == (3, t.shape[1], want)
+    # The planner prices a slot at what the engine allocates for it.
+    assert read_geometry(path).expert_slot_bytes == slots.expert_bytes
+    last = w.n_expert - 1
+    slots.copier.wait(slots.load([(0, last), (1, 0)]))
+    assert slots.refresh() == 2 and slots.resident[last] == 0 and slots.resident[0] == 1
+    (staged,) = slots.stage([1])
+    for slot, expert in ((0, last), (1, 0), (staged, 1)):
+        for got, t in zip(slots.weights(slot), tensors):
+            assert torch.equal(got, dequantize(t.raw[expert], t.qtype, t.shape[1:]))
+    if qtype == QT.Q6_K:  # the padding after each block is never written
+        for buf in slots.buffers:
+            assert not buf.reshape(-1, Q6_K_PADDED_BLOCK)[:, Q6_K_BLOCK:].any()
