@@ -412,14 +412,15 @@ def test_harmony_reasoning_in_anthropic_thinking_and_ollama_thinking(family_serv
     assert "".join(p.message.thinking or "" for p in streamed) == reasoning
 
 
-@pytest.mark.parametrize("engine", ["hybrid", "llamacpp"])
-def test_harmony_plain_chat_shows_no_channel_markers(family_server, engine):
-    """Free text from the random gpt-oss-format model, streamed and not: never a harmony marker in content."""
-    s = family_server("harmony", engine)
+@pytest.mark.parametrize("family, engine", [("harmony", "hybrid"), ("harmony", "llamacpp"), ("glm", "hybrid")])
+def test_plain_chat_shows_no_markers(family_server, family, engine):
+    """Free text from the random gpt-oss- or GLM-format model, streamed and not: never a marker in content."""
+    s = family_server(family, engine)
+    markers = {"harmony": HARMONY, "glm": GLM}[family]
     for seed in (1, 2, 3):
         r = oai(s).chat.completions.create(model="m", messages=USER, max_tokens=40, temperature=1.5, seed=seed)
         streamed = "".join(c.choices[0].delta.content or "" for c in oai(s).chat.completions.create(
             model="m", messages=USER, max_tokens=40, temperature=1.5, seed=seed, stream=True) if c.choices)
         for text in (r.choices[0].message.content, streamed):
-            assert not any(m in text for m in HARMONY)
+            assert not any(m in text for m in markers)
         assert streamed == r.choices[0].message.content
