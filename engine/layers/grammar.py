@@ -17,11 +17,16 @@ closing characters led by `"`, since inside a string only a quote closes; else t
 `]`; else separators (`,`, `":`), which end a number; else the longest allowed token: a forced
 key, a digit) must reach the end token within the budget left. Every step follows the grammar, so the output always matches it, and it
 is complete whenever the budget allows a complete document at all.
+Grammars other than JSON close in two more ways, both tried before the ranks above: a special token
+the grammar allows (a tool-call format's closing marker, e.g. GLM's `</arg_value>` after free text;
+JSON never allows one), and the text a rule's `suffix` names (Qwen3-Coder's `\n</parameter>\n` after
+a free-text value), written whole where the grammar takes it.
 """
 from __future__ import annotations
 
 import json
 import math
+import re
 import threading
 import weakref
 from typing import Any
@@ -89,18 +94,36 @@ class _Vocabulary:
 
         self.n_vocab = n_vocab
         self.lltokenizer = lltokenizer_from_vocab(tokenizer.vocab, n_vocab=n_vocab, eos_token=tokenizer.eos)
-        # rank first (0 end, 1 quote-led closing characters, 2 closing brackets, 3 separators with them,
-        # 4 other), then the longer token
-        preference = np.full(n_vocab, 4 << 16, dtype=np.int64)
+        # rank first (0 end, 1 special tokens, 2 quote-led closing characters, 3 closing brackets,
+        # 4 separators with them, 5 other), then the longer token
+        preference = np.full(n_vocab, 5 << 16, dtype=np.int64)
         for token in range(min(n_vocab, tokenizer.n_vocab)):
             piece = tokenizer.piece(token)
-            if piece and set(piece) <= _CLOSING_BYTES:
-                rank = 1 if piece.startswith(b'"') else 2
+            if _is_special(tokenizer, token):
+                rank = 1
+            elif piece and set(piece) <= _CLOSING_BYTES:
+                rank = 2 if piece.startswith(b'"') else 3
             else:
-                rank = 3 if piece and set(piece) <= _SEPARATOR_BYTES else 4
+                rank = 4 if piece and set(piece) <= _SEPARATOR_BYTES else 5
             preference[token] = (rank << 16) - min(len(piece), 0xFFFF)
         preference[tokenizer.eos] = 0
         self.preference = torch.from_numpy(preference)
+
+
+def _is_special(tokenizer: Any, token: int) -> bool:
+    """Whether llguidance treats `token` as special (lltokenizer_from_vocab's rule): a control token, or a
+    user-defined one spelled like a marker, `<...>`. Text never matches it; only the grammar names it."""
+    from engine.baseline.llama_load import llama_cpp
+
+    L = llama_cpp()
+    attr = L.llama_vocab_get_attr(tokenizer.vocab, token)
+    if attr & L.LLAMA_TOKEN_ATTR_CONTROL:
+        return True
+    piece = tokenizer.piece(token, True)
+    return bool(attr & L.LLAMA_TOKEN_ATTR_USER_DEFINED) and piece.startswith(b"<") and piece.endswith(b">")
+
+
+_SUFFIX = re.compile(r'\[suffix=("(?:[^"\\]|\\.)*")')  # a Lark rule's suffix attribute, as a JSON string
 
 
 _vocabularies: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # Tokenizer -> _Vocabulary
@@ -127,6 +150,10 @@ class TokenGrammar:
         if self._matcher.is_error():
             raise UserError(f"the grammar cannot be used for constrained decoding: {self._matcher.get_error()}")
         self.n_vocab = n_vocab
+        # The suffixes of the grammar's free-text rules, as tokens: what closes such a rule.
+        self._closers = [tokens for text in {json.loads(m.group(1)) for m in _SUFFIX.finditer(grammar)}
+                         if (tokens := tokenizer.encode(text))]
+        self._recent: list[int] = []  # the last tokens accepted, as long as the longest closer
 
     def _mask(self, matcher: Any) -> torch.Tensor:
         bits = np.frombuffer(matcher.compute_bitmask(), dtype=np.uint8)
@@ -135,17 +162,32 @@ class TokenGrammar:
             raise RuntimeError(f"the grammar allows no token: {matcher.get_error()}")
         return mask
 
-    def _closing_token(self, mask: torch.Tensor) -> int:
-        return int(torch.argmin(self._vocabulary.preference.masked_fill(~mask, 1 << 40)))
+    def _closing_tokens(self, matcher: Any, mask: torch.Tensor, recent: list[int]) -> list[int]:
+        """What the closing policy writes next: the end token or a special token where allowed, else the
+        rest of a free-text rule's suffix that `recent` (the last tokens) began, or the whole suffix, where
+        the grammar takes it, else the preferred allowed token."""
+        preferred = int(torch.argmin(self._vocabulary.preference.masked_fill(~mask, 1 << 40)))
+        if self._vocabulary.preference[preferred] >= 1 << 16:  # neither the end nor a special token
+            for closer in self._closers:
+                for begun in range(min(len(closer), len(recent) + 1) - 1, -1, -1):
+                    if (begun == 0 or recent[-begun:] == closer[:begun]) and \
+                            matcher.validate_tokens(closer[begun:]) == len(closer) - begun:
+                        return closer[begun:]
+        return [preferred]
 
     def _closes_within(self, token: int, budget: int) -> bool:
         """Whether `token`, then the closing policy, reach the end token in at most `budget` tokens."""
         matcher = self._matcher.deep_copy()
         matcher.consume_token(token)
-        for _ in range(budget - 1):
-            if matcher.is_stopped():
-                return True
-            matcher.consume_token(self._closing_token(self._mask(matcher)))
+        used, recent = 1, [*self._recent, token]
+        while used < budget and not matcher.is_stopped():
+            steps = self._closing_tokens(matcher, self._mask(matcher), recent)
+            recent += steps
+            if used + len(steps) > budget:
+                return False
+            for step in steps:
+                matcher.consume_token(step)
+            used += len(steps)
         return matcher.is_stopped()
 
     def allowed(self, budget: int, logits: torch.Tensor) -> torch.Tensor:
@@ -154,7 +196,7 @@ class TokenGrammar:
         mask = self._mask(self._matcher)
         if budget > CLOSING_WATCH:
             return mask
-        closing = self._closing_token(mask)
+        closing = self._closing_tokens(self._matcher, mask, self._recent)[0]
         choices = torch.zeros_like(mask)
         choices[closing] = True  # closes within the budget whenever anything does
         likely = torch.topk(logits.float().cpu().masked_fill(~mask, -math.inf), min(WATCH_CHOICES, int(mask.sum())))
@@ -166,6 +208,8 @@ class TokenGrammar:
     def accept(self, token: int) -> None:
         if not self._matcher.consume_token(token):
             raise RuntimeError(f"the grammar refused token {token}: {self._matcher.get_error()}")
+        if self._closers:
+            self._recent = [*self._recent, token][-max(map(len, self._closers)):]
 
     @property
     def finished(self) -> bool:

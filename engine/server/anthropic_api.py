@@ -3,8 +3,10 @@ event order) and POST /v1/messages/count_tokens.
 
 Stream: message_start, content_block_start (text), ping, content_block_delta (text_delta)...,
 content_block_stop, then each tool_use block (content_block_start, one input_json_delta,
-content_block_stop), message_delta (stop_reason, usage.output_tokens), message_stop. With tools the
-text block opens with the first text, after the ping. Tools: engine/server/tools.py.
+content_block_stop), message_delta (stop_reason, usage.output_tokens), message_stop. When the reply is
+read in its model's format (tools, or gpt-oss) each block opens with its first text, after the ping.
+Tools: engine/server/tools.py. A model's reasoning (gpt-oss's analysis channel) comes as `thinking`
+blocks (thinking_delta) before the text when the request enables `thinking`; otherwise it is left out.
 
 A last message from the assistant is a prefill: the reply continues it (engine/runtime/tokenizer.py).
 Content is validated as Anthropic does: every message but a final assistant one needs non-empty
@@ -23,8 +25,8 @@ from engine.errors import UserError
 from engine.server import parse
 from engine.server.errors import ApiError, sse_error
 from engine.server.generation import Generation, ready_engine
-from engine.server.tools import (CallFilter, ToolCall, ToolUse, anthropic_tool_use, call_grammar, for_model,
-                                 parse_calls)
+from engine.server.tools import (Reply, ReplyFilter, ToolCall, ToolUse, anthropic_tool_use, call_grammar, for_model,
+                                 output_grammar, reading)
 from engine.server.openai_api import SSE_HEADERS, is_done, sse
 
 
@@ -113,10 +115,20 @@ def _tool_use_block(call: ToolCall) -> dict[str, Any]:
             "input": call.arguments}
 
 
-def _output_grammar(body: dict) -> str | None:
-    """Structured outputs: `output_config.format` {"type": "json_schema", "schema"}, by constrained decoding."""
-    from engine.layers.grammar import json_schema_grammar
+def _thinking(body: dict) -> bool:
+    """Whether the request asks for the model's reasoning (`thinking` enabled or adaptive)."""
+    thinking = parse.field(body, "thinking", "object")
+    if thinking is None:
+        return False
+    kind = thinking.get("type")
+    if kind not in ("enabled", "disabled", "adaptive"):
+        raise ApiError(400, f"thinking.type: must be 'enabled', 'disabled' or 'adaptive', got {kind!r}")
+    return kind != "disabled"
 
+
+def _output_grammar(body: dict, tokenizer: Any) -> str | None:
+    """Structured outputs: `output_config.format` {"type": "json_schema", "schema"}, by constrained decoding
+    (in the model's format: tools.output_grammar)."""
     config = parse.field(body, "output_config", "object", {})
     fmt = config.get("format")
     if fmt is None:
@@ -124,7 +136,7 @@ def _output_grammar(body: dict) -> str | None:
     if not isinstance(fmt, dict) or fmt.get("type") != "json_schema" or not isinstance(fmt.get("schema"), dict):
         raise ApiError(400, "output_config.format: must be {\"type\": \"json_schema\", \"schema\": {...}}")
     try:
-        return json_schema_grammar(fmt["schema"])
+        return output_grammar(fmt["schema"], tokenizer)
     except UserError as e:
         raise ApiError(400, f"output_config.format.schema: {e}") from None
 
@@ -133,7 +145,10 @@ async def messages(http: HttpRequest) -> Response:
     body = await parse.read_json(http)
     chat = _chat(body)
     use, grammar = _tools(http, body)
-    output = _output_grammar(body)
+    thinking = _thinking(body)
+    tokenizer = ready_engine(http.app.state.worker).tokenizer
+    read = reading(tokenizer, use)
+    output = _output_grammar(body, tokenizer)
     if grammar is not None and output is not None:
         raise ApiError(400, "tool_choice: a forced tool call and output_config.format cannot both constrain one reply")
     grammar = grammar or output
@@ -142,63 +157,58 @@ async def messages(http: HttpRequest) -> Response:
                                  max_tokens=parse.max_tokens(body, ("max_tokens",), required=True),
                                  sampling=parse.sampling(body, max_temperature=1.0),
                                  stops=parse.stops(body, "stop_sequences"), grammar=grammar,
-                                 tools=None if use is None else [t.for_template() for t in use.tools])
+                                 tools=None if use is None else [t.for_template() for t in use.tools],
+                                 special_tokens=read is not None)
     message: dict[str, Any] = {"id": f"msg_{uuid.uuid4().hex[:24]}", "type": "message", "role": "assistant",
                                "model": http.app.state.model_id}
     if not stream:
         out = await gen.collect(http)
         d = out.done
-        text, calls = (out.text, []) if use is None else parse_calls(out.text, use)
-        content = ([{"type": "text", "text": text}] if text or not calls else []) + [_tool_use_block(c) for c in calls]
+        reply = read.parse(out.text) if read is not None else Reply(out.text, [])
+        text, calls = reply.content, reply.calls
+        content = ([{"type": "thinking", "thinking": reply.reasoning, "signature": ""}] if thinking and reply.reasoning
+                   else []) + ([{"type": "text", "text": text}] if text or not calls else []) + [
+            _tool_use_block(c) for c in calls]
         return JSONResponse({**message, "content": content,
                              "stop_reason": "tool_use" if calls else _stop_reason(d.finish_reason, out.stop_sequence),
                              "stop_sequence": out.stop_sequence,
                              "usage": {"input_tokens": d.prompt_tokens, "output_tokens": d.completion_tokens,
                                        "cache_read_input_tokens": d.cached_tokens}})
     await gen.wait_first(http)
-    calls_filter = CallFilter(use) if use is not None else None
+    reply_filter = ReplyFilter(read) if read is not None else None
 
     async def events():
         yield sse({"type": "message_start", "message": {
             **message, "content": [], "stop_reason": None, "stop_sequence": None,
             "usage": {"input_tokens": gen.prompt_tokens, "output_tokens": 0}}}, "message_start")
-        blocks = 0  # content blocks opened so far
-
-        def open_text():
-            nonlocal blocks
-            blocks = 1
-            return sse({"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}},
-                       "content_block_start")
-
-        def text_delta(text: str):
-            if blocks == 0:
-                yield open_text()
-            yield sse({"type": "content_block_delta", "index": 0, "delta": {"type": "text_delta", "text": text}},
-                      "content_block_delta")
-        if use is None:  # with tools the text block opens with the first text: a reply that is only a call has none
-            yield open_text()
+        blocks = _Blocks()
+        if read is None:  # a read reply opens each block with its first text: a reply that is only a call has none
+            yield blocks.open("text")
         yield sse({"type": "ping"}, "ping")
         try:
             async for event in gen.events():
                 if not is_done(event):
-                    text = calls_filter.feed(event.text) if calls_filter else event.text
-                    for line in text_delta(text) if text else ():
+                    text, reasoning = reply_filter.feed(event.text) if reply_filter else (event.text, "")
+                    for line in [*blocks.delta("thinking", reasoning if thinking else ""), *blocks.delta("text", text)]:
                         yield line
                     continue
-                tail, calls = calls_filter.finish() if calls_filter else ("", [])
-                for line in text_delta(tail) if tail or not (blocks or calls) else ():
+                tail = reply_filter.finish() if reply_filter else Reply("", [])
+                calls = tail.calls
+                for line in [*blocks.delta("thinking", tail.reasoning if thinking else ""),
+                             *blocks.delta("text", tail.content, force=not (blocks.count or calls))]:
                     yield line
-                if blocks:
-                    yield sse({"type": "content_block_stop", "index": 0}, "content_block_stop")
+                for line in blocks.close():
+                    yield line
                 for call in calls:
                     block = _tool_use_block(call)
-                    yield sse({"type": "content_block_start", "index": blocks,
+                    index = blocks.count
+                    yield sse({"type": "content_block_start", "index": index,
                                "content_block": {**block, "input": {}}}, "content_block_start")
-                    yield sse({"type": "content_block_delta", "index": blocks, "delta": {
+                    yield sse({"type": "content_block_delta", "index": index, "delta": {
                         "type": "input_json_delta", "partial_json": json.dumps(call.arguments, ensure_ascii=False)}},
                         "content_block_delta")
-                    yield sse({"type": "content_block_stop", "index": blocks}, "content_block_stop")
-                    blocks += 1
+                    yield sse({"type": "content_block_stop", "index": index}, "content_block_stop")
+                    blocks.count += 1
                 stop = gen.stop_sequence(event)
                 yield sse({"type": "message_delta",
                            "delta": {"stop_reason": "tool_use" if calls else _stop_reason(event.finish_reason, stop),
@@ -208,6 +218,40 @@ async def messages(http: HttpRequest) -> Response:
         except ApiError as e:
             yield sse_error("anthropic", e)
     return StreamingResponse(events(), media_type="text/event-stream", headers=SSE_HEADERS)
+
+
+class _Blocks:
+    """The text and thinking blocks of a stream, opened as their text comes: a delta of another kind than
+    the open block's closes it and opens the next one."""
+    FIELDS = {"text": ("text", "text_delta"), "thinking": ("thinking", "thinking_delta")}
+
+    def __init__(self):
+        self.count = 0  # blocks opened so far
+        self.kind: str | None = None  # the open block's kind
+
+    def open(self, kind: str) -> str:
+        self.kind, self.count = kind, self.count + 1
+        block = {"type": kind, self.FIELDS[kind][0]: "", **({"signature": ""} if kind == "thinking" else {})}
+        return sse({"type": "content_block_start", "index": self.count - 1, "content_block": block},
+                   "content_block_start")
+
+    def close(self) -> list[str]:
+        if self.kind is None:
+            return []
+        self.kind = None
+        return [sse({"type": "content_block_stop", "index": self.count - 1}, "content_block_stop")]
+
+    def delta(self, kind: str, text: str, force: bool = False) -> list[str]:
+        """The events that stream `text` in a block of `kind` (none for no text, unless `force`: then at
+        least the block)."""
+        if not text and not force:
+            return []
+        lines = [*self.close(), self.open(kind)] if self.kind != kind else []
+        if text:
+            field_, delta = self.FIELDS[kind]
+            lines.append(sse({"type": "content_block_delta", "index": self.count - 1,
+                              "delta": {"type": delta, field_: text}}, "content_block_delta"))
+        return lines
 
 
 async def count_tokens(http: HttpRequest) -> Response:

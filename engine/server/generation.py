@@ -17,6 +17,7 @@ from starlette.requests import Request as HttpRequest
 from engine.errors import UserError
 from engine.server import request_log
 from engine.server.errors import ApiError
+from engine.server.tools import template_messages
 from engine.server.worker import EngineWorker, Job
 
 
@@ -64,13 +65,16 @@ class Generation:
     async def start(cls, worker: EngineWorker, *, max_tokens: int | None, sampling: Any, stops: tuple[str, ...],
                     messages: list[dict] | None = None, prompt: str | list[int] | None = None,
                     param: str = "messages", grammar: str | None = None, logprobs: int | None = None,
-                    tools: list[dict] | None = None) -> Generation:
+                    tools: list[dict] | None = None, special_tokens: bool = False) -> Generation:
         """`grammar`: an llguidance grammar the output must match; `logprobs`: None, or how many
-        alternatives each token's event lists; `tools`: function definitions for the chat template (the
-        reply then decodes special tokens as text, for the tool-call parser: engine/server/tool_formats.py)."""
+        alternatives each token's event lists; `tools`: function definitions for the chat template;
+        `special_tokens`: decode special tokens as text, for a reply that is read in its model's format
+        (engine/server/tools.Reading; always with tools)."""
         from engine.runtime.engine import Request
 
         engine = ready_engine(worker)
+        if messages is not None:
+            messages = template_messages(messages, engine.tokenizer)
         tokens = await _prompt_tokens(engine, Request(prompt=prompt, messages=messages, tools=tools), param)
         if len(tokens) >= engine.n_ctx:
             raise ApiError(400, f"the prompt is {len(tokens)} tokens long but the context holds {engine.n_ctx} "
@@ -79,7 +83,7 @@ class Generation:
         # Without max_tokens a generation runs until it stops or the context is full.
         limit = min(max_tokens or engine.n_ctx, engine.n_ctx - len(tokens))
         job = worker.submit(Request(prompt=tokens, max_tokens=limit, sampling=sampling, stop=stops, grammar=grammar,
-                                    logprobs=logprobs, special_tokens=tools is not None))
+                                    logprobs=logprobs, special_tokens=special_tokens or tools is not None))
         return cls(worker, job, len(tokens), stops)
 
     @property
@@ -91,7 +95,9 @@ class Generation:
         """How many tokens the prompt of `messages` (and `tools`) is, without generating."""
         from engine.runtime.engine import Request
 
-        return len(await _prompt_tokens(ready_engine(worker), Request(messages=messages, tools=tools), "messages"))
+        engine = ready_engine(worker)
+        messages = template_messages(messages, engine.tokenizer)
+        return len(await _prompt_tokens(engine, Request(messages=messages, tools=tools), "messages"))
 
     async def _events(self) -> AsyncIterator[Any]:
         try:

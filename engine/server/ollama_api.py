@@ -6,8 +6,9 @@ Options map to ours: temperature, top_p, top_k, min_p, seed, repeat_penalty, pre
 frequency_penalty, stop; num_predict is max_tokens (-1 or -2: until the context is full). Options
 that choose how a model is loaded (num_ctx, num_gpu, num_thread, ...) are the server's settings
 and are ignored here, as are keep_alive and think. `format` ("json" or a JSON schema) is enforced
-by constrained decoding, and tools work as on the other APIs (engine/server/tools.py). Sampling
-defaults are this server's (the other APIs' defaults), not Ollama's.
+by constrained decoding, and tools work as on the other APIs (engine/server/tools.py). A model's
+reasoning (gpt-oss's analysis channel) comes as `thinking` (message.thinking in /api/chat), as Ollama
+returns it. Sampling defaults are this server's (the other APIs' defaults), not Ollama's.
 """
 from __future__ import annotations
 
@@ -24,7 +25,8 @@ from engine.server import parse
 from engine.server.errors import ApiError, sse_error
 from engine.server.generation import Generation, ready_engine
 from engine.server.openai_api import is_done
-from engine.server.tools import CallFilter, ToolUse, check_template, for_model, openai_tool_use, parse_calls
+from engine.server.tools import (Reading, Reply, ReplyFilter, check_template, for_model, openai_tool_use,
+                                 output_grammar, reading)
 
 OLLAMA_VERSION = "0.12.0"  # the Ollama release whose API these endpoints follow
 NDJSON = "application/x-ndjson"
@@ -92,17 +94,21 @@ def _options(body: dict) -> tuple[Any, int | None, tuple[str, ...]]:
     return sampling, (None if limit is None or limit < 0 else max(limit, 1)), parse.stops(options, "stop")
 
 
-def _format_grammar(body: dict) -> str | None:
-    from engine.layers.grammar import any_json_object_grammar, json_schema_grammar
+def _format_grammar(body: dict, tokenizer: Any) -> str | None:
+    """`format`; with the `tokenizer` of a chat-templated request, in the model's format (tools.output_grammar)."""
+    from engine.layers.grammar import json_schema_grammar
 
     fmt = body.get("format")
+
+    def grammar(schema: dict) -> str:
+        return json_schema_grammar(schema) if tokenizer is None else output_grammar(schema, tokenizer)
     try:
         if fmt in (None, ""):
             return None
         if fmt == "json":
-            return any_json_object_grammar()
+            return grammar({"type": "object"})
         if isinstance(fmt, dict):
-            return json_schema_grammar(fmt)
+            return grammar(fmt)
     except UserError as e:
         raise ApiError(400, str(e), param="format") from None
     raise ApiError(400, f"'format' must be \"json\" or a JSON schema object, got {json.dumps(fmt)[:60]}",
@@ -144,33 +150,36 @@ def _tool_calls(calls: list) -> list[dict[str, Any]]:
     return [{"function": {"name": c.name, "arguments": c.arguments}} for c in calls]
 
 
-async def _respond(http: HttpRequest, body: dict, gen: Generation, field: str, use: ToolUse | None) -> Response:
+async def _respond(http: HttpRequest, body: dict, gen: Generation, field: str, read: Reading | None) -> Response:
     """Ollama's answer: one object, or NDJSON lines ending with the one that says done."""
     head = {"model": _name(http)}
 
-    def piece(text: str) -> dict[str, Any]:
-        return {"message": {"role": "assistant", "content": text}} if field == "message" else {"response": text}
+    def piece(text: str, thinking: str = "") -> dict[str, Any]:
+        extra = {"thinking": thinking} if thinking else {}
+        return {"message": {"role": "assistant", "content": text, **extra}} if field == "message" else {
+            "response": text, **extra}
 
     if not parse.field(body, "stream", "bool", True):
         out = await gen.collect(http)
-        text, calls = (out.text, []) if use is None else parse_calls(out.text, use)
-        reply = piece(text)
-        if calls:
-            reply["message"]["tool_calls"] = _tool_calls(calls)
+        whole = read.parse(out.text) if read is not None else Reply(out.text, [])
+        reply = piece(whole.content, whole.reasoning)
+        if whole.calls:
+            reply["message"]["tool_calls"] = _tool_calls(whole.calls)
         return JSONResponse({**head, "created_at": _now(), **reply, "done": True, **_timings(out.done)})
     await gen.wait_first(http)
-    calls_filter = CallFilter(use) if use is not None else None
+    reply_filter = ReplyFilter(read) if read is not None else None
 
     async def lines():
         try:
             async for event in gen.events():
                 if not is_done(event):
-                    text = calls_filter.feed(event.text) if calls_filter else event.text
-                    if text:
-                        yield _line({**head, "created_at": _now(), **piece(text), "done": False})
+                    text, thinking = reply_filter.feed(event.text) if reply_filter else (event.text, "")
+                    if text or thinking:
+                        yield _line({**head, "created_at": _now(), **piece(text, thinking), "done": False})
                     continue
-                tail, calls = calls_filter.finish() if calls_filter else ("", [])
-                last = piece(tail)
+                tail = reply_filter.finish() if reply_filter else Reply("", [])
+                calls = tail.calls
+                last = piece(tail.content, tail.reasoning)
                 if calls:
                     last["message"]["tool_calls"] = _tool_calls(calls)
                 yield _line({**head, "created_at": _now(), **last, "done": True, **_timings(event)})
@@ -182,17 +191,20 @@ async def _respond(http: HttpRequest, body: dict, gen: Generation, field: str, u
 async def chat(http: HttpRequest) -> Response:
     body = await parse.read_json(http)
     messages, use = _chat_messages(body), openai_tool_use({"tools": body.get("tools")})
+    tokenizer = ready_engine(http.app.state.worker).tokenizer
     if use is not None:
-        use = for_model(use, ready_engine(http.app.state.worker).tokenizer)
+        use = for_model(use, tokenizer)
     sampling, max_tokens, stops = _options(body)
     if not messages:  # Ollama's way to load a model: nothing to generate
         ready_engine(http.app.state.worker)
         return JSONResponse({"model": _name(http), "created_at": _now(),
                              "message": {"role": "assistant", "content": ""}, "done": True, "done_reason": "load"})
+    read = reading(tokenizer, use)
     gen = await Generation.start(http.app.state.worker, messages=messages, max_tokens=max_tokens, sampling=sampling,
-                                 stops=stops, grammar=_format_grammar(body),
-                                 tools=None if use is None else [t.for_template() for t in use.tools])
-    return await _respond(http, body, gen, "message", use)
+                                 stops=stops, grammar=_format_grammar(body, tokenizer),
+                                 tools=None if use is None else [t.for_template() for t in use.tools],
+                                 special_tokens=read is not None)
+    return await _respond(http, body, gen, "message", read)
 
 
 async def generate(http: HttpRequest) -> Response:
@@ -206,8 +218,12 @@ async def generate(http: HttpRequest) -> Response:
         ready_engine(http.app.state.worker)
         return JSONResponse({"model": _name(http), "created_at": _now(), "response": "", "done": True,
                              "done_reason": "load"})
-    request: dict[str, Any] = {"prompt": prompt, "param": "prompt"} if parse.field(body, "raw", "bool", False) else {
+    raw = parse.field(body, "raw", "bool", False)
+    request: dict[str, Any] = {"prompt": prompt, "param": "prompt"} if raw else {
         "messages": ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]}
+    # A templated prompt's reply is the model's turn, read in its format; a raw prompt's is plain text.
+    tokenizer = None if raw else ready_engine(http.app.state.worker).tokenizer
+    read = None if raw else reading(tokenizer, None)
     gen = await Generation.start(http.app.state.worker, max_tokens=max_tokens, sampling=sampling, stops=stops,
-                                 grammar=_format_grammar(body), **request)
-    return await _respond(http, body, gen, "response", None)
+                                 grammar=_format_grammar(body, tokenizer), special_tokens=read is not None, **request)
+    return await _respond(http, body, gen, "response", read)

@@ -17,7 +17,8 @@ from engine.errors import UserError
 from engine.server import parse
 from engine.server.errors import ApiError, sse_error
 from engine.server.generation import Generation, Outcome, ready_engine
-from engine.server.tools import CallFilter, call_grammar, for_model, openai_tool_use, parse_calls
+from engine.server.tool_formats import Reply
+from engine.server.tools import ReplyFilter, call_grammar, for_model, openai_tool_use, output_grammar, reading
 
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
 SSE_HEADERS = {"cache-control": "no-cache", "x-accel-buffering": "no"}
@@ -62,18 +63,22 @@ def completion_logprobs(body: dict) -> int | None:
     return n
 
 
-def response_grammar(body: dict) -> str | None:
+def response_grammar(body: dict, tokenizer: Any = None) -> str | None:
     """`response_format`: text (free), json_object (any JSON object) or json_schema (its schema,
-    enforced by constrained decoding whether or not `strict` is set)."""
-    from engine.layers.grammar import any_json_object_grammar, json_schema_grammar
+    enforced by constrained decoding whether or not `strict` is set). With the `tokenizer` of a chat
+    request, the document is written in the model's format (tools.output_grammar)."""
+    from engine.layers.grammar import json_schema_grammar
 
     fmt = parse.field(body, "response_format", "object")
     kind = None if fmt is None else fmt.get("type")
     if fmt is None or kind == "text":
         return None
+
+    def grammar(schema: dict | bool) -> str:
+        return json_schema_grammar(schema) if tokenizer is None else output_grammar(schema, tokenizer)
     try:
         if kind == "json_object":
-            return any_json_object_grammar()
+            return grammar({"type": "object"})
         if kind == "json_schema":
             spec = fmt.get("json_schema")
             if not isinstance(spec, dict):
@@ -83,7 +88,7 @@ def response_grammar(body: dict) -> str | None:
             if not isinstance(schema, (dict, bool)):
                 raise ApiError(400, "'response_format.json_schema.schema' must be a JSON schema object",
                                param="response_format", code="invalid_value")
-            return json_schema_grammar(schema)
+            return grammar(schema)
     except UserError as e:
         raise ApiError(400, str(e), param="response_format", code="invalid_value") from None
     raise ApiError(400, f"'response_format.type' must be text, json_object or json_schema, got {kind!r}",
@@ -164,11 +169,13 @@ def _finish(reason: str) -> str:
     return "length" if reason == "length" else "stop"
 
 
-async def _start(http: HttpRequest, body: dict, grammar: str | None = None, **request: Any
+async def _start(http: HttpRequest, body: dict, grammar: str | None = None, tokenizer: Any = None, **request: Any
                  ) -> tuple[Generation, bool, bool]:
-    """`grammar`: a forced tool call's, which a response_format may not also constrain."""
+    """`grammar`: a forced tool call's, which a response_format may not also constrain; `tokenizer`: a
+    chat request's (its response_format is written in the model's format)."""
     _unsupported(body)
-    if grammar is not None and response_grammar(body) is not None:
+    response = response_grammar(body, tokenizer)
+    if grammar is not None and response is not None:
         raise ApiError(400, "a forced tool call ('tool_choice' required or a function) and a JSON 'response_format' "
                        "cannot both constrain one reply", param="tool_choice", code="invalid_value")
     stream = parse.field(body, "stream", "bool", False)
@@ -177,7 +184,7 @@ async def _start(http: HttpRequest, body: dict, grammar: str | None = None, **re
     gen = await Generation.start(
         http.app.state.worker, max_tokens=parse.max_tokens(body, ("max_completion_tokens", "max_tokens")),
         sampling=parse.sampling(body, max_temperature=2.0), stops=parse.stops(body, "stop"),
-        grammar=grammar or response_grammar(body), **request)
+        grammar=grammar or response, **request)
     return gen, stream, include_usage
 
 
@@ -185,19 +192,22 @@ async def chat_completions(http: HttpRequest) -> Response:
     body = await parse.read_json(http)
     messages, use = chat_messages(body), openai_tool_use(body)
     grammar = None
+    tokenizer = ready_engine(http.app.state.worker).tokenizer
     if use is not None:
-        tokenizer = ready_engine(http.app.state.worker).tokenizer
         use = for_model(use, tokenizer)
         grammar = call_grammar(use, tokenizer) if use.forced else None
+    read = reading(tokenizer, use)
     gen, stream, include_usage = await _start(
-        http, body, grammar, messages=messages, logprobs=chat_logprobs(body),
-        tools=None if use is None else [t.for_template() for t in use.tools])
+        http, body, grammar, tokenizer, messages=messages, logprobs=chat_logprobs(body),
+        tools=None if use is None else [t.for_template() for t in use.tools], special_tokens=read is not None)
     head = {"id": f"chatcmpl-{uuid.uuid4().hex[:24]}", "created": int(time.time()), "model": http.app.state.model_id}
-    tokenizer = http.app.state.worker.engine.tokenizer
     if not stream:
         out: Outcome = await gen.collect(http)
-        text, calls = (out.text, []) if use is None else parse_calls(out.text, use)
+        reply = read.parse(out.text) if read is not None else Reply(out.text, [])
+        text, calls = reply.content, reply.calls
         message: dict[str, Any] = {"role": "assistant", "content": text or None if calls else text}
+        if reply.reasoning:  # as llama-server and other OpenAI-compatible servers return reasoning
+            message["reasoning_content"] = reply.reasoning
         if calls:
             message["tool_calls"] = [{"id": c.id, "type": "function", "function": {
                 "name": c.name, "arguments": json.dumps(c.arguments, ensure_ascii=False)}} for c in calls]
@@ -206,7 +216,7 @@ async def chat_completions(http: HttpRequest) -> Response:
              "finish_reason": "tool_calls" if calls else _finish(out.done.finish_reason)}], "usage": usage(out.done)})
     await gen.wait_first(http)
     extra = {"usage": None} if include_usage else {}
-    calls_filter = CallFilter(use) if use is not None else None
+    reply_filter = ReplyFilter(read) if read is not None else None
 
     def chunk(delta: dict, finish: str | None = None, logprobs: dict | None = None) -> str:
         return sse({**head, "object": "chat.completion.chunk", "choices": [
@@ -218,13 +228,14 @@ async def chat_completions(http: HttpRequest) -> Response:
             async for event in gen.events():
                 if not is_done(event):
                     logprobs = chat_logprob_content(tokenizer, [event])
-                    text = calls_filter.feed(event.text) if calls_filter else event.text
-                    if text or logprobs:
-                        yield chunk({"content": text}, logprobs=logprobs)
+                    text, reasoning = reply_filter.feed(event.text) if reply_filter else (event.text, "")
+                    if text or reasoning or logprobs:
+                        yield chunk(_delta(text, reasoning), logprobs=logprobs)
                     continue
-                tail, calls = calls_filter.finish() if calls_filter else ("", [])
-                if tail:
-                    yield chunk({"content": tail})
+                tail = reply_filter.finish() if reply_filter else Reply("", [])
+                calls = tail.calls
+                if tail.content or tail.reasoning:
+                    yield chunk(_delta(tail.content, tail.reasoning))
                 for i, c in enumerate(calls):  # the name first, then the arguments, as OpenAI streams them
                     yield chunk({"tool_calls": [{"index": i, "id": c.id, "type": "function",
                                                  "function": {"name": c.name, "arguments": ""}}]})
@@ -237,6 +248,12 @@ async def chat_completions(http: HttpRequest) -> Response:
         except ApiError as e:
             yield sse_error("openai", e)
     return StreamingResponse(events(), media_type="text/event-stream", headers=SSE_HEADERS)
+
+
+def _delta(content: str, reasoning: str) -> dict[str, str]:
+    """A chunk's delta: the content, and the reasoning (as `reasoning_content`) when there is some."""
+    return {"reasoning_content": reasoning, **({"content": content} if content else {})} if reasoning else {
+        "content": content}
 
 
 def _prompt(body: dict) -> str | list[int]:

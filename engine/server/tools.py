@@ -1,24 +1,28 @@
-"""Tool calling for both APIs: tool definitions, the model's template, forced calls, parsing calls.
+"""Tool calling for the APIs: tool definitions, the model's template, forced calls, reading replies.
 
 Tools reach the model through its own chat template (the GGUF's Jinja template receives `tools`
 in OpenAI's shape); a template that does not render them is refused with a 400. Calls are read
 from the reply in the format the template teaches (engine/server/tool_formats.py: Hermes/Qwen,
-gpt-oss harmony, Mistral, DeepSeek, or a bare JSON reply). A forced call (OpenAI "required" or a
-named function, Anthropic "any" or "tool") is a grammar (engine/layers/grammar.py) that admits
-exactly one call in that format, to one of the allowed tools, with arguments matching its schema.
+gpt-oss harmony, Mistral, DeepSeek, GLM, Qwen3-Coder, or a bare JSON reply). A forced call (OpenAI
+"required" or a named function, Anthropic "any" or "tool") is a grammar (engine/layers/grammar.py)
+that admits exactly one call in that format, to one of the allowed tools, with arguments matching
+its schema. A `Reading` says how a chat reply is read: with tools, or without them for a format whose
+replies always carry structure (gpt-oss: content is the final channel, reasoning the analysis channel).
 """
 from __future__ import annotations
 
 import dataclasses
+import json
 import re
 import threading
 import weakref
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, Mapping
 
 from engine.errors import UserError
 from engine.server.errors import ApiError
-from engine.server.tool_formats import ToolCall, ToolFormat  # ToolCall: the API modules take it from here
+# ToolCall, Reply: the API modules take them from here
+from engine.server.tool_formats import Reply, ToolCall, ToolFormat
 _PROBE = "moestudio_tool_probe"  # a tool name no template prints unless it renders the tools it gets
 
 
@@ -42,8 +46,9 @@ class ToolUse:
     format: ToolFormat | None = None  # the model's call format (for_model sets it)
 
     @property
-    def names(self) -> frozenset[str]:
-        return frozenset(t.name for t in self.tools)
+    def schemas(self) -> dict[str, dict[str, Any]]:
+        """The tools offered: name -> JSON schema of the arguments."""
+        return {t.name: t.parameters for t in self.tools}
 
 
 def _tool(name: Any, description: Any, parameters: Any, where: str, given: dict | None = None) -> Tool:
@@ -159,29 +164,86 @@ def call_grammar(use: ToolUse, tokenizer: Any) -> str:
                        code="invalid_value") from None
 
 
-def parse_calls(text: str, use: ToolUse) -> tuple[str, list[ToolCall]]:
-    """(the reply's content, its calls): content without markers or special tokens; calls to tools
-    not offered, and malformed ones, are not calls."""
-    return use.format.split(text, use.names)
+def output_grammar(schema: dict[str, Any] | bool, tokenizer: Any) -> str:
+    """The grammar of a chat reply that is one JSON document matching `schema`, in the model's format
+    (gpt-oss: as its final message). UserError for a schema that cannot be enforced."""
+    return tool_format(tokenizer).output_grammar(schema, tokenizer.special_token)
 
 
-class CallFilter:
-    """A streamed reply's content as it comes, holding back what may be (part of) a call or a marker;
-    `finish` parses the whole reply."""
+def template_messages(messages: list[dict], tokenizer: Any) -> list[dict]:
+    """`messages` as the model's template takes them: for templates that iterate over a call's arguments
+    (GLM, Qwen3-Coder) arguments a client sent as a JSON string become the object (llama.cpp does the same)."""
+    if not tool_format(tokenizer).object_arguments:
+        return messages
+    out = []
+    for message in messages:
+        calls = message.get("tool_calls")
+        if calls:
+            message = {**message, "tool_calls": [_object_arguments(c) for c in calls]}
+        out.append(message)
+    return out
 
-    def __init__(self, use: ToolUse):
-        self.use = use
-        self._raw, self._sent = "", ""
 
-    def feed(self, text: str) -> str:
-        """The content that `text` (the next piece of the decoded reply) makes sure of, to stream now."""
+def _object_arguments(call: dict) -> dict:
+    function = call.get("function")
+    if not isinstance(function, dict) or not isinstance(function.get("arguments"), str):
+        return call
+    try:
+        arguments = json.loads(function["arguments"] or "{}")
+    except ValueError:
+        raise ApiError(400, f"the arguments of the call to {function.get('name')!r} are not JSON: this model's template "
+                       "needs them as an object", param="messages") from None
+    if not isinstance(arguments, dict):
+        raise ApiError(400, f"the arguments of the call to {function.get('name')!r} must be a JSON object",
+                       param="messages")
+    return {**call, "function": {**function, "arguments": arguments}}
+
+
+@dataclass(frozen=True)
+class Reading:
+    """How a chat reply is read: the model's format and the tools offered (name -> parameters schema;
+    empty: none). Content never carries markers or special tokens' text; calls to tools not offered,
+    and malformed ones, are not calls."""
+    format: ToolFormat
+    tools: Mapping[str, Any] = field(default_factory=dict)
+
+    def parse(self, text: str) -> Reply:
+        return self.format.split(text, self.tools)
+
+
+def reading(tokenizer: Any, use: ToolUse | None) -> Reading | None:
+    """How this model's reply to a chat request is read; None: it is plain text (no tools, and a format
+    whose replies carry no structure). A reply that is read decodes special tokens as text."""
+    if use is not None:
+        return Reading(use.format or tool_format(tokenizer), use.schemas)
+    fmt = tool_format(tokenizer)
+    return Reading(fmt) if fmt.structured else None
+
+
+class ReplyFilter:
+    """A streamed reply's content and reasoning as they come, holding back what may be (part of) a call
+    or a marker; `finish` reads the whole reply."""
+
+    def __init__(self, reading: Reading):
+        self.reading = reading
+        self._raw = ""
+        self._sent = Reply("", [])
+
+    def _news(self, reply: Reply) -> tuple[str, str]:
+        """What `reply` adds to the content and reasoning sent so far (each a prefix of the next)."""
+        def new(now: str, sent: str) -> str:
+            return now[len(sent):] if now.startswith(sent) else ""
+        content, reasoning = new(reply.content, self._sent.content), new(reply.reasoning, self._sent.reasoning)
+        self._sent = Reply(self._sent.content + content, [], self._sent.reasoning + reasoning)
+        return content, reasoning
+
+    def feed(self, text: str) -> tuple[str, str]:
+        """(content, reasoning) that `text` (the next piece of the decoded reply) makes sure of, to stream now."""
         self._raw += text
-        surely, _ = self.use.format.split(self._raw, self.use.names, final=False)
-        out = surely[len(self._sent):] if surely.startswith(self._sent) else ""
-        self._sent += out
-        return out
+        return self._news(self.reading.format.split(self._raw, self.reading.tools, final=False))
 
-    def finish(self) -> tuple[str, list[ToolCall]]:
-        """(the content not streamed yet, the calls) once the reply is complete."""
-        content, calls = parse_calls(self._raw, self.use)
-        return (content[len(self._sent):] if content.startswith(self._sent) else ""), calls
+    def finish(self) -> Reply:
+        """The content and reasoning not streamed yet, and the calls, once the reply is complete."""
+        whole = self.reading.parse(self._raw)
+        content, reasoning = self._news(whole)
+        return Reply(content, whole.calls, reasoning)

@@ -9,7 +9,8 @@ from pathlib import Path
 
 from engine.errors import UserError
 from engine.synth.routing import ROUTINGS, routing
-from engine.synth.spec import ARCHITECTURES, DENSE_QUANTS, EXPERT_QUANTS, PRESETS, preset
+from engine.synth.spec import ARCHITECTURES, DENSE_QUANTS, EXPERT_QUANTS, PRESETS, ModelSpec, preset
+from engine.synth.tokenizer import CHAT_FAMILIES
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -26,6 +27,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     c.add_argument("--dense-quant", choices=sorted(DENSE_QUANTS), help="attention/embedding tensor type")
     c.add_argument("--routing", default="qwen3-30b", choices=sorted(ROUTINGS),
                    help="routing realism setting (default: qwen3-30b)")
+    c.add_argument("--chat", choices=CHAT_FAMILIES, metavar="FAMILY",
+                   help="chat template and special tokens, a tool-call format the server parses: "
+                        f"{', '.join(CHAT_FAMILIES)} (default: {ModelSpec.chat})")
     c.add_argument("--seed", type=int, default=0)
     c.set_defaults(run=_create)
 
@@ -53,6 +57,8 @@ def _create(args: argparse.Namespace) -> int:
         changes["expert_qtype"] = EXPERT_QUANTS[args.expert_quant]
     if args.dense_quant:
         changes["dense_qtype"] = DENSE_QUANTS[args.dense_quant]
+    if args.chat:
+        changes["chat"] = args.chat
     spec = spec.with_(**changes)
 
     started = time.monotonic()

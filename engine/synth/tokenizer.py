@@ -3,9 +3,12 @@
 It is written into each synthetic GGUF as `tokenizer.ggml.*` so llama.cpp tokenizes real text
 into a realistic stream (about 4 characters per token on English prose), plus a chat template. The
 template and its special tokens follow a chat family (ModelSpec.chat): ChatML with Hermes-style tools
-(the default), or the tool-call formats of gpt-oss (harmony), Mistral (v3 JSON list or [ARGS]) and
-DeepSeek (V3/R1 or V3.1), each with that family's markers as control tokens, so tool calling is
-tested end to end on every format the server parses (engine/server/tool_formats.py).
+(the default), or the tool-call formats of gpt-oss (harmony), Mistral (v3 JSON list or [ARGS]),
+DeepSeek (V3/R1 or V3.1), GLM-4.5/4.6 and Qwen3-Coder, each with that family's markers as special
+tokens, so tool calling is tested end to end on every format the server parses
+(engine/server/tool_formats.py). GLM's and Qwen3-Coder's templates are the models' own
+(data/GLM-4.6.jinja, data/Qwen3-Coder.jinja, as llama.cpp keeps them in models/templates); their tags
+are user-defined tokens, as in those models' vocabularies (rendered as text even when special tokens are not).
 """
 from __future__ import annotations
 
@@ -152,12 +155,24 @@ _MISTRAL_TOKENS = ("<s>", "</s>", "[INST]", "[/INST]", "[AVAILABLE_TOOLS]", "[/A
                    "[ARGS]", "[TOOL_RESULTS]", "[/TOOL_RESULTS]")
 
 
+_GLM_CONTROL = ("[gMASK]", "<sop>", "<|system|>", "<|user|>", "<|assistant|>", "<|observation|>")
+_TOOL_TAGS = ("<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>")
+_GLM_TAGS = ("<think>", "</think>", *_TOOL_TAGS, "<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>")
+
+
+def _template(name: str) -> str:
+    return resources.files("engine.synth").joinpath(f"data/{name}").read_text("utf-8")
+
+
 @dataclass(frozen=True)
 class ChatFamily:
     template: str
     tokens: tuple[str, ...] = ()  # control tokens after SPECIAL_TOKENS
     bos: str = "<|endoftext|>"
     eos: str = "<|im_end|>"  # llama.cpp adds the family's other end tokens (<|call|>, ...) by their text
+    tags: tuple[str, ...] = ()  # user-defined tokens after the control tokens
+    eot: str | None = None  # the end-of-turn token, when it is not `eos`
+    eom: str | None = None  # the end-of-message token (the turn goes on after a tool's result), if any
 
 
 CHAT_FAMILIES = {
@@ -170,6 +185,11 @@ CHAT_FAMILIES = {
                            eos="<｜end▁of▁sentence｜>"),
     "deepseek-v3.1": ChatFamily(_deepseek_template(fenced=False), _DEEPSEEK_TOKENS, bos="<｜begin▁of▁sentence｜>",
                                 eos="<｜end▁of▁sentence｜>"),
+    # As GLM-4.5's GGUF: eos <|endoftext|>, end of turn <|user|>, end of message <|observation|> (a reply
+    # ends where the user's turn or a tool's result would begin).
+    "glm": ChatFamily(_template("GLM-4.6.jinja"), _GLM_CONTROL, bos="[gMASK]", eos="<|endoftext|>", tags=_GLM_TAGS,
+                      eot="<|user|>", eom="<|observation|>"),
+    "qwen3-coder": ChatFamily(_template("Qwen3-Coder.jinja"), tags=_TOOL_TAGS),
 }
 
 
@@ -183,7 +203,8 @@ def _load() -> tuple[list[str], list[str]]:
 
 def vocab_size(chat: str = "hermes") -> int:
     tokens, _ = _load()
-    return len(tokens) + len(SPECIAL_TOKENS) + len(CHAT_FAMILIES[chat].tokens)
+    family = CHAT_FAMILIES[chat]
+    return len(tokens) + len(SPECIAL_TOKENS) + len(family.tokens) + len(family.tags)
 
 
 def add_tokenizer(writer: gguf.GGUFWriter, chat: str = "hermes") -> None:
@@ -191,8 +212,9 @@ def add_tokenizer(writer: gguf.GGUFWriter, chat: str = "hermes") -> None:
     family = CHAT_FAMILIES[chat]
     tokens, merges = _load()
     special = list(SPECIAL_TOKENS) + list(family.tokens)
-    all_tokens = tokens + special
-    types = [gguf.TokenType.NORMAL] * len(tokens) + [gguf.TokenType.CONTROL] * len(special)
+    all_tokens = tokens + special + list(family.tags)
+    types = ([gguf.TokenType.NORMAL] * len(tokens) + [gguf.TokenType.CONTROL] * len(special)
+             + [gguf.TokenType.USER_DEFINED] * len(family.tags))
     eos = all_tokens.index(family.eos)
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre("gpt-2")
@@ -201,7 +223,9 @@ def add_tokenizer(writer: gguf.GGUFWriter, chat: str = "hermes") -> None:
     writer.add_token_merges(merges)
     writer.add_bos_token_id(all_tokens.index(family.bos))
     writer.add_eos_token_id(eos)
-    writer.add_eot_token_id(eos)
+    writer.add_eot_token_id(all_tokens.index(family.eot or family.eos))
+    if family.eom:
+        writer.add_eom_token_id(all_tokens.index(family.eom))
     writer.add_pad_token_id(all_tokens.index("<|endoftext|>"))
     writer.add_add_bos_token(False)
     writer.add_chat_template(family.template)

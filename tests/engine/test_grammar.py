@@ -58,6 +58,21 @@ def test_a_lark_grammar(engine):
         assert done.text.startswith("answer: ") and done.text[8:].isdigit() and len(done.text) <= 12
 
 
+@pytest.mark.parametrize("closing", ["special", "suffix"])
+def test_free_text_closes_within_the_budget(engine, closing):
+    """Free text up to a special token (GLM's </arg_value>, harmony's <|end|>) or up to a rule's suffix
+    text (Qwen3-Coder's \\n</parameter>\\n): the closing policy ends it in time, whatever the sampling."""
+    marker = engine.tokenizer.special_token("<|im_start|>")  # a special token that does not end generation
+    grammar = lark_grammar(f'start: "say: " TEXT <[{marker}]> "done"\nTEXT: /(.|\\n)*/\n' if closing == "special" else
+                           'start: "say: " text "done"\ntext[suffix="\\n</end>\\n"]: /(.|\\n)*/\n')
+    for budget in (12, 25, 60):
+        for temperature, seed in ((0.0, 0), (1.0, 1), (1.5, 2)):
+            done = generate(engine, grammar, budget, temperature, seed)
+            assert done.finish_reason == "stop" and done.text.startswith("say: ") and done.text.endswith("done"), (
+                budget, done.text)
+            assert closing == "special" or done.text.endswith("\n</end>\ndone")
+
+
 def test_bad_grammars_are_user_errors():
     from engine.errors import UserError
 

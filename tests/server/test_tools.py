@@ -11,7 +11,7 @@ import openai
 import pytest
 from pydantic import BaseModel
 
-from engine.server.tools import CallFilter, Tool, ToolFormat, ToolUse, parse_calls
+from engine.server.tools import Reading, ReplyFilter, Tool, ToolFormat
 from engine.synth.tokenizer import CHAT_TEMPLATE, SPECIAL_TOKENS
 from tests.reliability.test_gguf_fuzz import Gguf, string
 
@@ -178,8 +178,7 @@ def test_a_template_without_tool_support_answers_400(serve, no_tools_model):
 
 # ---- parsing and the stream filter, on their own ------------------------------------------------
 
-USE = ToolUse((Tool("f", "", {"type": "object"}), Tool("g", "", {"type": "object"})), None,
-              ToolFormat(CHAT_TEMPLATE, SPECIAL_TOKENS))
+USE = Reading(ToolFormat(CHAT_TEMPLATE, SPECIAL_TOKENS), {"f": {"type": "object"}, "g": {"type": "object"}})
 
 
 @pytest.mark.parametrize("text, content, calls", [
@@ -194,7 +193,8 @@ USE = ToolUse((Tool("f", "", {"type": "object"}), Tool("g", "", {"type": "object
     ('{"name": "f"', '{"name": "f"', []), ("plain text", "plain text", []),
 ])
 def test_parse_calls(text, content, calls):
-    got_content, got = parse_calls(text, USE)
+    reply = USE.parse(text)
+    got_content, got = reply.content, reply.calls
     assert got_content == content and [(c.name, c.arguments) for c in got] == calls
 
 
@@ -207,10 +207,10 @@ def test_parse_calls(text, content, calls):
     (["a < b"], "a < b", "", []),
 ])
 def test_call_filter_streams_text_and_holds_calls(pieces, streamed, tail, names):
-    f = CallFilter(USE)
-    sent = "".join(f.feed(p) for p in pieces)
-    got_tail, calls = f.finish()
-    assert (sent, got_tail, [c.name for c in calls]) == (streamed, tail, names)
+    f = ReplyFilter(USE)
+    sent = "".join(f.feed(p)[0] for p in pieces)
+    last = f.finish()
+    assert (sent, last.content, [c.name for c in last.calls]) == (streamed, tail, names)
 
 
 def test_a_last_assistant_turn_of_calls_is_kept_not_continued(tokenizer):

@@ -41,6 +41,22 @@ def test_geometry_preset_shortened(tmp_path):
     assert r.returncode == 0, r.stderr
 
 
+def test_chat_family_flag(tmp_path):
+    """--chat writes that family's template and special tokens; the server's reader classifies it so."""
+    from engine.server.tool_formats import family_of
+    from engine.synth.tokenizer import CHAT_FAMILIES
+
+    out = tmp_path / "glm.gguf"
+    r = moestudio("synth", "create", "--arch", "qwen3moe", "--chat", "glm", "-o", str(out))
+    assert r.returncode == 0, r.stderr
+    fields = GGUFReader(out).fields
+    template = fields["tokenizer.chat_template"].contents()
+    assert template == CHAT_FAMILIES["glm"].template and family_of(template) == "glm"
+    assert "<arg_key>" in fields["tokenizer.ggml.tokens"].contents()
+    r = moestudio("synth", "create", "--arch", "qwen3moe", "--chat", "nope", "-o", str(tmp_path / "x.gguf"))
+    assert r.returncode == 2 and "invalid choice: 'nope'" in r.stderr and "Traceback" not in r.stderr
+
+
 def test_bad_arguments_are_one_clear_line(tmp_path):
     r = moestudio("synth", "create", "--preset", "tiny", "-o", str(tmp_path / "x.gguf"))
     assert r.returncode == 2 and "tiny needs --arch" in r.stderr and "Traceback" not in r.stderr
