@@ -739,7 +739,8 @@ if triton is not None:
         pos = tl.load(pair_pos + p).to(tl.int64)
         if WEIGHTED:
             y = y * tl.load(wt_ptr + tok * wt_stride_tok + pos)
-        tl.store(out_ptr + pos * out_stride_pos + tok * out_stride_tok + rows, y, mask=live & (slot_or_none >= 0))
+        stored = rows < tl.where(slot_or_none >= 0, N, 0)  # nothing for a pair without a slot
+        tl.store(out_ptr + pos * out_stride_pos + tok * out_stride_tok + rows, y, mask=stored)
 
     # ---------------------------------------------------------------- dense products
 
