@@ -24,7 +24,7 @@ def test_format_prompt_progress_groups_thousands() -> None:
 
 
 def test_chat_shows_prompt_progress_from_a_real_server(qtbot, tmp_path, make_model) -> None:
-    server = start_server(make_model("qwen3moe"), "-c", "1024", "--prefill-chunk", "2")
+    server = start_server(make_model("qwen3moe"), "--engine", "hybrid", "-c", "1024", "--prefill-chunk", "2")
     tasks = TaskManager()
     streamer = StatsStreamer()
     try:
