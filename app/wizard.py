@@ -36,6 +36,28 @@ def engine_sentence(kind: str, reason: str) -> str:
     return f"On this machine {name} will run it: {reason}."
 
 
+def _rate(v: float) -> str:
+    return f"{v:,.0f}" if v >= 10 else f"{v:,.1f}"
+
+
+def decode_figure(dec: dict) -> str:
+    """The plan table's cell: the measured rate, or the estimate marked as one (engine/plan/speed.py)."""
+    if dec["source"] == "measured":
+        return f"{_rate(dec['tokens_per_s'])} tok/s measured"
+    est = dec["estimate"]
+    return f"~{_rate(est['tokens_per_s'])} tok/s ({_rate(est['low'])}–{_rate(est['high'])})"
+
+
+def decode_sentence(dec: dict) -> str:
+    """The summary's words for the plan's decode speed: measured here, or an estimate with its range."""
+    est = dec["estimate"]
+    if dec["source"] == "measured":
+        return (f"<b>{_rate(dec['tokens_per_s'])} tokens/s</b>, measured on this machine with these settings "
+                f"(the estimate was ~{_rate(est['tokens_per_s'])})")
+    return (f"about <b>{_rate(est['tokens_per_s'])} tokens/s</b> (an estimate: {_rate(est['low'])}–"
+            f"{_rate(est['high'])}; the measured rate replaces it once the engine has run this model here)")
+
+
 def fmt_bytes(n: int | None) -> str:
     if n is None:
         return ""
@@ -310,8 +332,8 @@ class PlanPage(QWizardPage):
             figure = fmt_bytes(line["bytes"]) if line["bytes"] is not None else str(line["value"])
             if line["name"] == "expert cache" and line.get("value") is not None:
                 figure = f"{line['value']} slots, {fmt_bytes(line['bytes'])}"
-            elif line["name"] == "decode ceiling" and line.get("value") is not None:
-                figure = f"{line['value']:,.0f} tok/s"
+            elif line["name"] == "decode speed" and line.get("value") is not None:
+                figure = decode_figure(plan["decode"])
             for c, text in enumerate((line["name"], figure, line["where"], line["explain"])):
                 item = QTableWidgetItem(text)
                 item.setToolTip(text)
@@ -329,9 +351,7 @@ class PlanPage(QWizardPage):
             self.miss.blockSignals(True)
             self.miss.setValue(fraction)
             self.miss.blockSignals(False)
-        dec = plan["decode"]
-        self.summary.setText(f"Plan: <b>{plan['mode'].upper()}</b>; predicted decode ceiling "
-                             f"<b>{dec['tokens_per_s']:,} tokens/s</b> (memory-bandwidth bound; real speed is lower). "
+        self.summary.setText(f"Plan: <b>{plan['mode'].upper()}</b>; decode {decode_sentence(plan['decode'])}. "
                              + ("Fits." if plan["fits"] else "<b>Does not fit.</b>"))
         self.warnings.setText("<br>".join(f"\u26a0 {w}" for w in plan["warnings"]))
         self.completeChanged.emit()
