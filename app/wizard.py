@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from PySide6.QtCore import Qt, QTimer, Signal
-from PySide6.QtWidgets import (QCheckBox, QComboBox, QDoubleSpinBox, QFileDialog, QFormLayout, QHBoxLayout,
+from PySide6.QtWidgets import (QCheckBox, QComboBox, QFileDialog, QFormLayout, QHBoxLayout,
                                QHeaderView, QLabel, QLineEdit, QListWidget, QMessageBox, QPlainTextEdit,
                                QProgressBar, QPushButton, QSpinBox, QTableWidget, QTableWidgetItem,
                                QVBoxLayout, QWidget, QWizard, QWizardPage)
@@ -20,6 +20,7 @@ from PySide6.QtWidgets import (QCheckBox, QComboBox, QDoubleSpinBox, QFileDialog
 from engine.config import ENGINES, FIELDS, Config, to_toml
 
 from app.plan_service import PlanService
+from app.settings_panel import FractionEditor
 
 MIB = 1 << 20
 
@@ -243,9 +244,7 @@ class PlanPage(QWizardPage):
         self.threads_auto = QCheckBox("auto")
         self.threads_auto.setChecked(True)
         self.threads = QSpinBox(minimum=1, maximum=1024)
-        self.miss_auto = QCheckBox("auto")
-        self.miss_auto.setChecked(True)
-        self.miss = QDoubleSpinBox(minimum=0.0, maximum=1.0, singleStep=0.01, decimals=3)
+        self.miss = FractionEditor()  # Settings' own widget: the same words and the same auto
         self.engine_note = QLabel()  # what the chosen engine setting runs on this machine, and why
         self.engine_note.setWordWrap(True)
         self.engine_note.setTextFormat(Qt.RichText)
@@ -256,7 +255,7 @@ class PlanPage(QWizardPage):
         form.addRow(FIELDS["ctx"].label, self.ctx)
         form.addRow(FIELDS["moe_expert_cache_size"].label, _pair(self.cache, self.cache_auto))
         form.addRow(FIELDS["threads"].label, _pair(self.threads, self.threads_auto))
-        form.addRow(FIELDS["moe_gpu_miss_fraction"].label, _pair(self.miss, self.miss_auto))
+        form.addRow(FIELDS["moe_gpu_miss_fraction"].label, self.miss)
         self.table = QTableWidget(0, 4)
         self.table.setHorizontalHeaderLabels(["", "size", "where", "why"])
         self.table.verticalHeader().setVisible(False)
@@ -283,9 +282,8 @@ class PlanPage(QWizardPage):
         for w in (self.ctx, self.cache, self.threads):
             w.valueChanged.connect(self._changed)
         self.engine.currentTextChanged.connect(self._changed)
-        self.miss.valueChanged.connect(self._changed)
-        for cb, spin in ((self.cache_auto, self.cache), (self.threads_auto, self.threads),
-                         (self.miss_auto, self.miss)):
+        self.miss.changed.connect(self._changed)
+        for cb, spin in ((self.cache_auto, self.cache), (self.threads_auto, self.threads)):
             cb.toggled.connect(lambda on, s=spin: (s.setEnabled(not on), self._changed()))
             spin.setEnabled(False)
         self._model: str | None = None
@@ -346,11 +344,8 @@ class PlanPage(QWizardPage):
             self.cache.blockSignals(True)
             self.cache.setValue(int(plan["expert_cache"]["slots_per_layer"]))
             self.cache.blockSignals(False)
-        fraction = next((line["value"] for line in lines if line["name"] == "miss fraction"), None)
-        if self.miss_auto.isChecked() and fraction is not None:
-            self.miss.blockSignals(True)
-            self.miss.setValue(fraction)
-            self.miss.blockSignals(False)
+        fraction = next((line for line in lines if line["name"] == "miss fraction"), None)
+        self.miss.show_auto(fraction["value"] if fraction else None, fraction["explain"] if fraction else "")
         self.summary.setText(f"Plan: <b>{plan['mode'].upper()}</b>; decode {decode_sentence(plan['decode'])}. "
                              + ("Fits." if plan["fits"] else "<b>Does not fit.</b>"))
         self.warnings.setText("<br>".join(f"\u26a0 {w}" for w in plan["warnings"]))
@@ -377,8 +372,8 @@ class PlanPage(QWizardPage):
             v["moe_expert_cache_size"] = self.cache.value()
         if not self.threads_auto.isChecked():
             v["threads"] = self.threads.value()
-        if not self.miss_auto.isChecked():
-            v["moe_gpu_miss_fraction"] = round(self.miss.value(), 4)
+        if self.miss.value() != "auto":
+            v["moe_gpu_miss_fraction"] = self.miss.value()
         return v
 
 

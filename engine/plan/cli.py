@@ -73,7 +73,8 @@ def run(args: argparse.Namespace, nvml: object = True) -> int:
     print(f"machine: {gpu.name + f', {gpu.free_bytes >> 20:,} MiB VRAM free' if gpu else 'no GPU'}; "
           f"{hardware.ram_available_bytes >> 20:,} MiB RAM available; {hardware.physical_cores} cores")
     for line in plan.lines:
-        figure = f"{line.bytes / (1 << 20):>10,.0f} MiB" if line.bytes is not None else f"{line.value:>14}"
+        figure = (f"{line.bytes / (1 << 20):>10,.0f} MiB" if line.bytes is not None
+                  else f"{'-' if line.value is None else line.value:>14}")
         print(f"  {line.name:<22}{figure}  {line.where:<4} {line.explain}")
     for warning in plan.warnings:
         print(f"warning: {warning}")

@@ -117,6 +117,19 @@ def _decode(est: speed.DecodeEstimate, key: str, measured: dict[str, Any] | None
                   "condition": key, "hit_rate_assumed": round(hit_rate, 4), "bytes_per_token": bytes_per_token}
 
 
+def _fraction_line(engine: str, fraction: float | None, how: str) -> PlanLine:
+    """The miss fraction the engine will use: what the wizard and Settings show beside "auto".
+    Without a GPU the MoE Studio engine uses 0 (engine/moe/hybrid.attach_hybrid); llama.cpp has
+    no such setting (None: it does not apply)."""
+    if engine == "llamacpp":
+        return PlanLine("miss fraction", None, "-", "does not apply: llama.cpp has no expert cache")
+    if fraction is None:
+        return PlanLine("miss fraction", None, "-", f"0: {how}", 0.0)
+    return PlanLine("miss fraction", None, "-", "share of a prompt step's distinct misses uploaded to the GPU; the "
+                    "rest run on the CPU (a decode token's misses all run on the CPU pool, inside its CUDA graph) "
+                    f"({how})", fraction)
+
+
 def _cpu_plan(hw: Hardware, g: Geometry, s: Config, o: PlanOptions, threads: int, ram: tuple[float, float, str],
               engine: str, measured: dict[str, Any] | None) -> Plan:
     ram_gbs, ram_gbs_1, ram_src = ram
@@ -134,6 +147,7 @@ def _cpu_plan(hw: Hardware, g: Geometry, s: Config, o: PlanOptions, threads: int
         PlanLine("compute workspace", work, "ram", f"estimate for a {s.prefill_chunk}-token prefill chunk"),
         PlanLine("CPU threads", None, "-", "one per physical core: the CPU pool is bound by memory bandwidth, "
                  "and hyper-threads only contend for it", threads),
+        _fraction_line(engine, None, "no GPU to upload to: every miss runs on the CPU pool, whatever the setting"),
         decode_line,
     ]
     warnings = ["no NVIDIA GPU found: the engine runs on the CPU"]
@@ -212,9 +226,7 @@ def make_plan(hw: Hardware, g: Geometry, s: Config = Config(), o: PlanOptions = 
                  "pool or uploaded when routed to"),
         PlanLine("token embeddings", g.embedding_bytes, "ram", "one row read per token: stays in RAM"),
         PlanLine("CPU threads", None, "-", "one per physical core for the CPU expert pool", threads),
-        PlanLine("miss fraction", None, "-", f"share of a prompt step's distinct misses uploaded to the GPU; the rest "
-                 f"run on the CPU (a decode token's misses all run on the CPU pool, inside its CUDA graph) "
-                 f"({fraction_how})", fraction),
+        _fraction_line(engine, fraction, fraction_how),
         decode_line,
     ]
     warnings = []

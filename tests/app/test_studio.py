@@ -98,6 +98,10 @@ def test_wizard_to_started_engine(studio, monkeypatch):
     wait_until(plan.isComplete, 30, "the plan")
     assert plan.engine.currentText() == "auto" and plan.plan["engine"] == ("hybrid" if cuda else "llamacpp")
     auto_estimate = plan.plan["decode"]["estimate"]["tokens_per_s"]
+    # the miss fraction is Settings' widget: on auto it shows what the engine will use
+    assert plan.miss.value() == "auto" and plan.miss.auto.text() == "auto (measured at load)"
+    if not cuda:  # llama.cpp has no expert cache
+        assert plan.miss.spin.text() == "does not apply"
     # this test drives the MoE Studio engine: chosen explicitly, and the sentence follows the choice
     plan.engine.setCurrentText("hybrid")
     wait_until(lambda: plan.plan is not None and plan.plan["engine"] == "hybrid", 10, "the plan for hybrid")
@@ -113,6 +117,8 @@ def test_wizard_to_started_engine(studio, monkeypatch):
     assert "an estimate" in plan.summary.text() and "ceiling" not in plan.summary.text()
     if not cuda:
         assert decode["tokens_per_s"] < auto_estimate
+        # this engine without a GPU computes every miss on the CPU: 0, as /health will report
+        assert plan.miss.value() == "auto" and plan.miss.spin.text() == "0.000"
     kv_row = names.index("KV cache")
     kv_before, n = plan.table.item(kv_row, 1).text(), plan.reprices
     plan.ctx.setValue(768)  # re-priced live: the KV cache line follows the context
