@@ -98,7 +98,10 @@ class HardwarePage(QWizardPage):
         else:
             rows.append("<b>No NVIDIA GPU found</b> (or no driver): the engine runs on the CPU. "
                         "It works, only slower.")
-        rows.append(f"<b>RAM</b>: {fmt_bytes(hw['ram_total_bytes'])}, {fmt_bytes(hw['ram_available_bytes'])} available")
+        read = (f"; reads {hw['ram_read_gbs']:g} GB/s on every core, {hw['ram_read_gbs_1']:g} on one (measured)"
+                if hw.get("ram_read_gbs") else "")
+        rows.append(f"<b>RAM</b>: {fmt_bytes(hw['ram_total_bytes'])}, {fmt_bytes(hw['ram_available_bytes'])} available"
+                    + read)
         rows.append(f"<b>CPU</b>: {hw['physical_cores']} physical cores, {hw['logical_cores']} logical")
         self.info.setText("<br><br>".join(rows))
         self.completeChanged.emit()

@@ -80,7 +80,7 @@ def test_wizard_to_started_engine(studio, monkeypatch):
     wait_until(lambda: win.wizard is not None, 5, "the first-run wizard")
     wiz = win.wizard
     wait_until(lambda: wiz.hardware_page.isComplete(), 60, "the hardware probe")
-    assert "CPU" in wiz.hardware_page.info.text()
+    assert "CPU" in wiz.hardware_page.info.text() and "GB/s on every core" in wiz.hardware_page.info.text()
     wiz.next()
     wiz.model_page.path.setText(str(studio.model))
     wait_until(lambda: wiz.model_page.isComplete(), 30, "the model summary")
