@@ -117,14 +117,39 @@ class WordOrIntEditor(Editor):
 
 
 class FractionEditor(Editor):
+    """The miss fraction: a number, or auto. The one widget for it (Settings and the wizard's plan
+    page), so both say the same: on auto its number is what auto comes to, as `show_auto` is told
+    (the plan's estimate before the engine runs, the engine's measured value while it runs)."""
+
+    NOT_APPLICABLE = "does not apply"
+
     def __init__(self) -> None:
         super().__init__()
         self.auto = QCheckBox("auto (measured at load)")
         self.spin = QDoubleSpinBox(minimum=0.0, maximum=1.0, singleStep=0.05, decimals=3)
-        self.auto.toggled.connect(lambda on: (self.spin.setEnabled(not on), self.changed.emit()))
+        self.auto.toggled.connect(self._toggled)
         self.spin.valueChanged.connect(lambda _v: self.changed.emit())
         self.setLayout(_row(self.spin, self.auto))
         self.auto.setChecked(True)
+        self.spin.setEnabled(False)
+
+    def _toggled(self, on: bool) -> None:
+        self.spin.setEnabled(not on)
+        if not on:  # a number of the user's: 0 means 0
+            self.spin.setSpecialValueText("")
+            self.spin.setToolTip("")
+        self.changed.emit()
+
+    def show_auto(self, value: float | None, why: str = "") -> None:
+        """On auto, show what auto comes to: `value`, or None where the setting does not apply
+        (no GPU to upload to, or llama.cpp, which has no expert cache); `why` as the tooltip."""
+        if not self.auto.isChecked():
+            return
+        self.spin.blockSignals(True)
+        self.spin.setSpecialValueText(self.NOT_APPLICABLE if value is None else "")
+        self.spin.setValue(self.spin.minimum() if value is None else float(value))
+        self.spin.blockSignals(False)
+        self.spin.setToolTip(why)
 
     def value(self) -> Any:
         return "auto" if self.auto.isChecked() else round(self.spin.value(), 4)
@@ -275,6 +300,10 @@ class SettingsPanel(QWidget):
         for name, label in self.effective.items():
             value = effective.get(name)
             label.setText("" if value is None else f"engine: {_shown(name, value)}")
+        fraction = self.fields["moe_gpu_miss_fraction"]
+        if isinstance(fraction, FractionEditor) and effective:
+            # on auto, the number is the engine's (absent: llama.cpp, where it does not apply)
+            fraction.show_auto(effective.get("moe_gpu_miss_fraction"), "what the running engine uses")
         if health and health.get("engine"):
             self.engine_note.setText(f"Running: {health['engine']} engine ({health.get('engine_reason') or ''})")
         else:

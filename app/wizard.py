@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from PySide6.QtCore import Qt, QTimer, Signal
-from PySide6.QtWidgets import (QCheckBox, QComboBox, QDoubleSpinBox, QFileDialog, QFormLayout, QHBoxLayout,
+from PySide6.QtWidgets import (QCheckBox, QComboBox, QFileDialog, QFormLayout, QHBoxLayout,
                                QHeaderView, QLabel, QLineEdit, QListWidget, QMessageBox, QPlainTextEdit,
                                QProgressBar, QPushButton, QSpinBox, QTableWidget, QTableWidgetItem,
                                QVBoxLayout, QWidget, QWizard, QWizardPage)
@@ -20,6 +20,7 @@ from PySide6.QtWidgets import (QCheckBox, QComboBox, QDoubleSpinBox, QFileDialog
 from engine.config import ENGINES, FIELDS, Config, to_toml
 
 from app.plan_service import PlanService
+from app.settings_panel import FractionEditor
 
 MIB = 1 << 20
 
@@ -34,6 +35,28 @@ def engine_sentence(kind: str, reason: str) -> str:
     if reason.startswith("auto: "):
         return f"On this machine {name} will run it (engine auto): {reason.removeprefix('auto: ')}."
     return f"On this machine {name} will run it: {reason}."
+
+
+def _rate(v: float) -> str:
+    return f"{v:,.0f}" if v >= 10 else f"{v:,.1f}"
+
+
+def decode_figure(dec: dict) -> str:
+    """The plan table's cell: the measured rate, or the estimate marked as one (engine/plan/speed.py)."""
+    if dec["source"] == "measured":
+        return f"{_rate(dec['tokens_per_s'])} tok/s measured"
+    est = dec["estimate"]
+    return f"~{_rate(est['tokens_per_s'])} tok/s ({_rate(est['low'])}–{_rate(est['high'])})"
+
+
+def decode_sentence(dec: dict) -> str:
+    """The summary's words for the plan's decode speed: measured here, or an estimate with its range."""
+    est = dec["estimate"]
+    if dec["source"] == "measured":
+        return (f"<b>{_rate(dec['tokens_per_s'])} tokens/s</b>, measured on this machine with these settings "
+                f"(the estimate was ~{_rate(est['tokens_per_s'])})")
+    return (f"about <b>{_rate(est['tokens_per_s'])} tokens/s</b> (an estimate: {_rate(est['low'])}–"
+            f"{_rate(est['high'])}; the measured rate replaces it once the engine has run this model here)")
 
 
 def fmt_bytes(n: int | None) -> str:
@@ -75,7 +98,10 @@ class HardwarePage(QWizardPage):
         else:
             rows.append("<b>No NVIDIA GPU found</b> (or no driver): the engine runs on the CPU. "
                         "It works, only slower.")
-        rows.append(f"<b>RAM</b>: {fmt_bytes(hw['ram_total_bytes'])}, {fmt_bytes(hw['ram_available_bytes'])} available")
+        read = (f"; reads {hw['ram_read_gbs']:g} GB/s on every core, {hw['ram_read_gbs_1']:g} on one (measured)"
+                if hw.get("ram_read_gbs") else "")
+        rows.append(f"<b>RAM</b>: {fmt_bytes(hw['ram_total_bytes'])}, {fmt_bytes(hw['ram_available_bytes'])} available"
+                    + read)
         rows.append(f"<b>CPU</b>: {hw['physical_cores']} physical cores, {hw['logical_cores']} logical")
         self.info.setText("<br><br>".join(rows))
         self.completeChanged.emit()
@@ -221,9 +247,7 @@ class PlanPage(QWizardPage):
         self.threads_auto = QCheckBox("auto")
         self.threads_auto.setChecked(True)
         self.threads = QSpinBox(minimum=1, maximum=1024)
-        self.miss_auto = QCheckBox("auto")
-        self.miss_auto.setChecked(True)
-        self.miss = QDoubleSpinBox(minimum=0.0, maximum=1.0, singleStep=0.01, decimals=3)
+        self.miss = FractionEditor()  # Settings' own widget: the same words and the same auto
         self.engine_note = QLabel()  # what the chosen engine setting runs on this machine, and why
         self.engine_note.setWordWrap(True)
         self.engine_note.setTextFormat(Qt.RichText)
@@ -234,7 +258,7 @@ class PlanPage(QWizardPage):
         form.addRow(FIELDS["ctx"].label, self.ctx)
         form.addRow(FIELDS["moe_expert_cache_size"].label, _pair(self.cache, self.cache_auto))
         form.addRow(FIELDS["threads"].label, _pair(self.threads, self.threads_auto))
-        form.addRow(FIELDS["moe_gpu_miss_fraction"].label, _pair(self.miss, self.miss_auto))
+        form.addRow(FIELDS["moe_gpu_miss_fraction"].label, self.miss)
         self.table = QTableWidget(0, 4)
         self.table.setHorizontalHeaderLabels(["", "size", "where", "why"])
         self.table.verticalHeader().setVisible(False)
@@ -261,9 +285,8 @@ class PlanPage(QWizardPage):
         for w in (self.ctx, self.cache, self.threads):
             w.valueChanged.connect(self._changed)
         self.engine.currentTextChanged.connect(self._changed)
-        self.miss.valueChanged.connect(self._changed)
-        for cb, spin in ((self.cache_auto, self.cache), (self.threads_auto, self.threads),
-                         (self.miss_auto, self.miss)):
+        self.miss.changed.connect(self._changed)
+        for cb, spin in ((self.cache_auto, self.cache), (self.threads_auto, self.threads)):
             cb.toggled.connect(lambda on, s=spin: (s.setEnabled(not on), self._changed()))
             spin.setEnabled(False)
         self._model: str | None = None
@@ -310,8 +333,8 @@ class PlanPage(QWizardPage):
             figure = fmt_bytes(line["bytes"]) if line["bytes"] is not None else str(line["value"])
             if line["name"] == "expert cache" and line.get("value") is not None:
                 figure = f"{line['value']} slots, {fmt_bytes(line['bytes'])}"
-            elif line["name"] == "decode ceiling" and line.get("value") is not None:
-                figure = f"{line['value']:,.0f} tok/s"
+            elif line["name"] == "decode speed" and line.get("value") is not None:
+                figure = decode_figure(plan["decode"])
             for c, text in enumerate((line["name"], figure, line["where"], line["explain"])):
                 item = QTableWidgetItem(text)
                 item.setToolTip(text)
@@ -324,14 +347,9 @@ class PlanPage(QWizardPage):
             self.cache.blockSignals(True)
             self.cache.setValue(int(plan["expert_cache"]["slots_per_layer"]))
             self.cache.blockSignals(False)
-        fraction = next((line["value"] for line in lines if line["name"] == "miss fraction"), None)
-        if self.miss_auto.isChecked() and fraction is not None:
-            self.miss.blockSignals(True)
-            self.miss.setValue(fraction)
-            self.miss.blockSignals(False)
-        dec = plan["decode"]
-        self.summary.setText(f"Plan: <b>{plan['mode'].upper()}</b>; predicted decode ceiling "
-                             f"<b>{dec['tokens_per_s']:,} tokens/s</b> (memory-bandwidth bound; real speed is lower). "
+        fraction = next((line for line in lines if line["name"] == "miss fraction"), None)
+        self.miss.show_auto(fraction["value"] if fraction else None, fraction["explain"] if fraction else "")
+        self.summary.setText(f"Plan: <b>{plan['mode'].upper()}</b>; decode {decode_sentence(plan['decode'])}. "
                              + ("Fits." if plan["fits"] else "<b>Does not fit.</b>"))
         self.warnings.setText("<br>".join(f"\u26a0 {w}" for w in plan["warnings"]))
         self.completeChanged.emit()
@@ -357,8 +375,8 @@ class PlanPage(QWizardPage):
             v["moe_expert_cache_size"] = self.cache.value()
         if not self.threads_auto.isChecked():
             v["threads"] = self.threads.value()
-        if not self.miss_auto.isChecked():
-            v["moe_gpu_miss_fraction"] = round(self.miss.value(), 4)
+        if self.miss.value() != "auto":
+            v["moe_gpu_miss_fraction"] = self.miss.value()
         return v
 
 

@@ -7,6 +7,7 @@ apart: a decode step reads one row of them, so they stay in RAM.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
@@ -38,6 +39,9 @@ class Geometry:
     dense_bytes: int  # every non-expert tensor but the token embeddings
     embedding_bytes: int
     kv_values_per_token: int  # K and V values one token adds over all layers
+    # The dense tensors' values: the MoE Studio engine on the CPU holds them as float32 (4 bytes
+    # each), which is what a CPU decode token then reads (engine/layers/linear.py).
+    dense_values: int = 0
 
     @property
     def kv_bytes_per_token(self) -> dict[str, int]:
@@ -60,7 +64,7 @@ class Geometry:
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> Geometry:
         """The inverse of to_json (the GUI re-prices a plan from `moestudio plan --json`)."""
-        values = {f.name: d[f.name] for f in fields(cls)}
+        values = {f.name: d.get(f.name, f.default) for f in fields(cls)}
         return cls(**{**values, "moe_layers": tuple(values["moe_layers"])})
 
 
@@ -95,7 +99,7 @@ def geometry_of(mf: Any) -> Geometry:
         n_head = int(mf.arch_key("attention.head_count"))
         n_expert = int(mf.arch_key("expert_count", 0) or 0)
         per_layer: dict[int, int] = {}
-        slot_bytes = dense = embedding = 0
+        slot_bytes = dense = embedding = dense_values = 0
         for name, t in mf.tensors.items():
             if name.startswith("token_embd."):
                 embedding += t.n_bytes
@@ -105,6 +109,7 @@ def geometry_of(mf: Any) -> Geometry:
                 slot_bytes += layout_bytes(t.qtype, t.n_bytes)
             else:
                 dense += t.n_bytes
+                dense_values += math.prod(t.shape)
         if not n_expert or not per_layer:
             raise UserError(f"{path.name} is not a Mixture-of-Experts model (no expert tensors); "
                             "the planner sizes expert caches")
@@ -118,7 +123,7 @@ def geometry_of(mf: Any) -> Geometry:
             expert_bytes=sum(per_layer.values()) // (len(per_layer) * n_expert),
             expert_slot_bytes=-(-slot_bytes // (len(per_layer) * n_expert)),
             experts_bytes_total=sum(per_layer.values()), dense_bytes=dense, embedding_bytes=embedding,
-            kv_values_per_token=_kv_values_per_token(mf, n_layer, n_head),
+            kv_values_per_token=_kv_values_per_token(mf, n_layer, n_head), dense_values=dense_values,
         )
     except GGUFError as e:  # its message starts with the path
         raise UserError(f"cannot read the model: {e}") from None

@@ -5,10 +5,11 @@ can re-price it live as the user moves a slider. Its JSON is what `moestudio pla
 prints and what the wizard shows. The settings are the engine's own (engine/config.Config).
 
 Where the VRAM goes is engine/plan/sizing.place, the rule the engine sizes its expert cache
-by, so the slots planned are the slots the engine makes. The decode ceiling
-is the memory-bandwidth bound: per token the GPU reads the dense weights and the selected
-experts that are resident; the misses are either uploaded over PCIe (the miss fraction) or
-computed by the CPU from RAM, in parallel with the GPU's expert work.
+by, so the slots planned are the slots the engine makes. The decode speed is the rate the
+engine measured on this machine for the same model and conditions when there is one
+(engine/plan/measured.py, looked up by the caller), else an estimate with a range
+(engine/plan/speed.py: the bytes a token reads over the measured bandwidths, plus the fixed
+costs per layer measured for the engine that will run it).
 """
 from __future__ import annotations
 
@@ -16,13 +17,17 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from engine.config import Config
+from engine.plan import speed
 from engine.plan.geometry import KV_BYTES, Geometry
+from engine.plan.measured import condition
 from engine.plan.probe import GpuInfo, Hardware
 from engine.plan.sizing import MIB, balanced_fraction, place, resolve_ctx, workspace_bytes
 
-SCHEMA = 2  # 2: "options" hold the planner's assumptions only; staging and headroom sized as the engine does
+# 2: "options" hold the planner's assumptions only; staging and headroom sized as the engine does.
+# 3: "decode speed" (measured, or an estimate with a range) replaces the "decode ceiling".
+SCHEMA = 3
 # Assumed bandwidths (GB/s), used when nothing better is known; each can be overridden.
-DEFAULT_RAM_GBS = 40.0  # dual-channel DDR4-3200 peaks at 51 GB/s; a CPU pool reaches ~80% of it
+DEFAULT_RAM_GBS = 40.0  # when not measured: dual-channel DDR4-3200 peaks at 51 GB/s; reads reach ~80% of it
 PCIE_LANE_GBS = {1: 0.25, 2: 0.5, 3: 0.985, 4: 1.969, 5: 3.938, 6: 7.563}
 DEFAULT_PCIE = (4, 16)  # generation, width when NVML cannot tell
 ACHIEVED = 0.8  # share of a theoretical peak (VRAM, PCIe) that streaming kernels and copies reach
@@ -92,12 +97,47 @@ def _mib(n: int) -> str:
     return f"{n / MIB:,.0f} MiB" if n >= 100 * MIB else f"{n / MIB:,.1f} MiB"
 
 
-def _cpu_plan(hw: Hardware, g: Geometry, s: Config, o: PlanOptions, threads: int, ram_gbs: float,
-              ram_src: str) -> Plan:
+def _decode(est: speed.DecodeEstimate, key: str, measured: dict[str, Any] | None,
+            bytes_per_token: dict[str, int], hit_rate: float) -> tuple[PlanLine, dict[str, Any]]:
+    """The decode speed line and JSON: the rate measured here under the same conditions when
+    there is one, else the estimate (labelled so, with its range)."""
+    got = (measured or {}).get(key)
+    if got:
+        n = len(got["rates"])
+        figure, source = got["tokens_per_s"], "measured"
+        explain = (f"measured on this machine: median of the last {n} generation{'s' * (n != 1)} with these "
+                   f"settings; the {est.explain.split(':', 1)[0]} was {est.tokens_per_s:,.1f} "
+                   f"({est.low:,.1f}-{est.high:,.1f})")
+    else:
+        figure, source = est.tokens_per_s, "estimate"
+        explain = f"{est.explain} = {est.low:,.1f}-{est.high:,.1f} tok/s"
+    line = PlanLine("decode speed", None, "-", explain, figure)
+    return line, {"tokens_per_s": figure, "source": source, "estimate": est.to_json(),
+                  "measured": {"tokens_per_s": got["tokens_per_s"], "rates": got["rates"]} if got else None,
+                  "condition": key, "hit_rate_assumed": round(hit_rate, 4), "bytes_per_token": bytes_per_token}
+
+
+def _fraction_line(engine: str, fraction: float | None, how: str) -> PlanLine:
+    """The miss fraction the engine will use: what the wizard and Settings show beside "auto".
+    Without a GPU the MoE Studio engine uses 0 (engine/moe/hybrid.attach_hybrid); llama.cpp has
+    no such setting (None: it does not apply)."""
+    if engine == "llamacpp":
+        return PlanLine("miss fraction", None, "-", "does not apply: llama.cpp has no expert cache")
+    if fraction is None:
+        return PlanLine("miss fraction", None, "-", f"0: {how}", 0.0)
+    return PlanLine("miss fraction", None, "-", "share of a prompt step's distinct misses uploaded to the GPU; the "
+                    "rest run on the CPU (a decode token's misses all run on the CPU pool, inside its CUDA graph) "
+                    f"({how})", fraction)
+
+
+def _cpu_plan(hw: Hardware, g: Geometry, s: Config, o: PlanOptions, threads: int, ram: tuple[float, float, str],
+              engine: str, measured: dict[str, Any] | None) -> Plan:
+    ram_gbs, ram_gbs_1, ram_src = ram
     ctx = resolve_ctx(s.ctx, g.n_ctx_train)
     kv, work = g.kv_bytes(ctx, o.kv_type), workspace_bytes(g, ctx, s.prefill_chunk)
-    per_token = g.dense_bytes + g.active_expert_bytes
-    tps = ram_gbs * 1e9 / per_token
+    est = speed.estimate_cpu(g, engine, threads, ram_gbs, ram_gbs_1)
+    decode_line, decode = _decode(est, condition(engine, "cpu", threads, 0), measured,
+                                  {"vram": 0, "pcie": 0, "ram": g.dense_bytes + g.active_expert_bytes}, 0.0)
     need = g.file_bytes + kv + work
     lines = [
         PlanLine("dense weights", g.dense_bytes, "ram", "attention, router, shared experts, norms and output head"),
@@ -107,8 +147,8 @@ def _cpu_plan(hw: Hardware, g: Geometry, s: Config, o: PlanOptions, threads: int
         PlanLine("compute workspace", work, "ram", f"estimate for a {s.prefill_chunk}-token prefill chunk"),
         PlanLine("CPU threads", None, "-", "one per physical core: the CPU pool is bound by memory bandwidth, "
                  "and hyper-threads only contend for it", threads),
-        PlanLine("decode ceiling", None, "-", f"{ram_gbs} GB/s RAM / {_mib(per_token)} read per token "
-                 "(dense weights + the selected experts)", round(tps, 1)),
+        _fraction_line(engine, None, "no GPU to upload to: every miss runs on the CPU pool, whatever the setting"),
+        decode_line,
     ]
     warnings = ["no NVIDIA GPU found: the engine runs on the CPU"]
     if need > hw.ram_available_bytes:
@@ -117,18 +157,30 @@ def _cpu_plan(hw: Hardware, g: Geometry, s: Config, o: PlanOptions, threads: int
     return Plan(mode="cpu", lines=lines, fits=need <= hw.ram_total_bytes, warnings=warnings,
                 settings={"device": "cpu", "ctx": ctx, "threads": threads, "moe_expert_cache_size": 0},
                 expert_cache={"slots_per_layer": 0, "bytes": 0, "resident_share": 0.0},
-                decode={"tokens_per_s": round(tps, 1), "hit_rate_assumed": 0.0,
-                        "bytes_per_token": {"vram": 0, "pcie": 0, "ram": per_token}},
-                bandwidth_gbs={"ram": ram_gbs, "sources": {"ram": ram_src}})
+                decode=decode, bandwidth_gbs={"ram": ram_gbs, "ram_1_thread": ram_gbs_1, "sources": {"ram": ram_src}})
 
 
-def make_plan(hw: Hardware, g: Geometry, s: Config = Config(), o: PlanOptions = PlanOptions()) -> Plan:
-    """The plan for settings `s` (the user's: `moestudio serve` takes the same) on machine `hw`."""
+def _ram_gbs(hw: Hardware, o: PlanOptions) -> tuple[float, float, str]:
+    """(all threads, one thread, where from): given, measured by the probe, or assumed."""
+    if o.ram_gbs:
+        return o.ram_gbs, o.ram_gbs, "given"
+    if hw.ram_read_gbs:
+        return (hw.ram_read_gbs, hw.ram_read_gbs_1 or hw.ram_read_gbs,
+                f"measured: {hw.ram_read_gbs} GB/s on {hw.physical_cores} threads, {hw.ram_read_gbs_1} on one")
+    return DEFAULT_RAM_GBS, DEFAULT_RAM_GBS, "assumed (dual-channel DDR4-3200 x 0.8)"
+
+
+def make_plan(hw: Hardware, g: Geometry, s: Config = Config(), o: PlanOptions = PlanOptions(), *,
+              engine: str = "hybrid", llama_gpu: bool = False, measured: dict[str, Any] | None = None) -> Plan:
+    """The plan for settings `s` (the user's: `moestudio serve` takes the same) on machine `hw`,
+    its decode speed for `engine` ("hybrid" or "llamacpp"; `llama_gpu`: llama.cpp is a GPU build)
+    from `measured` (engine/plan/measured.load of the model) when it has these conditions."""
     threads = s.threads or hw.physical_cores
-    ram_gbs, ram_src = (o.ram_gbs, "given") if o.ram_gbs else (DEFAULT_RAM_GBS, "assumed (dual-channel DDR4-3200 x 0.8)")
+    ram = _ram_gbs(hw, o)
+    ram_gbs, ram_gbs_1, ram_src = ram
     gpu = hw.gpu
-    if gpu is None:
-        return _cpu_plan(hw, g, s, o, threads, ram_gbs, ram_src)
+    if gpu is None or (engine == "llamacpp" and not llama_gpu):
+        return _cpu_plan(hw, g, s, o, threads, ram, engine, measured)
     vram_gbs, vram_src = _vram_gbs(gpu, o.vram_gbs)
     pcie_gbs, pcie_src = _pcie_gbs(gpu, o.pcie_gbs)
     if s.miss_fraction is None:
@@ -143,18 +195,20 @@ def make_plan(hw: Hardware, g: Geometry, s: Config = Config(), o: PlanOptions = 
               vram_budget_mib=s.vram_budget_mib, miss_fraction=fraction, kv_type=o.kv_type)
     slots, cache = p.slots_per_layer, p.cache_bytes
     share = slots / g.n_expert
-    # Uniform routing: the hit rate equals the resident share. Real routing is skewed, so a
-    # cache filled from a profile hits more often; this is the floor of the ceiling.
-    active = g.active_expert_bytes
-    hits, misses = share * active, (1 - share) * active
-    uploads, cpu = fraction * misses, (1 - fraction) * misses
-    t_dense = g.dense_bytes / (vram_gbs * 1e9)
-    t_experts = max((hits + uploads) / (vram_gbs * 1e9) + uploads / (pcie_gbs * 1e9), cpu / (ram_gbs * 1e9))
-    tps = 1 / (t_dense + t_experts)
     layer_bytes = g.n_expert * g.expert_bytes
     room = p.free_for_experts + p.staging_bytes  # llama.cpp stages nothing
     llama_fit = max(0, min(len(g.moe_layers), room // layer_bytes)) if layer_bytes else 0
     n_cpu_moe = 0 if llama_fit == len(g.moe_layers) else g.moe_layers[len(g.moe_layers) - llama_fit - 1] + 1
+    if engine == "llamacpp":
+        est = speed.estimate_llamacpp_gpu(g, n_cpu_moe, threads, vram_gbs, ram_gbs, ram_gbs_1)
+        on_cpu = sum(1 for layer in g.moe_layers if layer < n_cpu_moe)
+        key, hit = condition("llamacpp", "cuda", threads, n_cpu_moe), 1 - on_cpu / len(g.moe_layers)
+    else:
+        est = speed.estimate_hybrid_gpu(g, share, threads, vram_gbs, ram_gbs, ram_gbs_1)
+        key, hit = condition("hybrid", "cuda", threads, slots), speed.skewed_hit_rate(share)
+    hits = int(hit * g.active_expert_bytes)
+    decode_line, decode = _decode(est, key, measured, {"vram": g.dense_bytes + hits, "pcie": 0,
+                                                       "ram": g.active_expert_bytes - hits}, hit)
     lines = [
         PlanLine("dense weights", g.dense_bytes, "gpu", "attention, router, shared experts, norms and output head; "
                  "read by every token"),
@@ -172,11 +226,8 @@ def make_plan(hw: Hardware, g: Geometry, s: Config = Config(), o: PlanOptions = 
                  "memory-mapped; computed by the CPU pool or uploaded when routed to"),
         PlanLine("token embeddings", g.embedding_bytes, "ram", "one row read per token: stays in RAM"),
         PlanLine("CPU threads", None, "-", "one per physical core for the CPU expert pool", threads),
-        PlanLine("miss fraction", None, "-", f"share of distinct misses uploaded to the GPU; the rest run on the CPU "
-                 f"({fraction_how})", fraction),
-        PlanLine("decode ceiling", None, "-", f"dense {_mib(g.dense_bytes)} + hits {_mib(int(hits))} at {vram_gbs} GB/s "
-                 f"VRAM; uploads {_mib(int(uploads))} at {pcie_gbs} GB/s PCIe; CPU misses {_mib(int(cpu))} at "
-                 f"{ram_gbs} GB/s RAM, beside the GPU (tokens/s, at hit rate = resident share)", round(tps, 1)),
+        _fraction_line(engine, fraction, fraction_how),
+        decode_line,
     ]
     warnings = []
     if p.free_for_experts < 0:
@@ -193,8 +244,7 @@ def make_plan(hw: Hardware, g: Geometry, s: Config = Config(), o: PlanOptions = 
                   "moe_gpu_miss_fraction": s.moe_gpu_miss_fraction, "n_cpu_moe": n_cpu_moe},
         expert_cache={"slots_per_layer": slots, "bytes": cache, "resident_share": round(share, 4),
                       "vram_budget_bytes": p.budget_bytes},
-        decode={"tokens_per_s": round(tps, 1), "hit_rate_assumed": round(share, 4),
-                "bytes_per_token": {"vram": int(g.dense_bytes + hits + uploads), "pcie": int(uploads), "ram": int(cpu)}},
-        bandwidth_gbs={"vram": vram_gbs, "pcie": pcie_gbs, "ram": ram_gbs,
+        decode=decode,
+        bandwidth_gbs={"vram": vram_gbs, "pcie": pcie_gbs, "ram": ram_gbs, "ram_1_thread": ram_gbs_1,
                        "sources": {"vram": vram_src, "pcie": pcie_src, "ram": ram_src}},
     )

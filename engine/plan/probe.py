@@ -1,4 +1,5 @@
-"""What this machine has: GPUs through NVML (nvidia-ml-py), RAM and cores through psutil.
+"""What this machine has: GPUs through NVML (nvidia-ml-py), RAM and cores through psutil, and
+how fast this machine reads RAM, measured (a few hundred milliseconds, once per process).
 
 `probe_hardware(nvml=...)` is the seam: tests hand it a fake NVML module (an 8 GiB GPU) and
 the rest of the planner runs unchanged. No GPU, no driver or no NVML library all mean the
@@ -10,6 +11,11 @@ from dataclasses import asdict, dataclass
 from types import ModuleType
 from typing import Any, Callable
 
+import threading
+import time
+from functools import cache
+
+import numpy as np
 import psutil
 
 
@@ -30,6 +36,10 @@ class Hardware:
     ram_available_bytes: int
     physical_cores: int
     logical_cores: int
+    # RAM read bandwidth measured here (GB/s) by one thread and by one thread per physical core;
+    # None when not measured (a machine described rather than probed): the planner assumes then.
+    ram_read_gbs_1: float | None = None
+    ram_read_gbs: float | None = None
 
     @property
     def gpu(self) -> GpuInfo | None:
@@ -90,10 +100,38 @@ def probe_gpus(nvml: ModuleType | None) -> tuple[GpuInfo, ...]:
         nvml.nvmlShutdown()
 
 
-def probe_hardware(nvml: ModuleType | None | bool = True) -> Hardware:
-    """`nvml`: True = the real pynvml (when installed), None = no GPUs, or a module-like fake."""
+BANDWIDTH_MIB = 256  # larger than any CPU's last-level cache, so the reads come from RAM
+BANDWIDTH_PASSES = 3  # the fastest pass counts: the others were disturbed by something else
+
+
+@cache
+def measure_ram_read_gbs(threads: int) -> float:
+    """GB/s at which `threads` threads read a 256 MiB array (numpy's max: vectorised, releases
+    the GIL, so the reads, not the arithmetic, set its pace). What a decode token's weight reads
+    can get at most; the planner's speed estimate divides the bytes a token reads by it."""
+    data = np.ones((BANDWIDTH_MIB << 20) // 4, np.float32)  # written once: the pages exist before timing
+    parts = np.array_split(data, threads)
+    best = float("inf")
+    for _ in range(BANDWIDTH_PASSES):
+        workers = [threading.Thread(target=np.max, args=(part,)) for part in parts]
+        start = time.perf_counter()
+        for w in workers:
+            w.start()
+        for w in workers:
+            w.join()
+        best = min(best, time.perf_counter() - start)
+    return round(data.nbytes / best / 1e9, 1)
+
+
+def probe_hardware(nvml: ModuleType | None | bool = True, bandwidth: bool = True) -> Hardware:
+    """`nvml`: True = the real pynvml (when installed), None = no GPUs, or a module-like fake.
+    `bandwidth`: measure the RAM read bandwidth (~0.3 s the first time in a process)."""
     module = _nvml_module() if nvml is True else nvml
     vm = psutil.virtual_memory()
     logical = psutil.cpu_count(logical=True) or 1
+    physical = psutil.cpu_count(logical=False) or logical
+    one = measure_ram_read_gbs(1) if bandwidth else None
+    # Every core reads at least as fast as one: less means other work took the cores meanwhile.
+    every = max(one, measure_ram_read_gbs(physical)) if one else None
     return Hardware(gpus=probe_gpus(module), ram_total_bytes=int(vm.total), ram_available_bytes=int(vm.available),
-                    physical_cores=psutil.cpu_count(logical=False) or logical, logical_cores=logical)
+                    physical_cores=physical, logical_cores=logical, ram_read_gbs_1=one, ram_read_gbs=every)

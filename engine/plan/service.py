@@ -33,6 +33,7 @@ class Planner:
         self._hardware = None
         self._geometries: dict[str, Any] = {}
         self._engines: dict[tuple[str, str, str], tuple[str, str]] = {}
+        self._fingerprints: dict[str, str] = {}
 
     def hardware(self):
         if self._hardware is None:
@@ -76,11 +77,22 @@ class Planner:
         if assume_gpu_mib:
             hw = replace(hw, gpus=(GpuInfo(name=f"assumed GPU with {assume_gpu_mib} MiB",
                                            total_bytes=assume_gpu_mib << 20, free_bytes=assume_gpu_mib << 20),))
+        from engine.gguf.fingerprint import file_fingerprint
+        from engine.plan.measured import speed_inputs
+
         g = self.geometry(path)
         options = PlanOptions()
         cfg = Config(**settings)
-        kind, reason = self.engine(path, cfg.engine, cfg.device)
-        return {**make_plan(hw, g, cfg, options).to_json(hw, g, options), "engine": kind, "engine_reason": reason}
+        from engine.plan.cli import plan_device
+
+        # The engine that would run on the machine planned (a probed or assumed GPU is a CUDA machine).
+        kind, reason = self.engine(path, cfg.engine, plan_device(cfg.device, hw))
+        if path not in self._fingerprints:
+            self._fingerprints[path] = file_fingerprint(path)
+        # The measured rates are read again at every plan: the engine may have run since the last.
+        speed = speed_inputs(self._fingerprints[path], kind, hw.gpu is not None)
+        return {**make_plan(hw, g, cfg, options, **speed).to_json(hw, g, options), "engine": kind,
+                "engine_reason": reason}
 
     def answer(self, request: dict[str, Any], send: Send) -> Any:
         rid, op = request.get("id"), request.get("op")

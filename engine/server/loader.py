@@ -116,7 +116,7 @@ def _n_cpu_moe(cfg: Config) -> int:
     from engine.plan.planner import PlanOptions, make_plan
     from engine.plan.probe import probe_hardware
 
-    plan = make_plan(probe_hardware(), read_geometry(cfg.model), cfg, PlanOptions(kv_type="f16"))
+    plan = make_plan(probe_hardware(bandwidth=False), read_geometry(cfg.model), cfg, PlanOptions(kv_type="f16"))
     return int(plan.settings.get("n_cpu_moe", 0))
 
 

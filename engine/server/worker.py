@@ -54,6 +54,7 @@ class EngineWorker:
         self.running = 0  # 1 while a job generates
         self._jobs: queue.Queue[Job | None] = queue.Queue()
         self._current: Job | None = None
+        self._fingerprint: str | None = None  # the model file's, computed at the first recorded rate
         self._thread = threading.Thread(target=self._main, name="moestudio-engine", daemon=True)
 
     @property
@@ -96,6 +97,27 @@ class EngineWorker:
     def _report(self, stage: str, fraction: float) -> None:
         self.stage, self.progress = stage, max(self.progress, min(1.0, fraction))
 
+    def _measured(self, done: Any) -> None:
+        """Keeps this generation's decode rate for the plan (engine/plan/measured.py): what the
+        wizard and `moestudio plan` show for this model on this machine from now on."""
+        from engine.plan import measured
+        from engine.runtime.engine import DoneEvent
+
+        if not isinstance(done, DoneEvent) or done.completion_tokens < measured.MIN_TOKENS or not done.decode_tokens_per_s:
+            return
+        eff = self.loaded.effective
+        slots = eff.get("n_cpu_moe", 0) if self.loaded.kind == "llamacpp" else eff.get("moe_expert_cache_size", 0)
+        key = measured.condition(self.loaded.kind, str(eff.get("device", "cpu")), int(eff.get("threads", 0)),
+                                 int(slots or 0))
+        try:
+            if self._fingerprint is None:
+                from engine.gguf.fingerprint import file_fingerprint
+
+                self._fingerprint = file_fingerprint(self.cfg.model)
+            measured.record(self._fingerprint, key, done.decode_tokens_per_s, printable(self.cfg.model))
+        except OSError as e:  # an unwritable cache costs only the plan's figure
+            log.debug("decode rate not recorded: %s", e)
+
     def _main(self) -> None:
         started = time.perf_counter()
         try:
@@ -113,8 +135,10 @@ class EngineWorker:
                 continue
             self._current, self.running = job, 1
             try:
+                event = None
                 for event in self.loaded.engine.generate(job.request, job.cancel):
                     job.deliver(event)
+                self._measured(event)
             except Exception as e:
                 if not isinstance(e, UserError):
                     log.exception("generation failed")

@@ -80,7 +80,7 @@ def test_wizard_to_started_engine(studio, monkeypatch):
     wait_until(lambda: win.wizard is not None, 5, "the first-run wizard")
     wiz = win.wizard
     wait_until(lambda: wiz.hardware_page.isComplete(), 60, "the hardware probe")
-    assert "CPU" in wiz.hardware_page.info.text()
+    assert "CPU" in wiz.hardware_page.info.text() and "GB/s on every core" in wiz.hardware_page.info.text()
     wiz.next()
     wiz.model_page.path.setText(str(studio.model))
     wait_until(lambda: wiz.model_page.isComplete(), 30, "the model summary")
@@ -97,13 +97,28 @@ def test_wizard_to_started_engine(studio, monkeypatch):
     plan = wiz.plan_page
     wait_until(plan.isComplete, 30, "the plan")
     assert plan.engine.currentText() == "auto" and plan.plan["engine"] == ("hybrid" if cuda else "llamacpp")
+    auto_estimate = plan.plan["decode"]["estimate"]["tokens_per_s"]
+    # the miss fraction is Settings' widget: on auto it shows what the engine will use
+    assert plan.miss.value() == "auto" and plan.miss.auto.text() == "auto (measured at load)"
+    if not cuda:  # llama.cpp has no expert cache
+        assert plan.miss.spin.text() == "does not apply"
     # this test drives the MoE Studio engine: chosen explicitly, and the sentence follows the choice
     plan.engine.setCurrentText("hybrid")
     wait_until(lambda: plan.plan is not None and plan.plan["engine"] == "hybrid", 10, "the plan for hybrid")
     assert plan.engine_note.text() == ("On this machine <b>the MoE Studio hybrid engine</b> will run it: "
                                        "chosen with --engine hybrid.")
     names = [plan.table.item(r, 0).text() for r in range(plan.table.rowCount())]
-    assert "KV cache" in names and "decode ceiling" in names
+    assert "KV cache" in names and "decode speed" in names
+    # the decode speed is an estimate for the engine that will run (no engine has run the demo in this
+    # test's fresh cache), shown as one, with its range; without CUDA llama.cpp's is the faster
+    decode = plan.plan["decode"]
+    assert decode["source"] == "estimate" and decode["estimate"]["low"] < decode["tokens_per_s"] < decode["estimate"]["high"]
+    assert plan.table.item(names.index("decode speed"), 1).text().startswith("~")
+    assert "an estimate" in plan.summary.text() and "ceiling" not in plan.summary.text()
+    if not cuda:
+        assert decode["tokens_per_s"] < auto_estimate
+        # this engine without a GPU computes every miss on the CPU: 0, as /health will report
+        assert plan.miss.value() == "auto" and plan.miss.spin.text() == "0.000"
     kv_row = names.index("KV cache")
     kv_before, n = plan.table.item(kv_row, 1).text(), plan.reprices
     plan.ctx.setValue(768)  # re-priced live: the KV cache line follows the context

@@ -217,9 +217,17 @@ def test_settings_panel_shows_what_the_engine_uses(qtbot):
     assert p.effective["ctx"].text() == "engine: 4,096 tokens" and p.effective["threads"].text() == "engine: 2"
     assert p.effective["engine"].text() == "engine: llamacpp" and p.effective["moe_gpu_miss_fraction"].text() == ""
     assert p.engine_note.text() == "Running: llamacpp engine (auto: no CUDA GPU here)"
+    fraction = p.fields["moe_gpu_miss_fraction"]  # on auto its number is what auto came to: here nothing
+    assert fraction.value() == "auto" and fraction.spin.text() == "does not apply"
     p.set_effective({"engine": "hybrid", "effective": {"moe_expert_cache_size": 0, "moe_gpu_miss_fraction": 0.25}})
     assert p.effective["moe_expert_cache_size"].text() == "engine: 0 slots per layer"
     assert p.effective["moe_gpu_miss_fraction"].text() == "engine: 0.25" and p.effective["ctx"].text() == ""
+    assert fraction.value() == "auto" and fraction.spin.text() == "0.250" and not fraction.spin.isEnabled()
+    fraction.auto.setChecked(False)  # the user's own number: 0 is 0, and the engine's does not overwrite it
+    fraction.spin.setValue(0.0)
+    p.set_effective({"engine": "hybrid", "effective": {"moe_gpu_miss_fraction": 0.5}})
+    assert fraction.value() == 0.0 and fraction.spin.text() == "0.000"
+    fraction.auto.setChecked(True)
     p.set_effective(None)  # the engine stopped
     assert not any(label.text() for label in p.effective.values()) and p.engine_note.text() == ""
     # Save is outside the scrolled options: visible in a short window

@@ -12,6 +12,7 @@ import pytest
 from engine.plan import cli as plan_cli
 from engine.plan.geometry import Geometry, read_geometry
 from engine.config import Config
+from engine.plan import speed
 from engine.plan.planner import PlanOptions, make_plan
 from engine.plan.sizing import HEADROOM_BYTES
 from engine.plan.probe import Hardware, probe_hardware
@@ -49,7 +50,8 @@ class FakeNVML:
 Q3 = Geometry(name="qwen3-30b-a3b", arch="qwen3moe", file_bytes=17_330_232_768, n_layer=48, moe_layers=tuple(range(48)),
               n_expert=128, n_expert_used=8, n_embd=2048, n_ff_exp=768, n_head=32, n_vocab=2048, n_ctx_train=40960,
               expert_bytes=2_654_208, expert_slot_bytes=2_654_208, experts_bytes_total=2_654_208 * 128 * 48, dense_bytes=1_018_429_440,
-              embedding_bytes=4_456_448, kv_values_per_token=48 * 4 * 256)
+              embedding_bytes=4_456_448, kv_values_per_token=48 * 4 * 256,
+              dense_values=1_018_429_440 * 32 // 34)  # Q8_0: 34 bytes per 32 values
 
 
 def machine(gpu_mib: int | None) -> Hardware:
@@ -82,13 +84,14 @@ def test_cpu_plan_json_on_this_machine(make_model):
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     plan = json.loads(r.stdout)
-    assert plan["schema"] == 2 and plan["mode"] in ("cpu", "gpu")
+    assert plan["schema"] == 3 and plan["mode"] in ("cpu", "gpu")
     for line in plan["lines"]:
         assert set(line) == {"name", "bytes", "where", "explain", "value"} and line["explain"]
     names = [line["name"] for line in plan["lines"]]
-    assert {"dense weights", "KV cache", "compute workspace", "CPU threads", "decode ceiling"} <= set(names)
+    assert {"dense weights", "KV cache", "compute workspace", "CPU threads", "decode speed"} <= set(names)
     if plan["mode"] == "cpu":  # CI machines have no GPU
         assert plan["settings"]["threads"] == plan["hardware"]["physical_cores"] and plan["decode"]["tokens_per_s"] > 0
+        assert plan["hardware"]["ram_read_gbs"] > 0 and plan["bandwidth_gbs"]["sources"]["ram"].startswith("measured")
 
 
 def test_plan_cli_with_the_fake_gpu(make_model, capsys):
@@ -127,7 +130,9 @@ def test_overrides_and_warnings():
     given = make_plan(machine(8192), Q3, Config(moe_gpu_miss_fraction=0), PlanOptions(ram_gbs=80))
     assert given.bandwidth_gbs["sources"]["ram"] == "given" and given.decode["bytes_per_token"]["pcie"] == 0
     cpu = make_plan(machine(None), Q3)
-    assert cpu.mode == "cpu" and cpu.decode["tokens_per_s"] == round(40e9 / (Q3.dense_bytes + Q3.active_expert_bytes), 1)
+    assert cpu.mode == "cpu" and cpu.bandwidth_gbs["sources"]["ram"].startswith("assumed")  # not measured
+    t = (Q3.dense_values * 4 + Q3.active_expert_bytes) / 40e9 + Q3.n_layer * speed.CPU_LAYER_S["hybrid"]
+    assert cpu.decode["tokens_per_s"] == round(1 / t, 1) and cpu.decode["source"] == "estimate"
 
 
 def test_the_gui_can_reprice_from_the_json_without_torch():
