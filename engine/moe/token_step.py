@@ -85,8 +85,10 @@ class TokenExperts:
         self._start_refills()
 
     def after_warmup(self) -> None:
-        """The unarmed warm-up counted one token on the GPU that is not one: skip it."""
-        self._seen = self.mailbox.stats.cpu().numpy().astype(np.int64)
+        """The unarmed warm-up counted one token on the GPU that is not one: skip it (the read-back
+        holds it too, so the first token's learning sees no change until its own read-back)."""
+        self.mailbox.stats_host.copy_(self.mailbox.stats)
+        self._seen = self.mailbox.stats_host.numpy().astype(np.int64)
 
     @torch.inference_mode()
     def settle(self) -> None:
