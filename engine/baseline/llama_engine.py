@@ -22,6 +22,7 @@ import torch
 
 from engine.baseline.llama_load import llama_cpp
 from engine.baseline.placement import cpu_moe_overrides, open_llama_with
+from engine.config import Config
 from engine.runtime.engine import Completion, Engine, Event, Request, TokenEvent, request_grammar
 from engine.runtime.telemetry import Telemetry
 from engine.runtime.tokenizer import Tokenizer
@@ -48,14 +49,15 @@ class LlamaEngine:
 
     @classmethod
     def load(cls, path: str | Path, *, n_ctx: int, threads: int | None, load_mode: str = "auto",
-             n_cpu_moe: int = 0, progress: Callable[[str, float], None] | None = None) -> LlamaEngine:
+             n_cpu_moe: int = 0, prefill_chunk: int = Config.prefill_chunk,
+             progress: Callable[[str, float], None] | None = None) -> LlamaEngine:
         """`n_cpu_moe` applies only on a GPU build; on a CPU build everything is on the CPU anyway."""
         report = progress or (lambda stage, fraction: None)
         gpu = bool(llama_cpp().llama_supports_gpu_offload())
         overrides = cpu_moe_overrides(n_cpu_moe) if gpu else None
         report("loading the model into llama.cpp", 0.0)
         llm = open_llama_with(path, overrides=overrides, progress=lambda f: report("loading the model into llama.cpp", 0.9 * f),
-                              n_ctx=n_ctx, n_batch=512, n_threads=threads, n_threads_batch=threads,
+                              n_ctx=n_ctx, n_batch=prefill_chunk, n_threads=threads, n_threads_batch=threads,
                               n_gpu_layers=-1 if gpu else 0, use_mmap=load_mode != "none")
         report("loading tokenizer", 0.9)
         engine = cls(llm, Tokenizer(path))
@@ -66,6 +68,24 @@ class LlamaEngine:
     # and refuse prompts identically.
     prompt_tokens = Engine.prompt_tokens
     checked_prompt = Engine.checked_prompt
+
+    def _read_prompt(self, prompt: list[int], reused: int, cancel: threading.Event | None) -> bool:
+        """Evaluates the prompt but its last token in chunks of n_batch, reporting progress in the
+        telemetry as the torch engine does; Llama.generate then finds all but the last token
+        cached and evaluates that one. False when cancelled on the way."""
+        end, step = len(prompt) - 1, self.llm.n_batch
+        if end - reused <= step:
+            return True  # one chunk: nothing to report between chunks
+        self.llm.n_tokens = reused  # the prefix generate would keep; eval drops the cache after it
+        try:
+            for start in range(reused, end, step):
+                if cancel is not None and cancel.is_set():
+                    return False
+                self.telemetry.prefill_progress(start, len(prompt))
+                self.llm.eval(prompt[start:min(start + step, end)])
+        finally:
+            self.telemetry.prefill_done()
+        return True
 
     def _last_logits(self) -> torch.Tensor:
         """The logits the token just sampled came from: `Llama.generate` yields each token before it
@@ -96,6 +116,10 @@ class LlamaEngine:
         t0 = time.perf_counter()
         t_first = t0
         reason, n_gen = "length", 0
+
+        if not self._read_prompt(prompt, reused, cancel):
+            yield completion.done(self.telemetry, "cancelled", len(prompt), 0, reused, t0, time.perf_counter())
+            return
 
         def budget() -> int:  # the tokens still allowed, read by the grammar as generation goes on
             return min(request.max_tokens - n_gen, self.n_ctx - len(prompt) - n_gen)

@@ -136,7 +136,7 @@ def load_llamacpp(cfg: Config, progress: Progress) -> tuple[Any, dict[str, Any]]
     n_ctx = resolve_ctx(cfg.ctx, n_ctx_train) if n_ctx_train > 0 else cfg.ctx
     threads = _threads(cfg)
     engine = LlamaEngine.load(cfg.model, n_ctx=n_ctx, threads=threads, load_mode=cfg.load_mode,
-                              n_cpu_moe=n_cpu_moe, progress=progress)
+                              n_cpu_moe=n_cpu_moe, prefill_chunk=cfg.prefill_chunk, progress=progress)
     return engine, {"engine": "llamacpp", "ctx": engine.n_ctx, "threads": threads,
                     "device": "cuda" if gpu_build else "cpu", "n_cpu_moe": n_cpu_moe,
                     "load_mode": "none" if cfg.load_mode == "none" else "mmap"}

@@ -102,10 +102,11 @@ def test_metrics_parse_with_prometheus_client(server):
     assert families["moestudio_gpu_miss_fraction"].samples[0].value == 0.0  # no GPU here: every miss on the CPU
 
 
-def test_stats_carry_prefill_progress_while_a_prompt_runs(serve, tiny_model):
+@pytest.mark.parametrize("engine", ["hybrid", "llamacpp"])
+def test_stats_carry_prefill_progress_while_a_prompt_runs(serve, tiny_model, engine):
     """A long prompt read in chunks of 2 tokens: /v1/stats shows tokens processed / total as it
     goes (the app's "processing prompt 1,536 / 4,000"), and nothing once the prompt is read."""
-    s = serve(tiny_model, "--engine", "hybrid", "-c", "1024", "--prefill-chunk", "2")
+    s = serve(tiny_model, "--engine", engine, "-c", "1024", "--prefill-chunk", "2")
     prompt = " ".join(f"item {i}," for i in range(120))
     with ThreadPoolExecutor(1) as pool:
         done = pool.submit(s.request, "POST", "/v1/completions", {"prompt": prompt, "max_tokens": 1})
