@@ -105,11 +105,15 @@ BANDWIDTH_PASSES = 3  # the fastest pass counts: the others were disturbed by so
 
 
 @cache
-def measure_ram_read_gbs(threads: int) -> float:
+def measure_ram_read_gbs(threads: int) -> float | None:
     """GB/s at which `threads` threads read a 256 MiB array (numpy's max: vectorised, releases
     the GIL, so the reads, not the arithmetic, set its pace). What a decode token's weight reads
-    can get at most; the planner's speed estimate divides the bytes a token reads by it."""
-    data = np.ones((BANDWIDTH_MIB << 20) // 4, np.float32)  # written once: the pages exist before timing
+    can get at most; the planner's speed estimate divides the bytes a token reads by it. None
+    when the array cannot be had (a memory limit): the plan then goes without the figure."""
+    try:
+        data = np.ones((BANDWIDTH_MIB << 20) // 4, np.float32)  # written once: the pages exist before timing
+    except MemoryError:
+        return None
     parts = np.array_split(data, threads)
     best = float("inf")
     for _ in range(BANDWIDTH_PASSES):
