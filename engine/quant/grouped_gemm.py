@@ -49,9 +49,9 @@ triton = tk.triton
 if triton is not None:
     import triton.language as tl
 
-    # The decode kernels' type ids and block decoders (jit helpers), shared, not copied.
+    # The decode kernels' type ids, block decoders and activation (jit helpers), shared, not copied.
     from engine.quant.triton_kernels import (  # noqa: F401 (constexpr globals the kernels read)
-        _BF16, _F16, _MXFP4, _Q4_K, _Q5_K, _Q6_K, _Q8_0, _e2m1_words, _f16_bits)
+        _BF16, _F16, _MXFP4, _Q4_K, _Q5_K, _Q6_K, _Q8_0, _activate, _e2m1_words, _f16_bits)
 
 # Weight types the grouped kernels decode: every type the decode kernels take.
 GROUPED_TYPES: frozenset[QT] = tk.KERNEL_TYPES
@@ -200,12 +200,7 @@ if triton is not None:
             e = tl.load(texp_ptr + mt).to(tl.int64)
             acc_g += tl.load(gb_ptr + e * N + n, mask=live_n, other=0.0)[None, :]
             acc_u += tl.load(ub_ptr + e * N + n, mask=live_n, other=0.0)[None, :]
-        if ACT == 0:  # SiLU(g) * u, as engine.layers.moe.activate writes it
-            h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
-        else:  # SWIGLU_OAI: alpha 1.702, limit 7
-            g7 = tl.minimum(acc_g, 7.0)
-            u7 = tl.minimum(tl.maximum(acc_u, -7.0), 7.0)
-            h = g7 / (1.0 + tl.exp(-1.702 * g7)) * (u7 + 1.0)
+        h = _activate(acc_g, acc_u, ACT)
         tl.store(h_ptr + rows_m.to(tl.int64)[:, None] * N + n[None, :], h, mask=live_n[None, :])
 
     @triton.jit

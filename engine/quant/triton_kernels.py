@@ -611,6 +611,17 @@ if triton is not None:
     # ---------------------------------------------------------------- the two kernels
 
     @triton.jit
+    def _activate(g, u, ACT: tl.constexpr):
+        """The gated activation of gate g and up u (this and the grouped GEMM's kernels)."""
+        if ACT == 0:  # SiLU(g) * u, as engine.layers.moe.activate writes it
+            h = g / (1.0 + tl.exp(-g)) * u
+        else:  # SWIGLU_OAI: alpha 1.702, limit 7
+            g7 = tl.minimum(g, 7.0)
+            u7 = tl.minimum(tl.maximum(u, -7.0), 7.0)
+            h = g7 / (1.0 + tl.exp(-1.702 * g7)) * (u7 + 1.0)
+        return h
+
+    @triton.jit
     def _gate_up_kernel(xg_ptr, xgq_ptr, xgd_ptr, xu_ptr, xuq_ptr, xud_ptr,
                         g_ptr, g_slot_bytes, g_row_bytes, u_ptr, u_slot_bytes, u_row_bytes,
                         gb_ptr, ub_ptr, h_ptr, hr_ptr, hq_ptr, hd_ptr, count_ptr, pair_tok, pair_slot, pair_exp,
@@ -676,12 +687,7 @@ if triton is not None:
             e = tl.load(pair_exp + p).to(tl.int64)
             g = g + tl.load(gb_ptr + e * N + rows, mask=live, other=0.0)
             u = u + tl.load(ub_ptr + e * N + rows, mask=live, other=0.0)
-        if ACT == 0:  # SiLU(g) * u, as engine.layers.moe.activate writes it
-            h = g / (1.0 + tl.exp(-g)) * u
-        else:  # SWIGLU_OAI: alpha 1.702, limit 7
-            g7 = tl.minimum(g, 7.0)
-            u7 = tl.minimum(tl.maximum(u, -7.0), 7.0)
-            h = g7 / (1.0 + tl.exp(-1.702 * g7)) * (u7 + 1.0)
+        h = _activate(g, u, ACT)
         h_row = h_ptr + p.to(tl.int64) * N
         tl.store(h_row + rows, h, mask=live)
         # The last program of this pair to finish rounds the whole h row for the down weights
