@@ -18,6 +18,7 @@ import torch
 from gguf import GGMLQuantizationType as QT
 
 from engine.gguf.reader import ModelFile
+from engine.kernels import triton_applies
 from engine.layers.precision import matmul
 from engine.quant.activation import round_activation
 from engine.quant.dequant import check_supported, dequantize
@@ -64,13 +65,9 @@ class Linear:
 
 
 def _kernel_applies(qtype: QT, device: torch.device | str) -> bool:
-    """Quantized weights stay quantized on CUDA when the Triton kernels can read them, unless
-    MOESTUDIO_TRITON=0; MOESTUDIO_TRITON=force also keeps them on other devices (Triton's
-    interpreter, tests), as for the expert kernels (engine/moe/hybrid._use_triton)."""
-    import os
-
-    mode = os.environ.get("MOESTUDIO_TRITON", "1")
-    if (torch.device(device).type != "cuda" and mode != "force") or qtype == QT.F32 or mode == "0":
+    """Quantized weights stay quantized where the Triton kernels run (engine.kernels.triton_applies)
+    and can read them; elsewhere they are decoded once to float32."""
+    if qtype == QT.F32 or not triton_applies(device):
         return False
     from engine.quant import triton_kernels as tk
 

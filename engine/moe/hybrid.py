@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from engine.config import Config
+from engine.kernels import triton_applies
 from engine.layers.moe import ExpertWeights, expert_ffn
 from engine.moe.copier import Copier
 from engine.moe.cpu_pool import CpuExpertPool
@@ -326,14 +327,7 @@ TRITON_MAX_PAIRS = 64  # decode (1-8 tokens x top-k): one program per pair; larg
 
 
 def _triton_applies(x: torch.Tensor) -> bool:
-    """The Triton kernels run on CUDA unless MOESTUDIO_TRITON=0; MOESTUDIO_TRITON=force also runs
-    them on other devices (Triton's interpreter, tests)."""
-    import os
-
-    mode = os.environ.get("MOESTUDIO_TRITON", "1")
-    if mode == "0" or (x.device.type != "cuda" and mode != "force"):
-        return False
-    return x.dtype == torch.float32 and x.dim() == 2
+    return triton_applies(x.device) and x.dtype == torch.float32 and x.dim() == 2
 
 
 def _use_triton(w: ExpertWeights, x: torch.Tensor, n_pairs: int) -> bool:
