@@ -14,11 +14,11 @@ import time
 from pathlib import Path
 
 
-def time_llama(model: Path, prompt: list[int], stream: list[int], n_cpu_moe: int, threads: int) -> dict:
+def time_llama(model: Path, prompt: list[int], stream: list[int], n_cpu_moe: int, threads: int, n_ctx: int) -> dict:
     from engine.baseline.placement import cpu_moe_overrides, open_llama_with
 
     llm = open_llama_with(model, overrides=cpu_moe_overrides(n_cpu_moe), n_gpu_layers=-1, flash_attn=True,
-                          n_ctx=len(prompt) + len(stream) + 16, n_batch=512, n_ubatch=512, n_threads=threads,
+                          n_ctx=n_ctx, n_batch=512, n_ubatch=512, n_threads=threads,
                           n_threads_batch=threads)
     llm.eval(prompt[:8])  # warm-up
     llm.reset()
@@ -39,9 +39,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("tokens", type=Path, help='JSON {"prompt": [...], "stream": [...]}')
     p.add_argument("--n-cpu-moe", type=int, default=0)
     p.add_argument("-t", "--threads", type=int, default=8)
+    p.add_argument("--ctx", type=int, required=True, help="context length (the engine's, for a fair comparison)")
     args = p.parse_args(argv)
     toks = json.loads(args.tokens.read_text())
-    print(json.dumps(time_llama(args.model, toks["prompt"], toks["stream"], args.n_cpu_moe, args.threads)))
+    print(json.dumps(time_llama(args.model, toks["prompt"], toks["stream"], args.n_cpu_moe, args.threads, args.ctx)))
     return 0
 
 

@@ -21,6 +21,7 @@ from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
+from engine.bench.speed import add_ctx_argument
 from engine.config import resolve_device
 
 MiB = 2**20
@@ -100,7 +101,7 @@ def run(args: argparse.Namespace) -> int:
                 if phase == "engine" and s is scenarios[0] and i == 0:
                     wanted += ("hybrid-mmap",)  # the memory map against the default's pinned copies, once
                 res = bench(path, budget, device=device, threads=args.threads, n_prompt=args.prompt_tokens,
-                            n_decode=args.decode_tokens, runs=wanted, result=results.get(key))
+                            n_decode=args.decode_tokens, ctx=args.ctx, runs=wanted, result=results.get(key))
                 res["scenario"] = {"label": s.label, "geometry": s.geometry, "routing": s.routing, "budget_gib": gib,
                                    "layers": s.layers}
                 results[key] = res
@@ -162,4 +163,5 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("-t", "--threads", type=int, default=16)
     p.add_argument("--prompt-tokens", type=int, default=512)
     p.add_argument("--decode-tokens", type=int, default=64)
+    add_ctx_argument(p)
     p.set_defaults(run=run)

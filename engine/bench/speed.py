@@ -25,7 +25,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from engine.config import resolve_device
+from engine.config import FIELDS, Config, resolve_device
+from engine.plan.sizing import resolve_ctx
 
 if TYPE_CHECKING:
     import torch
@@ -79,14 +80,20 @@ def _geometry(path: Path) -> dict[str, int]:
     n_layer = int(mf.arch_key("block_count"))
     moe_layers = sorted({int(t.name.split(".")[1]) for t in mf.tensors.values() if "_exps." in t.name})
     n_expert = int(mf.arch_key("expert_count"))
+    n_head = int(mf.arch_key("attention.head_count"))
+    n_head_kv = int(mf.arch_key("attention.head_count_kv", n_head))
+    head_k = int(mf.arch_key("attention.key_length", int(mf.arch_key("embedding_length")) // n_head))
     return {"n_layer": n_layer, "n_moe_layers": len(moe_layers), "first_moe_layer": moe_layers[0],
             "n_expert": n_expert, "k": int(mf.arch_key("expert_used_count")),
             "expert_bytes": expert // (len(moe_layers) * n_expert),
-            "dense_bytes": sum(t.n_bytes for t in mf.tensors.values()) - expert}
+            "dense_bytes": sum(t.n_bytes for t in mf.tensors.values()) - expert,
+            # llama.cpp's default f16 KV cache, per token of context, for its layer split's fit
+            "kv_bytes_per_token_f16": 2 * n_layer * n_head_kv * (head_k + int(mf.arch_key("attention.value_length", head_k))),
+            "n_ctx_train": int(mf.arch_key("context_length"))}
 
 
 def run_engine(path: Path, prompt: list[int], stream: list[int], *, device: str, budget_mib: int | None,
-               cache: str, threads: int, load_mode: str = "auto") -> dict:
+               cache: str, threads: int, n_ctx: int, load_mode: str = "auto") -> dict:
     import torch
 
     from engine.moe.hybrid import attach_hybrid
@@ -95,7 +102,7 @@ def run_engine(path: Path, prompt: list[int], stream: list[int], *, device: str,
     dev = torch.device(device)
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats(dev)
-    engine = Engine.load(path, EngineConfig(device=device, n_ctx=len(prompt) + len(stream) + 8, threads=threads,
+    engine = Engine.load(path, EngineConfig(device=device, n_ctx=n_ctx, threads=threads,
                                             moe_expert_cache_size=cache, vram_budget_mib=budget_mib,
                                             load_mode=load_mode), attach_experts=attach_hybrid)
     model, kv = engine.model, engine.cache
@@ -138,7 +145,7 @@ def run_engine(path: Path, prompt: list[int], stream: list[int], *, device: str,
     return out
 
 
-def run_llama(path: Path, prompt: list[int], stream: list[int], *, n_cpu_moe: int, threads: int) -> dict:
+def run_llama(path: Path, prompt: list[int], stream: list[int], *, n_cpu_moe: int, threads: int, n_ctx: int) -> dict:
     """engine/bench/llama_runner.py in a subprocess; MOESTUDIO_LLAMA_SITE names a site dir with a
     GPU build of llama-cpp-python to put first on its path."""
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
@@ -148,7 +155,7 @@ def run_llama(path: Path, prompt: list[int], stream: list[int], *, n_cpu_moe: in
         env["PYTHONPATH"] = os.pathsep.join([env["MOESTUDIO_LLAMA_SITE"], env.get("PYTHONPATH", "")])
     try:
         r = subprocess.run([sys.executable, "-m", "engine.bench.llama_runner", str(path), f.name,
-                            "--n-cpu-moe", str(n_cpu_moe), "-t", str(threads)],
+                            "--n-cpu-moe", str(n_cpu_moe), "-t", str(threads), "--ctx", str(n_ctx)],
                            capture_output=True, text=True, env=env, timeout=600)
     finally:
         os.unlink(f.name)
@@ -168,7 +175,7 @@ def fitting_split(geo: dict[str, int], budget_mib: float, kv_mib: float, workspa
 RUNS = ("hybrid", "hybrid-mmap", "resident", "llama-split", "llama-gpu")
 
 
-def bench(path: Path, budget_mib: int, *, device: str, threads: int, n_prompt: int, n_decode: int,
+def bench(path: Path, budget_mib: int, *, device: str, threads: int, n_prompt: int, n_decode: int, ctx: int,
           runs: tuple[str, ...] = RUNS, result: dict | None = None) -> dict:
     """Adds `runs` to `result` (a new one by default). A run that fails is recorded with its
     error and the others go on: one broken configuration must not cost the whole sweep."""
@@ -180,21 +187,24 @@ def bench(path: Path, budget_mib: int, *, device: str, threads: int, n_prompt: i
     tokens = tokenize_text(path, stdlib_text(max_chars=(n_prompt + n_decode) * 8))
     prompt, stream = tokens[:n_prompt], tokens[n_prompt:n_prompt + n_decode]
     geo = _geometry(path)
+    # Both engines hold the context a user runs (the product's default unless told): its length is
+    # what each decode token's attention and the KV cache's VRAM cost.
+    n_ctx = max(resolve_ctx(ctx, geo["n_ctx_train"]), len(prompt) + len(stream) + 16)
     dev = torch.device(device)
     if result is None:
         result = {"model": path.name, "budget_mib": budget_mib, "geometry": geo,
                   "bandwidth": measure_bandwidths(dev, threads),
-                  "tokens": {"prompt": len(prompt), "decode": len(stream)}, "runs": {}}
-    split = fitting_split(geo, budget_mib, kv_mib=64)
+                  "tokens": {"prompt": len(prompt), "decode": len(stream), "ctx": n_ctx}, "runs": {}}
+    split = fitting_split(geo, budget_mib, kv_mib=n_ctx * geo["kv_bytes_per_token_f16"] / MiB)
     todo = {
         "hybrid": lambda: run_engine(path, prompt, stream, device=device, budget_mib=budget_mib, cache="auto",
-                                     threads=threads),
+                                     threads=threads, n_ctx=n_ctx),
         "hybrid-mmap": lambda: run_engine(path, prompt, stream, device=device, budget_mib=budget_mib,
-                                          cache="auto", threads=threads, load_mode="mmap"),
+                                          cache="auto", threads=threads, n_ctx=n_ctx, load_mode="mmap"),
         "resident": lambda: run_engine(path, prompt, stream, device=device, budget_mib=None, cache="all",
-                                       threads=threads),
-        "llama-split": lambda: run_llama(path, prompt, stream, n_cpu_moe=split, threads=threads),
-        "llama-gpu": lambda: run_llama(path, prompt, stream, n_cpu_moe=0, threads=threads),
+                                       threads=threads, n_ctx=n_ctx),
+        "llama-split": lambda: run_llama(path, prompt, stream, n_cpu_moe=split, threads=threads, n_ctx=n_ctx),
+        "llama-gpu": lambda: run_llama(path, prompt, stream, n_cpu_moe=0, threads=threads, n_ctx=n_ctx),
     }
     for name in runs:
         if name.startswith("llama") and dev.type != "cuda":
@@ -228,6 +238,11 @@ def _bounds(result: dict) -> None:
         run["share_of_bound"] = run["decode_tokens_per_s"] * bound_s
 
 
+def add_ctx_argument(p: argparse.ArgumentParser) -> None:
+    """The engines' context in a benchmark: the setting's own default and meaning (config.py)."""
+    p.add_argument("-c", "--ctx", type=int, default=Config.ctx, help=FIELDS["ctx"].help)
+
+
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("speed", help="decode/prefill speed against llama.cpp at a VRAM budget")
     p.add_argument("model", type=Path)
@@ -236,13 +251,14 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("-t", "--threads", type=int, default=4)
     p.add_argument("--prompt-tokens", type=int, default=512)
     p.add_argument("--decode-tokens", type=int, default=64)
+    add_ctx_argument(p)
     p.add_argument("--out", type=Path, help="write the JSON result here too")
     p.set_defaults(run=_run)
 
 
 def _run(args: argparse.Namespace) -> int:
     r = bench(args.model, args.vram_budget_mib, device=resolve_device(args.device), threads=args.threads,
-              n_prompt=args.prompt_tokens, n_decode=args.decode_tokens)
+              n_prompt=args.prompt_tokens, n_decode=args.decode_tokens, ctx=args.ctx)
     text = json.dumps(r, indent=2, default=float)
     if args.out:
         args.out.write_text(text)
