@@ -1,6 +1,6 @@
 """Where a decode token's time goes, on one model: the token graph's host phases and the CPU pool.
 
-python scripts/profile_decode.py MODEL [--budget-mib N] [--tokens 64] [--out DIR] [--profile]
+python scripts/profile_decode.py MODEL [--budget-mib N] [--tokens 64] [--ctx 4096] [--out DIR] [--profile]
 Prints per token: wall time, host time in each phase of the token step (engine/moe/token_step.py:
 map push, mailbox serving, and after_launch, whose excess over serving is the learning the
 serving's waits did not hide), the CPU pool's calls, experts and time, and the spin the
@@ -34,14 +34,41 @@ def _timed(obj, name: str, into: dict, count_experts: bool = False) -> None:
     setattr(obj, name, wrapper)
 
 
-def run(model: Path, budget: int | None, tokens: int, threads: int, out: Path, profile: bool) -> dict:
+def _gpu_timeline(pr, n_tokens: int) -> dict:
+    """Per token: GPU kernels launched, their busy time (the union of their intervals) with and
+    without the collect kernel's waits for the host, and the span from first kernel to last."""
+    kernels = [(e.time_range.start, e.time_range.end, e.name) for e in pr.events()
+               if e.device_type.name == "CUDA" and "Memcpy" not in e.name and "Memset" not in e.name]
+    if not kernels:
+        return {}
+    kernels.sort()
+
+    def union(iv) -> float:
+        total, end = 0.0, float("-inf")
+        for a, b, _ in iv:
+            if b > end:
+                total += b - max(a, end)
+                end = b
+        return total
+
+    span = kernels[-1][1] - kernels[0][0]
+    waits = [k for k in kernels if "collect" in k[2]]
+    return {"kernels": len(kernels) / n_tokens, "span_us": span / n_tokens, "busy_us": union(kernels) / n_tokens,
+            "busy_without_collect_us": union([k for k in kernels if "collect" not in k[2]]) / n_tokens,
+            "collect_us": sum(b - a for a, b, _ in waits) / n_tokens}
+
+
+def run(model: Path, budget: int | None, tokens: int, threads: int, ctx: int, out: Path, profile: bool) -> dict:
     from engine.moe.hybrid import attach_hybrid
     from engine.runtime.engine import Engine, EngineConfig
 
-    engine = Engine.load(model, EngineConfig(device="cuda", n_ctx=tokens + 600, threads=threads,
+    from engine.runtime.tokenizer import tokenize_text
+    from engine.synth.corpus import stdlib_text
+
+    engine = Engine.load(model, EngineConfig(device="cuda", n_ctx=max(ctx, tokens + 600), threads=threads,
                                              vram_budget_mib=budget), attach_experts=attach_hybrid)
     m, kv = engine.model, engine.cache
-    ids = [(i * 7919) % 2000 + 3 for i in range(tokens + 600)]
+    ids = tokenize_text(model, stdlib_text(max_chars=(tokens + 600) * 8))  # the stream `bench speed` decodes
     m.forward(torch.tensor(ids[:512]), kv, 0)
     for p in range(512, 528):
         m.forward(torch.tensor([ids[p]]), kv, p)
@@ -66,7 +93,9 @@ def run(model: Path, budget: int | None, tokens: int, threads: int, out: Path, p
                 m.forward(torch.tensor([ids[p]]), kv, p)
             torch.cuda.synchronize()
         ka = pr.key_averages()
-        (out / "profile_decode.txt").write_text(ka.table(sort_by="self_cuda_time_total", row_limit=30))
+        (out / "profile_decode.txt").write_text(ka.table(sort_by="self_cuda_time_total", row_limit=60,
+                                                          max_name_column_width=70))
+        timeline = _gpu_timeline(pr, n_tokens=8)
     c = engine.telemetry.cache
     total = c.gpu_hit.sum() + c.uploaded.sum() + c.cpu_computed.sum()
     per_token = {k: (1e3 * v / tokens if not k.endswith("_calls") and k != "experts" else v / tokens)
@@ -75,6 +104,8 @@ def run(model: Path, budget: int | None, tokens: int, threads: int, out: Path, p
          "hit": float(c.gpu_hit.sum() / total), "graph": tx is not None, "per_token_ms_or_count": per_token,
          "cpu_ms_per_expert": 1e3 * phases["compute"] / max(1, phases["experts"]),
          "peak_vram_mib": torch.cuda.max_memory_allocated() / 2**20}
+    if profile:
+        r["gpu_timeline_per_token"] = timeline
     pool_w = m.experts.pool
     layer = min(m.expert_weights)
     x = np.random.default_rng(0).standard_normal((1, m.config.n_embd)).astype(np.float32)
@@ -111,10 +142,11 @@ def main() -> None:
     p.add_argument("--budget-mib", type=int)
     p.add_argument("--tokens", type=int, default=64)
     p.add_argument("--threads", type=int, default=16)
+    p.add_argument("--ctx", type=int, default=4096, help="the engine's context (attention reads it; default: the product's)")
     p.add_argument("--out", type=Path, default=Path("."))
     p.add_argument("--profile", action="store_true")
     a = p.parse_args()
-    r = run(a.model, a.budget_mib, a.tokens, a.threads, a.out, a.profile)
+    r = run(a.model, a.budget_mib, a.tokens, a.threads, a.ctx, a.out, a.profile)
     print(json.dumps(r, indent=1))
     (a.out / "profile_decode.json").write_text(json.dumps(r, indent=2))
 
