@@ -51,6 +51,25 @@ class Linear:
             b = load_vector(mf, bias_name, device)
         return cls(mf.torch_raw(info.name), info.qtype, info.shape, b, device)
 
+    @classmethod
+    def concat(cls, parts: list["Linear"]) -> "Linear | None":
+        """One Linear whose output rows are the parts' rows in order, when every part stays
+        quantized in one type on the kernels' path (else None): one launch of the dense kernel
+        instead of one per part for the same activation (q, k and v), and the activation rounded
+        once. The parts' GPU copies are moved into it; each output row is computed as before."""
+        first = parts[0]
+        if any(p.raw is None or p.qtype != first.qtype or p.shape[1] != first.shape[1] for p in parts):
+            return None
+        fused = cls.__new__(cls)
+        fused.qtype, fused.weight = first.qtype, None
+        fused.shape = (sum(p.shape[0] for p in parts), first.shape[1])
+        fused.raw = torch.cat([p.raw for p in parts], dim=1)
+        biases = [p.bias if p.bias is not None else torch.zeros(p.shape[0], device=p.raw.device) for p in parts]
+        fused.bias = torch.cat(biases) if any(p.bias is not None for p in parts) else None
+        for p in parts:
+            p.raw = p.bias = None
+        return fused
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.raw is None:
             y = matmul(round_activation(x, self.qtype), self.weight.T)

@@ -18,9 +18,10 @@ class GQAttention:
                  head_dim: int, rope: RopeConfig, eps: float, qk_norm: str = QK_NORM_NONE, window: int = 0,
                  scale: float | None = None):
         p = f"blk.{layer}"
-        self.q = Linear.load(mf, f"{p}.attn_q", device)
-        self.k = Linear.load(mf, f"{p}.attn_k", device)
-        self.v = Linear.load(mf, f"{p}.attn_v", device)
+        qkv = [Linear.load(mf, f"{p}.attn_{name}", device) for name in ("q", "k", "v")]
+        self.qkv_sizes = [part.shape[0] for part in qkv]
+        self.qkv = Linear.concat(qkv)  # one product on the kernels' path
+        self.q, self.k, self.v = qkv if self.qkv is None else (None, None, None)
         self.o = Linear.load(mf, f"{p}.attn_output", device)
         self.q_norm = load_vector(mf, f"{p}.attn_q_norm.weight", device) if qk_norm != QK_NORM_NONE else None
         self.k_norm = load_vector(mf, f"{p}.attn_k_norm.weight", device) if qk_norm != QK_NORM_NONE else None
@@ -33,7 +34,8 @@ class GQAttention:
     def __call__(self, x: torch.Tensor, positions: torch.Tensor, cache: KVCache, layer: int,
                  start: int | None) -> torch.Tensor:
         n = x.shape[0]
-        q, k, v = self.q(x), self.k(x), self.v(x)
+        q, k, v = (self.qkv(x).split(self.qkv_sizes, dim=-1) if self.qkv is not None
+                   else (self.q(x), self.k(x), self.v(x)))
         if self.qk_norm == QK_NORM_FULL:
             q, k = rms_norm(q, self.q_norm, self.eps), rms_norm(k, self.k_norm, self.eps)
         q = q.view(n, self.n_head, self.head_dim)

@@ -645,3 +645,33 @@ def test_gpu_dense_replays_in_a_cuda_graph() -> None:
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(got, want)
+
+
+@interp
+def test_interpreter_concatenated_linears_give_each_part_s_rows(monkeypatch) -> None:
+    """Linear.concat (q, k and v in one product): the parts' outputs side by side, for decode rows
+    (one dense launch; its split over K follows the fused height, so float32 order) and prefill
+    rows (the decoded weights are the parts' own: bit-equal on the CPU); a part without a bias
+    adds zeros; the parts give their GPU copies up. Q6_K: padded rows concatenate too."""
+    from engine.layers.linear import Linear
+
+    qtype = QT.Q6_K
+    monkeypatch.setenv("MOESTUDIO_TRITON", "force")
+    rng = np.random.default_rng(7)
+    K, heights = 512, (64, 16, 16)
+    parts = []
+    for n, with_bias in zip(heights, (True, False, True)):
+        raw = _random_raw(rng, qtype, (1, n, K), K ** -0.5)[0]
+        bias = torch.from_numpy(rng.standard_normal(n).astype(np.float32)) if with_bias else None
+        parts.append(Linear(raw, qtype, (n, K), bias, "cpu"))
+    xs = [torch.from_numpy(rng.standard_normal((rows, K)).astype(np.float32)) for rows in (1, 3, tk.DENSE_MAX_ROWS + 4)]
+    expected = [torch.cat([p(x) for p in parts], dim=-1) for x in xs]
+    fused = Linear.concat(parts)
+    assert fused is not None and fused.shape == (sum(heights), K)
+    assert all(p.raw is None for p in parts)
+    for x, want in zip(xs[:2], expected[:2]):
+        assert rel_err(fused(x), want) < REL_TOL
+    assert torch.equal(fused(xs[2]), expected[2])
+    monkeypatch.setenv("MOESTUDIO_TRITON", "0")  # decoded to float32: nothing to fuse
+    plain = [Linear(_random_raw(rng, qtype, (1, 16, K), 0.1)[0], qtype, (16, K), None, "cpu") for _ in range(2)]
+    assert Linear.concat(plain) is None
