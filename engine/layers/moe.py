@@ -45,14 +45,20 @@ class Router:
 
     def route(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """ids [T, k] (int64) and weights [T, k] for router logits [T, n_expert]: one Triton
-        launch (engine/kernels/router.py) where `triton_applies` and the plain top-k selects,
-        else the torch reference."""
-        if type(self).select is Router.select and triton_applies(logits.device):
+        launch (engine/kernels/router.py) where `triton_applies` and the kernel computes this
+        router's selection (`kernel_groups`), else the torch reference."""
+        groups = self.kernel_groups()
+        if groups is not None and triton_applies(logits.device):
             from engine.kernels import router as kernel  # imports this module: not at the top
 
-            if kernel.supports(logits, self.cfg, self.selection_bias):
-                return kernel.route(logits, self.cfg, self.selection_bias)
+            if kernel.supports(logits, self.cfg, self.selection_bias, groups):
+                return kernel.route(logits, self.cfg, self.selection_bias, groups)
         return self.route_torch(logits)
+
+    def kernel_groups(self) -> tuple[int, int] | None:
+        """(n_group, n_group_used) with which the router kernel computes this router's `select`
+        ((1, 1): plain top-k); None where it does not (a subclass's own selection)."""
+        return (1, 1) if type(self).select is Router.select else None
 
     def route_torch(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The reference (and CPU path) of `route`: llama.cpp's build_moe_ffn routing."""

@@ -13,7 +13,6 @@ weights_scale, here <= 2.5, so that is a few ulps).
 from __future__ import annotations
 
 import dataclasses
-import functools
 import itertools
 import os
 from pathlib import Path
@@ -27,6 +26,7 @@ pytest.importorskip("triton")
 
 from engine.kernels import router as kr  # noqa: E402
 from engine.layers.moe import SIGMOID, SOFTMAX, SOFTMAX_WEIGHT, Router, RouterConfig  # noqa: E402
+from engine.models.deepseek2 import GroupLimitedRouter  # noqa: E402
 
 interp = pytest.mark.skipif(not kr.INTERPRETED, reason="interpreter tests run where there is no GPU "
                             "(TRITON_INTERPRET=1 before the kernels are imported)")
@@ -35,18 +35,41 @@ gpu = pytest.mark.gpu
 ATOL = 1e-6  # weights: float32 summation order only (see the module docstring)
 
 
+def _stable_topk(scores: torch.Tensor, k: int) -> torch.Tensor:
+    return torch.sort(scores, dim=-1, descending=True, stable=True).indices[..., :k]
+
+
 class StableRouter(Router):
     """The reference with ties ordered lowest index first (torch.topk on the CPU leaves them in
     any order): a stable descending sort, cut at k."""
 
     def select(self, selection: torch.Tensor) -> torch.Tensor:
-        return torch.sort(selection, dim=-1, descending=True, stable=True).indices[:, :self.cfg.n_expert_used]
+        return _stable_topk(selection, self.cfg.n_expert_used)
 
 
-def check(cfg: RouterConfig, logits: torch.Tensor, bias: torch.Tensor | None, stable: bool = False) -> None:
-    assert kr.supports(logits, cfg, bias)
-    ids, weights = kr.route(logits, cfg, bias)
-    ref_ids, ref_weights = (StableRouter if stable else Router)(cfg, None, bias).route_torch(logits)
+class StableGroupRouter(GroupLimitedRouter):
+    """GroupLimitedRouter.select with both top-k's as stable sorts (groups and experts)."""
+
+    def select(self, selection: torch.Tensor) -> torch.Tensor:
+        n = selection.shape[0]
+        groups = selection.view(n, self.n_group, -1)
+        group_scores = groups.topk(2, dim=-1).values.sum(dim=-1)
+        keep = _stable_topk(group_scores, self.n_group_used)
+        kept = torch.zeros(group_scores.shape, dtype=torch.bool, device=selection.device).scatter(1, keep, True)
+        return _stable_topk(groups.masked_fill(~kept[..., None], float("-inf")).view(n, -1), self.cfg.n_expert_used)
+
+
+def reference(cfg: RouterConfig, bias: torch.Tensor | None, groups: tuple[int, int], stable: bool) -> Router:
+    if groups == kr.PLAIN:
+        return (StableRouter if stable else Router)(cfg, None, bias)
+    return (StableGroupRouter if stable else GroupLimitedRouter)(Router(cfg, None, bias), *groups)
+
+
+def check(cfg: RouterConfig, logits: torch.Tensor, bias: torch.Tensor | None, stable: bool = False,
+          groups: tuple[int, int] = kr.PLAIN) -> None:
+    assert kr.supports(logits, cfg, bias, groups)
+    ids, weights = kr.route(logits, cfg, bias, groups)
+    ref_ids, ref_weights = reference(cfg, bias, groups, stable).route_torch(logits)
     assert ids.dtype == torch.int64 and weights.dtype == torch.float32
     assert ids.shape == weights.shape == (logits.shape[0], cfg.n_expert_used)
     assert torch.equal(ids, ref_ids), (ids, ref_ids)
@@ -77,24 +100,55 @@ def test_interpreter_matches_torch_every_mode(mode) -> None:
 
 
 # The model families' configurations (engine/models): qwen3/olmoe/mixtral softmax + norm,
-# qwen2moe softmax without norm, gpt-oss softmax over the selected, deepseek2 V2 softmax x 2.5
-# and V3 sigmoid + bias + norm x 2.5; and one count past the 256 the brief names.
+# qwen2moe softmax without norm, gpt-oss softmax over the selected, DeepSeek-V2-Lite softmax,
+# GLM-4.5-Air sigmoid + selection bias + norm, DeepSeek-V3 that and x 2.5 with group-limited
+# routing (8 groups of 32, the 4 best kept); and a count past 256 (Kimi-K2's 384).
+# name: (config, selection bias, (n_group, n_group_used))
 FAMILIES = {
-    "qwen3": (RouterConfig(128, 8), False),
-    "mixtral": (RouterConfig(8, 2), False),
-    "qwen2moe": (RouterConfig(60, 4, norm_weights=False), False),
-    "gpt-oss": (RouterConfig(128, 4, gating=SOFTMAX_WEIGHT, norm_weights=False), False),
-    "deepseek-v2": (RouterConfig(64, 6, norm_weights=False, weights_scale=2.5), False),
-    "deepseek-v3": (RouterConfig(256, 8, gating=SIGMOID, weights_scale=2.5), True),
-    "384": (RouterConfig(384, 8, gating=SIGMOID), True),
+    "qwen3": (RouterConfig(128, 8), False, kr.PLAIN),
+    "mixtral": (RouterConfig(8, 2), False, kr.PLAIN),
+    "qwen2moe": (RouterConfig(60, 4, norm_weights=False), False, kr.PLAIN),
+    "gpt-oss": (RouterConfig(128, 4, gating=SOFTMAX_WEIGHT, norm_weights=False), False, kr.PLAIN),
+    "deepseek-v2-lite": (RouterConfig(64, 6, norm_weights=False), False, kr.PLAIN),
+    "glm-4.5-air": (RouterConfig(128, 8, gating=SIGMOID), True, kr.PLAIN),
+    "deepseek-v3": (RouterConfig(256, 8, gating=SIGMOID, weights_scale=2.5), True, (8, 4)),
+    "384": (RouterConfig(384, 8, gating=SIGMOID, weights_scale=2.827), True, kr.PLAIN),
 }
 
 
 @interp
 @pytest.mark.parametrize("family", FAMILIES)
 def test_interpreter_matches_torch_model_families(family) -> None:
-    cfg, bias = FAMILIES[family]
-    check(cfg, *case(cfg.n_expert, cfg.n_expert_used, 2, seed=7, bias=bias))
+    cfg, bias, groups = FAMILIES[family]
+    check(cfg, *case(cfg.n_expert, cfg.n_expert_used, 2, seed=7, bias=bias), groups=groups)
+
+
+# Group-limited routing: (n_expert, k, n_group, n_group_used), every gating; k past the kept
+# groups' experts (the last of them then -inf, picked lowest index first).
+GROUPED = [(8, 3, 4, 2), (16, 4, 8, 3), (32, 6, 4, 1), (64, 8, 2, 2), (16, 6, 4, 1)]
+
+
+@interp
+@pytest.mark.parametrize("gating", (SOFTMAX, SIGMOID, SOFTMAX_WEIGHT))
+@pytest.mark.parametrize("bias", (False, True))
+def test_interpreter_group_limited_routing(gating, bias) -> None:
+    for i, (n_expert, k, n_group, n_used) in enumerate(GROUPED):
+        cfg = RouterConfig(n_expert, k, gating=gating, weights_scale=2.5)
+        stable = k > n_used * n_expert // n_group  # -inf ties in the last places
+        check(cfg, *case(n_expert, k, 3, seed=i, bias=bias), stable=stable, groups=(n_group, n_used))
+    g = torch.Generator().manual_seed(2)  # ties in and between groups
+    logits = torch.randint(0, 3, (4, 32), generator=g).float()
+    b = torch.randint(0, 2, (32,), generator=g).float() * 0.5 if bias else None
+    check(RouterConfig(32, 5, gating=gating), logits, b, stable=True, groups=(8, 3))
+
+
+def test_supports_group_shapes() -> None:
+    logits, cfg = torch.zeros(1, 256), RouterConfig(256, 8)
+    assert kr.supports(logits, cfg, None, (8, 4)) and kr.supports(logits, cfg, None, (128, 1))
+    assert not kr.supports(logits, cfg, None, (256, 4))  # groups of one: no two best
+    assert not kr.supports(torch.zeros(1, 160), RouterConfig(160, 6), None, (8, 3))  # groups of 20
+    assert not kr.supports(torch.zeros(1, 96), RouterConfig(96, 6), None, (3, 2))  # 3 groups
+    assert not kr.supports(logits, cfg, None, (8, 9))
 
 
 @interp
@@ -159,22 +213,28 @@ def test_supports_falls_back_to_torch() -> None:
 
 @interp
 def test_router_dispatches_on_the_switch(monkeypatch) -> None:
-    """Router.route runs the kernel where triton_applies (here: MOESTUDIO_TRITON=force) and
-    torch otherwise; a router that overrides `select` (deepseek2's group-limited one) keeps
-    torch. Ties make the two paths' outputs tell apart (torch.topk on the CPU orders ties its
-    own way; the kernel lowest index first)."""
-    from engine.models.deepseek2 import GroupLimitedRouter
+    """Router.route runs the kernel where triton_applies (here: MOESTUDIO_TRITON=force) and the
+    kernel computes the router's selection (plain top-k; group-limited in supported shapes);
+    torch otherwise (the switch off, groups of 3, a subclass's own `select`). All-zero logits
+    are all ties, which torch.topk on the CPU orders its own way and the kernel lowest index
+    first, so the paths' outputs differ."""
+    def same(a: tuple[torch.Tensor, torch.Tensor], b: tuple[torch.Tensor, torch.Tensor]) -> bool:
+        return torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
 
     cfg = RouterConfig(128, 8)
     logits = torch.zeros(2, 128)
     plain = Router(cfg, None, None)
     grouped = GroupLimitedRouter(plain, n_group=4, n_group_used=2)
+    thirds = GroupLimitedRouter(Router(RouterConfig(96, 8), None, None), n_group=3, n_group_used=2)
+    own = StableRouter(cfg, None, None)
     monkeypatch.setenv("MOESTUDIO_TRITON", "force")
-    for got, want in ((plain.route(logits), kr.route(logits, cfg, None)), (grouped.route(logits), grouped.route_torch(logits))):
-        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    assert same(plain.route(logits), kr.route(logits, cfg, None))
+    assert same(grouped.route(logits), kr.route(logits, cfg, None, (4, 2)))
+    assert same(thirds.route(logits[:, :96]), thirds.route_torch(logits[:, :96]))
+    assert same(own.route(logits), own.route_torch(logits))
     monkeypatch.setenv("MOESTUDIO_TRITON", "0")
-    got, want = plain.route(logits), plain.route_torch(logits)
-    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    assert same(plain.route(logits), plain.route_torch(logits))
+    assert same(grouped.route(logits), grouped.route_torch(logits))
 
 
 # ------------------------------------------------------------------ a model end to end
@@ -202,10 +262,19 @@ def _greedy(model, prompt: list[int], n_gen: int) -> tuple[list[int], list[torch
     return tokens, seen, logits
 
 
-ARCH_CASES = {  # the tiny synthetic models of each gating mode
-    "qwen3moe": ("qwen3moe", None),  # softmax + norm
-    "gpt-oss": ("gpt-oss", None),  # softmax over the selected
-    "deepseek2-v3": ("deepseek2", "sigmoid"),  # sigmoid + selection bias + norm x 2.5
+def _v3_grouped(spec, n_vocab):
+    """DeepSeek-V3 with group-limited routing: 4 groups of 2 experts, top-3 from the best 2."""
+    from engine.synth import layout as layout_mod
+
+    lay = layout_mod.deepseek2(spec, n_vocab, gating="sigmoid")
+    lay.metadata.update({f"{spec.arch}.expert_group_count": 4, f"{spec.arch}.expert_group_used_count": 2})
+    return lay
+
+
+ARCH_CASES = {  # the tiny synthetic models of each gating mode: (arch, layout builder, spec changes)
+    "qwen3moe": ("qwen3moe", None, {}),  # softmax + norm
+    "gpt-oss": ("gpt-oss", None, {}),  # softmax over the selected
+    "deepseek2-v3-groups": ("deepseek2", _v3_grouped, {"n_expert_used": 3}),  # sigmoid + bias + norm x 2.5, groups
 }
 
 
@@ -225,10 +294,10 @@ def test_interpreter_model_gives_the_same_tokens_and_experts(tmp_path, monkeypat
     from engine.synth.spec import preset
     from engine.synth.writer import write_model
 
-    arch, gating = ARCH_CASES[name]
-    if gating is not None:
-        monkeypatch.setitem(layout_mod.BUILDERS, arch, functools.partial(layout_mod.deepseek2, gating=gating))
-    spec = preset("tiny", arch).with_(expert_qtype=QT.Q8_0)
+    arch, builder, changes = ARCH_CASES[name]
+    if builder is not None:
+        monkeypatch.setitem(layout_mod.BUILDERS, arch, builder)
+    spec = preset("tiny", arch).with_(expert_qtype=QT.Q8_0, **changes)
     path = write_model(tmp_path / f"{name}.gguf", spec, routing("qwen3-30b"), seed=0)
     monkeypatch.setenv("MOESTUDIO_TRITON", "0")
     model = build_model(path)
@@ -247,21 +316,21 @@ def test_interpreter_model_gives_the_same_tokens_and_experts(tmp_path, monkeypat
 def test_compiles_for_hopper_in_one_warp_without_spills() -> None:
     """Every model family's configuration compiles for sm_90 without a GPU (Triton ships ptxas),
     in a subprocess (kernels imported for the interpreter cannot compile): no spills, correctly
-    rounded divisions; up to 256 experts in one warp, so the k reductions are shuffles only (no
-    shared memory, no barriers)."""
+    rounded divisions; up to 256 experts in one warp, so the k reductions (and the groups'
+    reshape) are shuffles and registers only (no shared memory, no barriers)."""
     import json
     import subprocess
     import sys
 
-    configs = {name: [dataclasses.asdict(cfg), bias] for name, (cfg, bias) in FAMILIES.items()}
+    configs = {name: [dataclasses.asdict(cfg), bias, groups] for name, (cfg, bias, groups) in FAMILIES.items()}
     script = (
         "import json, re, sys\n"
         "from engine.kernels import router as kr\n"
         "from engine.layers.moe import RouterConfig\n"
         "from engine.quant.triton_aot import resource_usage\n"
         "rows = {}\n"
-        "for name, (cfg, bias) in json.loads(sys.argv[1]).items():\n"
-        "    c = kr.compile_for(RouterConfig(**cfg), bias)\n"
+        "for name, (cfg, bias, groups) in json.loads(sys.argv[1]).items():\n"
+        "    c = kr.compile_for(RouterConfig(**cfg), bias, tuple(groups))\n"
         "    rows[name] = {**resource_usage(c), 'div': sorted(set(re.findall(r'div\\.\\w+\\.f32', c.asm['ptx'])))}\n"
         "print(json.dumps(rows))\n")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
@@ -287,34 +356,34 @@ def test_compiles_for_hopper_in_one_warp_without_spills() -> None:
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("n_tok", (1, 4, 8, 512))
 def test_gpu_matches_torch_at_real_shapes(family, n_tok) -> None:
-    cfg, bias = FAMILIES[family]
+    cfg, bias, groups = FAMILIES[family]
     for seed in range(4):
-        check(cfg, *case(cfg.n_expert, cfg.n_expert_used, n_tok, seed=seed, bias=bias, device="cuda"))
+        check(cfg, *case(cfg.n_expert, cfg.n_expert_used, n_tok, seed=seed, bias=bias, device="cuda"), groups=groups)
 
 
 @gpu
 @pytest.mark.parametrize("family", FAMILIES)
 def test_gpu_ties_lowest_index_first(family) -> None:
-    cfg, bias = FAMILIES[family]
+    cfg, bias, groups = FAMILIES[family]
     g = torch.Generator().manual_seed(5)
     logits = torch.randint(0, 3, (8, cfg.n_expert), generator=g).float().cuda()
     b = (torch.randint(0, 2, (cfg.n_expert,), generator=g).float() * 0.5).cuda() if bias else None
-    check(cfg, logits, b, stable=True)
+    check(cfg, logits, b, stable=True, groups=groups)
 
 
 @gpu
 def test_gpu_graph_replay_equals_eager() -> None:
     """Captured in a CUDA graph (as the decode step is), the kernel reads the logits' new values
     at every replay and gives what an eager launch gives, bit for bit."""
-    cfg, bias = FAMILIES["deepseek-v3"]
+    cfg, bias, groups = FAMILIES["deepseek-v3"]
     logits, b = case(cfg.n_expert, cfg.n_expert_used, 1, seed=0, bias=True, device="cuda")
-    kr.route(logits, cfg, b)  # compiled before capture
+    kr.route(logits, cfg, b, groups)  # compiled before capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        ids, weights = kr.route(logits, cfg, b)
+        ids, weights = kr.route(logits, cfg, b, groups)
     for seed in range(1, 4):
         logits.copy_(case(cfg.n_expert, cfg.n_expert_used, 1, seed=seed, bias=False, device="cuda")[0])
         graph.replay()
-        want_ids, want_w = kr.route(logits, cfg, b)
+        want_ids, want_w = kr.route(logits, cfg, b, groups)
         assert torch.equal(ids, want_ids) and torch.equal(weights, want_w)
-        check(cfg, logits, b)
+        check(cfg, logits, b, groups=groups)
