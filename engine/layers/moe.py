@@ -15,6 +15,7 @@ import torch
 from gguf import GGMLQuantizationType as QT
 
 from engine.gguf.reader import ModelFile
+from engine.kernels import triton_applies
 from engine.layers.linear import Linear, optional_vector
 from engine.layers.precision import matmul
 from engine.quant.activation import round_activation
@@ -40,8 +41,28 @@ class Router:
 
     def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """ids [T, k] (int64) and weights [T, k] for x [T, D]."""
+        return self.route(self.gate(x))
+
+    def route(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """ids [T, k] (int64) and weights [T, k] for router logits [T, n_expert]: one Triton
+        launch (engine/kernels/router.py) where `triton_applies` and the kernel computes this
+        router's selection (`kernel_groups`), else the torch reference."""
+        groups = self.kernel_groups()
+        if groups is not None and triton_applies(logits.device):
+            from engine.kernels import router as kernel  # imports this module: not at the top
+
+            if kernel.supports(logits, self.cfg, self.selection_bias, groups):
+                return kernel.route(logits, self.cfg, self.selection_bias, groups)
+        return self.route_torch(logits)
+
+    def kernel_groups(self) -> tuple[int, int] | None:
+        """(n_group, n_group_used) with which the router kernel computes this router's `select`
+        ((1, 1): plain top-k); None where it does not (a subclass's own selection)."""
+        return (1, 1) if type(self).select is Router.select else None
+
+    def route_torch(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The reference (and CPU path) of `route`: llama.cpp's build_moe_ffn routing."""
         cfg = self.cfg
-        logits = self.gate(x)
         if cfg.gating == SOFTMAX:
             probs = torch.softmax(logits, dim=-1)
         elif cfg.gating == SIGMOID:

@@ -107,6 +107,9 @@ class GroupLimitedRouter(Router):
         super().__init__(router.cfg, router.gate, router.selection_bias)
         self.n_group, self.n_group_used = n_group, n_group_used
 
+    def kernel_groups(self) -> tuple[int, int] | None:
+        return (self.n_group, self.n_group_used)  # the router kernel checks the group shape
+
     def select(self, selection: torch.Tensor) -> torch.Tensor:
         """Top-k among the experts of the n_group_used groups whose two best scores sum highest."""
         n = selection.shape[0]
