@@ -60,7 +60,7 @@ if triton is not None:
     # graph's whole cache, an eager prefix) and every layer runs one compiled kernel.
     @triton.jit(do_not_specialize=["S", "window"])
     def _split_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, m_ptr, l_ptr, acc_ptr,
-                      n_tok, n_head, n_kv, S, scale, window, n_splits,
+                      n_tok, n_head, S, scale, window, n_splits,
                       q_stride_t, q_stride_h, k_stride_s, k_stride_h, v_stride_s, v_stride_h,
                       GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -213,6 +213,12 @@ def plan(n_tok: int, n_head: int, n_kv: int, dk: int, dv: int, n_sm: int) -> dic
             "num_warps": 8 if block_m * block_dv > 4096 else 4}
 
 
+def _combine_blocks(n_splits: int, block_dv: int) -> dict:
+    """The combine kernel's tiles: every split's max in one vector, accumulators 4096 values at a time."""
+    splits_p2 = triton.next_power_of_2(n_splits)
+    return {"SPLITS_P2": splits_p2, "BLOCK_S": max(1, min(splits_p2, 4096 // block_dv))}
+
+
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, scale: float,
                      window: int = 0, sinks: torch.Tensor | None = None,
                      n_splits: int | None = None) -> torch.Tensor:
@@ -235,16 +241,14 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, position
     out = torch.empty(n_tok, n_head * dv, device=q.device, dtype=torch.float32)
     opts = {} if INTERPRETED else {"num_warps": cfg["num_warps"], "num_stages": 2}
     _split_kernel[(n_kv * cfg["n_mblocks"], splits)](
-        q, k, v, positions, m, l_, acc, n_tok, n_head, n_kv, S, float(scale), int(window), splits,
+        q, k, v, positions, m, l_, acc, n_tok, n_head, S, float(scale), int(window), splits,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         GROUP=group, DK=dk, DV=dv, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
         BLOCK_DV=cfg["BLOCK_DV"], USE_DOT=cfg["USE_DOT"], **opts)
     sink = sinks.to(torch.float32).contiguous() if sinks is not None else m  # m: an unread placeholder
-    splits_p2 = triton.next_power_of_2(splits)
-    block_s = max(1, min(splits_p2, 4096 // cfg["BLOCK_DV"]))
     _combine_kernel[(rows,)](
         m, l_, acc, sink, out, rows, n_head, splits,
-        DV=dv, HAS_SINK=sinks is not None, SPLITS_P2=splits_p2, BLOCK_S=block_s, BLOCK_DV=cfg["BLOCK_DV"],
+        DV=dv, HAS_SINK=sinks is not None, BLOCK_DV=cfg["BLOCK_DV"], **_combine_blocks(splits, cfg["BLOCK_DV"]),
         **({} if INTERPRETED else {"num_warps": 4}))
     return out
 
@@ -284,10 +288,8 @@ def aot_report(arch: int = 90, n_sm: int = 132) -> list[dict]:  # pragma: no cov
         split = compile_(_split_kernel, types, {
             "GROUP": n_head // n_kv, "DK": dk, "DV": dv, "BLOCK_M": cfg["BLOCK_M"], "BLOCK_N": cfg["BLOCK_N"],
             "BLOCK_K": cfg["BLOCK_K"], "BLOCK_DV": cfg["BLOCK_DV"], "USE_DOT": cfg["USE_DOT"]}, cfg["num_warps"])
-        splits_p2 = triton.next_power_of_2(cfg["n_splits"])
-        combine = compile_(_combine_kernel, types, {
-            "DV": dv, "HAS_SINK": sinks, "SPLITS_P2": splits_p2, "BLOCK_S": max(1, min(splits_p2, 4096 // cfg["BLOCK_DV"])),
-            "BLOCK_DV": cfg["BLOCK_DV"]}, 4)
+        combine = compile_(_combine_kernel, types, {"DV": dv, "HAS_SINK": sinks, "BLOCK_DV": cfg["BLOCK_DV"],
+                                                    **_combine_blocks(cfg["n_splits"], cfg["BLOCK_DV"])}, 4)
         for label, compiled in (("split", split), ("combine", combine)):
             rows.append({"geometry": name, "kernel": label, "n_splits": cfg["n_splits"], **resource_usage(compiled)})
     return rows
