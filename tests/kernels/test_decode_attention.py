@@ -211,11 +211,13 @@ def test_graph_replays_follow_the_position(name):
     q, k, v, _, s = case(1, n_head, n_kv, dk, dv, n_ctx, n_ctx - 1, device="cuda", sinks=sinks)
     pos = torch.zeros(1, dtype=torch.int64, device="cuda")
     stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())  # the inputs were copied on the default stream
     with torch.cuda.stream(stream):
         da.decode_attention(q, k, v, pos, 0.1, window, s)  # compile outside the capture
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, stream=stream):
             out = da.decode_attention(q, k, v, pos, 0.1, window, s)
+    torch.cuda.current_stream().wait_stream(stream)
     for p in (0, 100, 2049, n_ctx - 1):
         pos.fill_(p)
         graph.replay()
