@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU kernels on the GPU machine (the device tool), from the repository root: the kernel
-# tests marked gpu (tests/quant, the bench's own), then `moestudio bench kernels`.
+# tests marked gpu (tests/quant, tests/kernels, the bench's own), then `moestudio bench kernels`.
 # Results in $OUT: gpu_kernel_tests.log, kernels.json, kernels.md (the table), bench_kernels.log.
 # Needs CUDA torch and triton; gguf from the carried .whl/ wheels when that folder is there.
 # Usage: bash scripts/kernels_run.sh [STAGES] [bench kernels options]
@@ -19,7 +19,7 @@ fi
 export PYTHONUNBUFFERED=1
 if [[ ",$STAGES," == *",tests,"* ]]; then
   echo "[$(date +%T)] GPU kernel tests"
-  timeout "${TESTS_TIMEOUT:-270}" python3 -m pytest -q -p no:cacheprovider -m gpu tests/quant \
+  timeout "${TESTS_TIMEOUT:-270}" python3 -m pytest -q -p no:cacheprovider -m gpu tests/quant tests/kernels \
     tests/bench/test_kernels_bench.py > "$OUT/gpu_kernel_tests.log" 2>&1
   echo "[$(date +%T)] GPU kernel tests rc=$? $(tail -1 "$OUT/gpu_kernel_tests.log")"
 fi
