@@ -3,11 +3,16 @@
 scores = softmax(scale * q·k + mask [, sink]) per head; sinks (gpt-oss) are one extra logit
 per head that joins the softmax's normalisation but has no value; a sliding window hides
 keys more than `window - 1` positions back (llama.cpp's LLAMA_SWA_TYPE_STANDARD).
+
+The torch code here is the reference and the CPU path; where the Triton kernels run
+(engine.kernels.triton_applies) a decode-sized query (up to 8 tokens) goes through the fused
+kernel of engine/kernels/decode_attention.py, which reads only the positions it can see.
 """
 from __future__ import annotations
 
 import torch
 
+from engine.kernels import triton_applies
 from engine.layers import precision
 
 
@@ -46,6 +51,12 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.T
 
     Returns [T, H * dv].
     """
+    # The fused kernel is float32 (a float64-accumulated noise-floor run stays in torch).
+    if triton_applies(q.device) and precision.accumulation() == torch.float32:
+        from engine.kernels import decode_attention as da  # imported late: TRITON_INTERPRET is read then
+
+        if da.supports(q, k, v):  # decode-sized queries (da.MAX_TOKENS)
+            return da.decode_attention(q, k, v, positions, scale, window, sinks)
     n_tok, n_head, _ = q.shape
     group = n_head // k.shape[1]
     k = k.repeat_interleave(group, dim=1) if group > 1 else k

@@ -32,6 +32,11 @@ def accumulate_in(dtype: torch.dtype) -> Iterator[None]:
         _ACCUMULATE.reset(token)
 
 
+def accumulation() -> torch.dtype:
+    """The type products accumulate in now (the fused float32 kernels run only under float32)."""
+    return _ACCUMULATE.get()
+
+
 def matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """a @ b, float32 out, accumulated in the current type."""
     acc = _ACCUMULATE.get()
