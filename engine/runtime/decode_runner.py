@@ -1,8 +1,10 @@
 """The decode runner: a one-token step is one CUDA graph replay.
 
 The graph is DecoderModel.run (the forward written once) captured on static buffers: the
-token's embedding row and its position go in, the logits come out; attention reads the whole
-cache masked by position (start None), so one capture serves every position of the cache.
+token's embedding row and its position go in, the logits come out; attention is given the whole
+cache (start None) and reads the positions up to the device-side one (the fused kernel,
+engine/kernels/decode_attention.py; the torch path masks the rest), so one capture serves every
+position of the cache.
 The experts inside are the executor's token step (engine/moe/token_step.TokenExperts): the
 residency map, the expert kernels and the mailbox to the CPU pool all run in the graph, and
 the host only answers the layers that missed while the replay runs. The sampled token comes
@@ -13,8 +15,9 @@ runs the same forward eagerly on the same static buffers, so its numerics equal 
 where an expert lived still cannot change a token. A capture that fails is said once, and the
 eager path takes over.
 
-Numerics equal the prompt's forward except attention, which sums over the whole cache (masked)
-instead of its filled prefix: float32 reduction order, ~1e-7 relative.
+Numerics equal an eager forward of the token: the fused attention kernel splits the keys the
+same way for the whole cache and for its filled prefix. On the torch path (MOESTUDIO_TRITON=0)
+attention sums over the whole cache, masked: float32 reduction order, ~1e-7 relative.
 """
 from __future__ import annotations
 
