@@ -304,3 +304,20 @@ def test_gpu_norm_and_rope_replay_in_a_cuda_graph(monkeypatch) -> None:
         graph.replay()
         want_q, want_k = step()
         assert torch.equal(out_q, want_q) and torch.equal(out_k, want_k)
+
+
+@gpu
+@pytest.mark.parametrize("n_tok", [1, 300])
+def test_gpu_rope_and_norm_of_deepseek2_strided_slices(monkeypatch, n_tok: int) -> None:
+    """DeepSeek-V2's MLA at real shapes: q [T, 16, 128 + 64] rotated in its last 64 dims, k_pe the
+    last 64 of kv_a's 512 + 64, read in place; the kv_a norm over the strided first 512."""
+    monkeypatch.setenv("MOESTUDIO_TRITON", "1")
+    cfg, n_ctx = GPU_ROPE[3][1], 4096
+    q = torch.randn(n_tok, 16 * 192, device="cuda").view(n_tok, 16, 192)
+    kv = torch.randn(n_tok, 512 + 64, device="cuda")
+    positions = torch.randint(0, n_ctx, (n_tok,), device="cuda")
+    q_pe, k_pe = rope_layer.rope_qk(q[..., 128:], kv[:, None, 512:], positions, cfg, n_ctx)
+    assert torch.equal(q_pe, rope_layer._apply_rope_torch(q[..., 128:], positions, cfg, n_ctx))
+    assert torch.equal(k_pe, rope_layer._apply_rope_torch(kv[:, None, 512:], positions, cfg, n_ctx))
+    w = torch.randn(512, device="cuda")
+    _assert_norm_close(norm_layer.rms_norm(kv[:, :512], w, 1e-6), _norm_ref(kv[:, :512], w, 1e-6))
