@@ -6,6 +6,9 @@ YaRN blends interpolated and extrapolated angles per dimension and scales cos/si
 by repeated float32 multiplication, like ggml's cache, so they agree to the last bits.
 cos/sin are tabulated once per context length on the device and looked up by a position
 tensor there, so a decode step needs no host work (and can be replayed as a CUDA graph).
+The torch code is the reference and the CPU path; where `engine.kernels.triton_applies` says
+so (CUDA) and the shapes fit, one fused Triton launch computes the same products
+(engine/kernels/norm_rope.py), for q and k together through `rope_qk`.
 """
 from __future__ import annotations
 
@@ -15,6 +18,8 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+
+from engine.kernels import triton_applies
 
 
 @dataclass(frozen=True)
@@ -56,9 +61,38 @@ def rope_table(cfg: RopeConfig, n_positions: int, device: str) -> tuple[torch.Te
     return (torch.from_numpy(np.cos(theta) * mscale).to(device), torch.from_numpy(np.sin(theta) * mscale).to(device))
 
 
+def _kernel_applies(x: torch.Tensor, positions: torch.Tensor, cfg: RopeConfig) -> bool:
+    if not triton_applies(x.device):
+        return False
+    from engine.kernels import norm_rope
+
+    return norm_rope.rope_supported(x, positions, cfg.n_rot)
+
+
 def apply_rope(x: torch.Tensor, positions: torch.Tensor, cfg: RopeConfig, n_ctx: int) -> torch.Tensor:
     """Rotates x [T, n_heads, head_dim] at `positions` [T] (on x's device, each < n_ctx); dims
     past n_rot pass through."""
+    if _kernel_applies(x, positions, cfg):
+        from engine.kernels import norm_rope
+
+        return norm_rope.rope(x, None, positions, *rope_table(cfg, n_ctx, str(x.device)), cfg.n_rot, cfg.neox)[0]
+    return _apply_rope_torch(x, positions, cfg, n_ctx)
+
+
+def rope_qk(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cfg: RopeConfig,
+            n_ctx: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """apply_rope of q and of k [T, heads, head_dim] (head counts may differ), in one launch
+    where the kernel applies."""
+    if (_kernel_applies(q, positions, cfg) and _kernel_applies(k, positions, cfg)
+            and k.shape[-1] == q.shape[-1] and k.device == q.device):
+        from engine.kernels import norm_rope
+
+        return norm_rope.rope(q, k, positions, *rope_table(cfg, n_ctx, str(q.device)), cfg.n_rot, cfg.neox)
+    return _apply_rope_torch(q, positions, cfg, n_ctx), _apply_rope_torch(k, positions, cfg, n_ctx)
+
+
+def _apply_rope_torch(x: torch.Tensor, positions: torch.Tensor, cfg: RopeConfig, n_ctx: int) -> torch.Tensor:
+    """The reference (and CPU path) of apply_rope."""
     cos, sin = (t[positions][:, None, :] for t in rope_table(cfg, n_ctx, str(x.device)))
     rot, rest = x[..., :cfg.n_rot], x[..., cfg.n_rot:]
     if cfg.neox:

@@ -24,7 +24,7 @@ from engine.layers.linear import Linear, load_vector
 from engine.layers.moe import SIGMOID, SOFTMAX, SOFTMAX_WEIGHT, Router, RouterConfig
 from engine.layers import precision
 from engine.layers.norm import rms_norm
-from engine.layers.rope import RopeConfig, apply_rope
+from engine.layers.rope import RopeConfig, rope_qk
 from engine.models.common import assemble, expert_weights, model_config, norm, router
 from engine.models.decoder import Block, DecoderModel, DenseFFN, MoEFFN
 from engine.models.hparams import rope_config
@@ -87,10 +87,11 @@ class MLAttention:
         else:
             q = self.q(x)
         q = q.view(n, self.n_head, self.head_dim)
-        q_nope, q_pe = q[..., :self.nope], apply_rope(q[..., self.nope:], positions, self.rope, cache.n_ctx)
+        q_nope = q[..., :self.nope]
         kv = self.kv_a(x)
         c = rms_norm(kv[:, :self.kv_lora], self.kv_a_norm, self.eps)
-        k_pe = apply_rope(kv[:, None, self.kv_lora:], positions, self.rope, cache.n_ctx)  # [T, 1, rope]
+        # q_pe [T, H, rope] and k_pe [T, 1, rope], rotated in place of their strided slices
+        q_pe, k_pe = rope_qk(q[..., self.nope:], kv[:, None, self.kv_lora:], positions, self.rope, cache.n_ctx)
         q_cat = torch.cat([self.k_b(q_nope), q_pe], dim=-1)  # [T, H, kv_lora + rope]
         keys, values = cache.store(layer, start, torch.cat([c[:, None, :], k_pe], dim=-1), c[:, None, :],
                                      positions)

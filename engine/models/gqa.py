@@ -8,7 +8,7 @@ from engine.gguf.reader import ModelFile
 from engine.layers.attention import KVCache, attend
 from engine.layers.linear import Linear, load_vector, optional_vector
 from engine.layers.norm import rms_norm
-from engine.layers.rope import RopeConfig, apply_rope
+from engine.layers.rope import RopeConfig, rope_qk
 
 QK_NORM_NONE, QK_NORM_HEAD, QK_NORM_FULL = "none", "head", "full"
 
@@ -43,6 +43,6 @@ class GQAttention:
         v = v.view(n, self.n_head_kv, self.head_dim)
         if self.qk_norm == QK_NORM_HEAD:
             q, k = rms_norm(q, self.q_norm, self.eps), rms_norm(k, self.k_norm, self.eps)
-        q, k = apply_rope(q, positions, self.rope, cache.n_ctx), apply_rope(k, positions, self.rope, cache.n_ctx)
+        q, k = rope_qk(q, k, positions, self.rope, cache.n_ctx)
         keys, values = cache.store(layer, start, k, v, positions)
         return self.o(attend(q, keys, values, positions, self.scale, self.window, self.sinks))
