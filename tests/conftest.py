@@ -7,6 +7,18 @@ from pathlib import Path
 import pytest
 from gguf import GGMLQuantizationType as QT
 
+try:
+    import torch
+
+    if not torch.cuda.is_available():
+        # Triton's interpreter is chosen when triton is first imported (its standard library's
+        # functions are made then), so before any test module's import: a module that imports
+        # triton earlier in collection would otherwise leave the interpreter tests calling
+        # compiled helpers such as tl.cdiv.
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+except ImportError:  # pragma: no cover - the setup installs torch
+    pass
+
 from engine.synth.routing import routing
 from engine.synth.spec import ModelSpec, preset
 from engine.synth.writer import write_model
@@ -14,10 +26,8 @@ from engine.synth.writer import write_model
 
 def pytest_collection_modifyitems(config, items):
     try:
-        import torch
-
         has_cuda = torch.cuda.is_available()
-    except ImportError:
+    except NameError:  # no torch
         has_cuda = False
     if has_cuda:
         return
