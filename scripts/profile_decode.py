@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -32,6 +33,11 @@ def _timed(obj, name: str, into: dict, count_experts: bool = False) -> None:
         return r
 
     setattr(obj, name, wrapper)
+
+
+def _stage(what: str, t0: float) -> None:
+    """Progress on stderr as it happens: a run stopped by a time limit still says how far it got."""
+    print(f"[{time.perf_counter() - t0:7.1f} s] {what}", file=sys.stderr, flush=True)
 
 
 def _gpu_timeline(pr, n_tokens: int) -> dict:
@@ -61,17 +67,20 @@ def _gpu_timeline(pr, n_tokens: int) -> dict:
 def run(model: Path, budget: int | None, tokens: int, threads: int, ctx: int, out: Path, profile: bool) -> dict:
     from engine.moe.hybrid import attach_hybrid
     from engine.runtime.engine import Engine, EngineConfig
-
     from engine.runtime.tokenizer import tokenize_text
     from engine.synth.corpus import stdlib_text
 
+    t0 = time.perf_counter()
     engine = Engine.load(model, EngineConfig(device="cuda", n_ctx=max(ctx, tokens + 600), threads=threads,
                                              vram_budget_mib=budget), attach_experts=attach_hybrid)
     m, kv = engine.model, engine.cache
     ids = tokenize_text(model, stdlib_text(max_chars=(tokens + 600) * 8))  # the stream `bench speed` decodes
+    _stage("loaded", t0)
     m.forward(torch.tensor(ids[:512]), kv, 0)
+    _stage("prompt (the first run compiles its kernels)", t0)
     for p in range(512, 528):
         m.forward(torch.tensor([ids[p]]), kv, p)
+    _stage("decode warm-up and graph capture", t0)
     tx = m._runner.token_experts
     phases: dict = defaultdict(float)
     if tx is not None:
@@ -85,6 +94,7 @@ def run(model: Path, budget: int | None, tokens: int, threads: int, ctx: int, ou
         m.forward(torch.tensor([ids[p]]), kv, p)
     torch.cuda.synchronize()
     wall = time.perf_counter() - t
+    _stage(f"{tokens} timed tokens", t0)
     if profile:
         from torch.profiler import ProfilerActivity, profile as prof
 
@@ -96,6 +106,7 @@ def run(model: Path, budget: int | None, tokens: int, threads: int, ctx: int, ou
         (out / "profile_decode.txt").write_text(ka.table(sort_by="self_cuda_time_total", row_limit=60,
                                                           max_name_column_width=70))
         timeline = _gpu_timeline(pr, n_tokens=8)
+        _stage("profiled", t0)
     c = engine.telemetry.cache
     total = c.gpu_hit.sum() + c.uploaded.sum() + c.cpu_computed.sum()
     per_token = {k: (1e3 * v / tokens if not k.endswith("_calls") and k != "experts" else v / tokens)
