@@ -4,17 +4,30 @@
 per-head q/k norms), a whole row of up to 8192 values in one program. It replaces torch's
 pow / mean / add / rsqrt / mul / mul (6 kernels) of engine/layers/norm.rms_norm.
 
-`rope(q, k, positions, cos, sin, n_rot, neox)`: one launch rotates q and, when given, k
-(grid: tokens x blocks of heads, the q heads' blocks first); positions are read on the
+`add_rms_norm(h, delta, weight, eps)`: a block's residual add and the norm of the sum that
+the next step reads (the ffn norm after attention, the next block's attn norm or the output
+norm after the FFN), one launch writing both h + delta and its normalised row. It replaces the
+add and the norm's launch (7 torch kernels): per layer the decode step's two residual adds and
+two norms take 2 launches instead of 4 (14 in torch; DecoderModel.run, where only the first
+block's attn norm stays a plain rms_norm).
+
+`rope(q, k, positions, cos, sin, n_rot, neox, norms, eps)`: one launch rotates q and, when
+given, k (grid: tokens x blocks of heads, the q heads' blocks first); positions are read on the
 device, so a captured decode graph replays it at any position. It replaces the ~9 kernels
 per tensor of engine/layers/rope.apply_rope (two gathers of the table, slices, four
-products, two sums, cat/stack), i.e. ~18 for q and k together.
+products, two sums, cat/stack), i.e. ~18 for q and k together. With `norms` (qwen3moe's
+per-head q/k RMS norm weights) each head row is normalised in registers before it is rotated:
+qwen3moe's q/k norms and RoPE take 1 launch instead of 3 (~30 torch kernels).
 
 Exactness: the same formulas as the torch code, in float32. RMS norm:
 x * rsqrt(sum(x^2) / D + eps) * w, equal up to the order of the row's sum (and rsqrt's last
-bit: CUDA's rsqrtf as in torch on CUDA, 1/sqrt as in torch on CPU). RoPE: a*cos - b*sin and
-a*sin + b*cos with each product rounded to float32 before the sum (mul_rn: no FMA
-contraction), so the result is bit-identical to the torch code's.
+bit: CUDA's rsqrtf as in torch on CUDA, 1/sqrt as in torch on CPU); add_rms_norm's sum is
+one rounded float32 add, bit-identical to torch's h + delta, its norm as rms_norm's. RoPE:
+a*cos - b*sin and a*sin + b*cos with each product rounded to float32 before the sum (mul_rn:
+no FMA contraction), so the result is bit-identical to the torch code's; with the per-head
+norms, the rotation of the normalised row is the same (the norm: squares rounded as torch's
+pow(2), the mean of a power-of-two head dim an exact product), equal to norm-then-rope up to
+the order of the head row's sum.
 
 Inputs need a contiguous last dimension only (views like q.view(n, heads, hd) or
 deepseek2's strided slices q[..., nope:] and kv[:, None, kv_lora:] are read in place);
@@ -40,6 +53,7 @@ except ImportError:  # pragma: no cover - depends on the environment
 INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
 MAX_NORM_DIM = 8192  # a row stays in registers (n_embd up to 7168 and head dims up to 576)
 _ROPE_BLOCK_H = 16  # heads per RoPE program: a decode token's q heads take 1..4 programs
+MAX_ROPE_NORM_DIM = 256  # per-head norms in the RoPE launch: 16 heads' rows stay in registers
 
 
 def _next_pow2(n: int) -> int:
@@ -54,6 +68,20 @@ def _norm_warps(block: int) -> int:
 if triton is not None:
 
     @triton.jit
+    def _inv_rms(ss, n, eps, INTERP: tl.constexpr):
+        """rsqrt(ss / n + eps): the mean correctly rounded, as torch's (n a float32 tensor of
+        ss's shape, so Triton keeps the division a tensor op), rsqrt as torch's on the device."""
+        return _rsqrt(tl.div_rn(ss, n) + eps, INTERP)
+
+    @triton.jit
+    def _rsqrt(v, INTERP: tl.constexpr):
+        if INTERP:
+            r = 1.0 / tl.sqrt(v)  # torch's rsqrt on CPU
+        else:
+            r = libdevice.rsqrt(v)  # CUDA's rsqrtf, as torch's rsqrt on CUDA
+        return r
+
+    @triton.jit
     def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, stride_a, stride_b, n_b, D, eps,
                          HAS_W: tl.constexpr, BLOCK: tl.constexpr, INTERP: tl.constexpr):
         """One row: x's rows are (a, b) pairs of a [A, B, D] view (B = 1 for 2-D inputs)."""
@@ -62,13 +90,23 @@ if triton is not None:
         offs = tl.arange(0, BLOCK)
         mask = offs < D
         x = tl.load(x_ptr + a * stride_a + b * stride_b + offs, mask=mask, other=0.0)
-        # correctly rounded, as torch's mean (D + 0 * row: a tensor even where Triton made D = 1 a constant)
-        mean = tl.div_rn(tl.sum(x * x, axis=0), (D + 0 * row).to(tl.float32))
-        if INTERP:
-            r = 1.0 / tl.sqrt(mean + eps)  # torch's rsqrt on CPU
-        else:
-            r = libdevice.rsqrt(mean + eps)  # CUDA's rsqrtf, as torch's rsqrt on CUDA
-        y = x * r
+        # D + 0 * row: a tensor even where Triton made D = 1 a constant
+        y = x * _inv_rms(tl.sum(x * x, axis=0), (D + 0 * row).to(tl.float32), eps, INTERP)
+        if HAS_W:
+            y = y * tl.load(w_ptr + offs, mask=mask, other=0.0)
+        tl.store(out_ptr + row * D + offs, y, mask=mask)
+
+    @triton.jit
+    def _add_rms_norm_kernel(h_ptr, d_ptr, w_ptr, ho_ptr, out_ptr, stride_h, stride_d, D, eps,
+                             HAS_W: tl.constexpr, BLOCK: tl.constexpr, INTERP: tl.constexpr):
+        """One row: s = h + delta (stored, rounded once as torch's add), then rms_norm(s)."""
+        row = tl.program_id(0).to(tl.int64)
+        offs = tl.arange(0, BLOCK)
+        mask = offs < D
+        s = (tl.load(h_ptr + row * stride_h + offs, mask=mask, other=0.0)
+             + tl.load(d_ptr + row * stride_d + offs, mask=mask, other=0.0))
+        tl.store(ho_ptr + row * D + offs, s, mask=mask)
+        y = s * _inv_rms(tl.sum(s * s, axis=0), (D + 0 * row).to(tl.float32), eps, INTERP)
         if HAS_W:
             y = y * tl.load(w_ptr + offs, mask=mask, other=0.0)
         tl.store(out_ptr + row * D + offs, y, mask=mask)
@@ -84,11 +122,24 @@ if triton is not None:
         return p
 
     @triton.jit
-    def _rope_kernel(q_ptr, k_ptr, qo_ptr, ko_ptr, pos_ptr, cos_ptr, sin_ptr,
-                     q_stride_t, q_stride_h, k_stride_t, k_stride_h, n_qh, n_kh, n_q_blocks,
+    def _head_inv_rms(ss, eps, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, INTERP: tl.constexpr):
+        """_inv_rms of BLOCK_H head rows' sums of squares, as a column. A power-of-two head dim
+        divides exactly as a product by its reciprocal (rounded on its own: no FMA with + eps),
+        which keeps the RoPE kernel free of the FMAs of the division routine."""
+        if (HEAD_DIM & (HEAD_DIM - 1)) == 0:
+            r = _rsqrt(_mul(ss, 1.0 / HEAD_DIM, INTERP) + eps, INTERP)
+        else:
+            r = _inv_rms(ss, tl.full([BLOCK_H], HEAD_DIM, tl.float32), eps, INTERP)
+        return r[:, None]
+
+    @triton.jit
+    def _rope_kernel(q_ptr, k_ptr, qo_ptr, ko_ptr, pos_ptr, cos_ptr, sin_ptr, qn_ptr, kn_ptr,
+                     q_stride_t, q_stride_h, k_stride_t, k_stride_h, n_qh, n_kh, n_q_blocks, eps,
                      HEAD_DIM: tl.constexpr, N_ROT: tl.constexpr, NEOX: tl.constexpr, BLOCK_H: tl.constexpr,
-                     BLOCK_HALF: tl.constexpr, BLOCK_REST: tl.constexpr, INTERP: tl.constexpr):
-        """Token t, a block of BLOCK_H heads of q (program_id(1) < n_q_blocks) or of k."""
+                     BLOCK_HALF: tl.constexpr, BLOCK_REST: tl.constexpr, QK_NORM: tl.constexpr,
+                     INTERP: tl.constexpr):
+        """Token t, a block of BLOCK_H heads of q (program_id(1) < n_q_blocks) or of k; with
+        QK_NORM each head row is first RMS-normalised with q's or k's weight (qwen3moe)."""
         t = tl.program_id(0).to(tl.int64)
         hb = tl.program_id(1)
         # Triton specialises an int argument of 1 as a constant (one k head: deepseek2's k_pe) and
@@ -96,10 +147,10 @@ if triton is not None:
         # branches of the q/k choice int32 tensors while keeping that alignment.
         zero = hb * 0
         if hb < n_q_blocks:
-            src, dst, h0 = q_ptr, qo_ptr, hb * BLOCK_H
+            src, dst, wn, h0 = q_ptr, qo_ptr, qn_ptr, hb * BLOCK_H
             st, sh, nh = q_stride_t + zero, q_stride_h + zero, n_qh + zero
         else:
-            src, dst, h0 = k_ptr, ko_ptr, (hb - n_q_blocks) * BLOCK_H
+            src, dst, wn, h0 = k_ptr, ko_ptr, kn_ptr, (hb - n_q_blocks) * BLOCK_H
             st, sh, nh = k_stride_t + zero, k_stride_h + zero, n_kh + zero
         HALF: tl.constexpr = N_ROT // 2
         pos = tl.load(pos_ptr + t).to(tl.int64)
@@ -111,23 +162,44 @@ if triton is not None:
         hmask = h < nh
         src_row = src + t * st + h[:, None] * sh
         dst_row = dst + (t * nh + h[:, None]) * HEAD_DIM
+        jr = N_ROT + tl.arange(0, BLOCK_REST)  # dims past n_rot: they pass through (normalised)
+        rmask = hmask[:, None] & (jr < HEAD_DIM)[None, :]
+        if N_ROT < HEAD_DIM:
+            rest = tl.load(src_row + jr[None, :], mask=rmask, other=0.0)
         if NEOX:  # (i, i + n_rot/2): two contiguous halves
             mask = hmask[:, None] & imask[None, :]
             a = tl.load(src_row + i[None, :], mask=mask, other=0.0)
             b = tl.load(src_row + HALF + i[None, :], mask=mask, other=0.0)
+            if QK_NORM:  # rms_norm of the head row: x * rsqrt(mean(x^2) + eps) * w, as the torch code
+                # squares rounded, as torch's pow(2), and the kernel keeps no FMA (see _mul)
+                ss = tl.sum(_mul(a, a, INTERP), axis=1) + tl.sum(_mul(b, b, INTERP), axis=1)
+                if N_ROT < HEAD_DIM:
+                    ss += tl.sum(_mul(rest, rest, INTERP), axis=1)
+                r = _head_inv_rms(ss, eps, HEAD_DIM, BLOCK_H, INTERP)
+                a = a * r * tl.load(wn + i, mask=imask, other=0.0)[None, :]
+                b = b * r * tl.load(wn + HALF + i, mask=imask, other=0.0)[None, :]
+                if N_ROT < HEAD_DIM:
+                    rest = rest * r * tl.load(wn + jr, mask=jr < HEAD_DIM, other=0.0)[None, :]
             tl.store(dst_row + i[None, :], _mul(a, c, INTERP) - _mul(b, s, INTERP), mask=mask)
             tl.store(dst_row + HALF + i[None, :], _mul(a, s, INTERP) + _mul(b, c, INTERP), mask=mask)
         else:  # (2i, 2i + 1): the rotated dims loaded contiguously, split into pairs in registers
             j = tl.arange(0, 2 * BLOCK_HALF)
             mask = hmask[:, None] & (j < N_ROT)[None, :]
             x = tl.load(src_row + j[None, :], mask=mask, other=0.0)
+            if QK_NORM:
+                ss = tl.sum(_mul(x, x, INTERP), axis=1)
+                if N_ROT < HEAD_DIM:
+                    ss += tl.sum(_mul(rest, rest, INTERP), axis=1)
+                r = _head_inv_rms(ss, eps, HEAD_DIM, BLOCK_H, INTERP)
+                # the weight in x's own layout (its rows repeated; cached), so the load is 16-byte wide
+                x = x * r * tl.load(wn + j[None, :] + 0 * h[:, None], mask=mask, other=0.0)
+                if N_ROT < HEAD_DIM:
+                    rest = rest * r * tl.load(wn + jr, mask=jr < HEAD_DIM, other=0.0)[None, :]
             a, b = tl.split(tl.reshape(x, (BLOCK_H, BLOCK_HALF, 2)))
             y = tl.join(_mul(a, c, INTERP) - _mul(b, s, INTERP), _mul(a, s, INTERP) + _mul(b, c, INTERP))
             tl.store(dst_row + j[None, :], tl.reshape(y, (BLOCK_H, 2 * BLOCK_HALF)), mask=mask)
-        if N_ROT < HEAD_DIM:  # dims past n_rot pass through
-            j = N_ROT + tl.arange(0, BLOCK_REST)
-            rmask = hmask[:, None] & (j < HEAD_DIM)[None, :]
-            tl.store(dst_row + j[None, :], tl.load(src_row + j[None, :], mask=rmask, other=0.0), mask=rmask)
+        if N_ROT < HEAD_DIM:
+            tl.store(dst_row + jr[None, :], rest, mask=rmask)
 
 
 def available() -> bool:
@@ -168,6 +240,26 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.
     return out
 
 
+def add_norm_supported(h: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor | None) -> bool:
+    """add_rms_norm's shapes: h and delta [T, D] alike, float32, contiguous rows (any row stride),
+    D and the weight as norm_supported takes them."""
+    return (h.dim() == 2 and delta.shape == h.shape and delta.dtype == torch.float32 and delta.stride(-1) == 1
+            and delta.device == h.device and norm_supported(h, weight))
+
+
+def add_rms_norm(h: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor | None,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(h + delta, rms_norm(h + delta)) in one launch, both new contiguous [T, D] tensors."""
+    n, d = h.shape
+    h_new = torch.empty(h.shape, dtype=torch.float32, device=h.device)
+    out = torch.empty(h.shape, dtype=torch.float32, device=h.device)
+    block = _next_pow2(d)
+    _add_rms_norm_kernel[(n,)](
+        h, delta, weight if weight is not None else h, h_new, out, h.stride(0), delta.stride(0), d, float(eps),
+        HAS_W=weight is not None, BLOCK=block, INTERP=INTERPRETED, num_warps=_norm_warps(block))
+    return h_new, out
+
+
 def rope_supported(x: torch.Tensor, positions: torch.Tensor, n_rot: int) -> bool:
     """x [T, heads, head_dim] float32 with a contiguous last dimension, positions [T] integers
     on the same device, an even n_rot of at most head_dim."""
@@ -176,11 +268,20 @@ def rope_supported(x: torch.Tensor, positions: torch.Tensor, n_rot: int) -> bool
             and positions.dtype in (torch.int32, torch.int64) and 0 < n_rot <= x.shape[-1] and n_rot % 2 == 0)
 
 
+def rope_norm_supported(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """A per-head norm weight the RoPE launch can apply to x [T, heads, head_dim]: float32,
+    contiguous, head_dim long, head_dim at most MAX_ROPE_NORM_DIM."""
+    return (weight.dtype == torch.float32 and weight.dim() == 1 and weight.shape[0] == x.shape[-1]
+            and weight.stride(0) == 1 and weight.device == x.device and x.shape[-1] <= MAX_ROPE_NORM_DIM)
+
+
 def rope(q: torch.Tensor, k: torch.Tensor | None, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-         n_rot: int, neox: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+         n_rot: int, neox: bool, norms: tuple[torch.Tensor, torch.Tensor | None] | None = None,
+         eps: float = 0.0) -> tuple[torch.Tensor, torch.Tensor | None]:
     """q (and k) [T, heads, head_dim] rotated at `positions` [T] with the tables cos/sin
     [n_positions, n_rot/2] (contiguous, on q's device), in one launch. k must share q's
-    T and head_dim."""
+    T and head_dim. `norms` (q's and k's weights, [head_dim] each): each head row is
+    RMS-normalised with its weight and `eps` before it is rotated, in the same launch."""
     t, n_qh, head_dim = q.shape
     n_kh = k.shape[1] if k is not None else 0
     qo = torch.empty(q.shape, dtype=torch.float32, device=q.device)
@@ -189,11 +290,13 @@ def rope(q: torch.Tensor, k: torch.Tensor | None, positions: torch.Tensor, cos: 
     n_q_blocks = triton.cdiv(n_qh, block_h)
     n_k_blocks = triton.cdiv(n_kh, block_h)
     kk, kko = (k, ko) if k is not None else (q, qo)  # unused when n_k_blocks == 0
+    qn, kn = norms if norms is not None else (q, q)  # unused without QK_NORM
+    kn = kn if kn is not None else qn
     _rope_kernel[(t, n_q_blocks + n_k_blocks)](
-        q, kk, qo, kko, positions, cos, sin, q.stride(0), q.stride(1), kk.stride(0), kk.stride(1),
-        n_qh, n_kh, n_q_blocks, HEAD_DIM=head_dim, N_ROT=n_rot, NEOX=neox, BLOCK_H=block_h,
-        BLOCK_HALF=_next_pow2(n_rot // 2), BLOCK_REST=_next_pow2(max(1, head_dim - n_rot)), INTERP=INTERPRETED,
-        num_warps=4)
+        q, kk, qo, kko, positions, cos, sin, qn, kn, q.stride(0), q.stride(1), kk.stride(0), kk.stride(1),
+        n_qh, n_kh, n_q_blocks, float(eps), HEAD_DIM=head_dim, N_ROT=n_rot, NEOX=neox, BLOCK_H=block_h,
+        BLOCK_HALF=_next_pow2(n_rot // 2), BLOCK_REST=_next_pow2(max(1, head_dim - n_rot)),
+        QK_NORM=norms is not None, INTERP=INTERPRETED, num_warps=4)
     return qo, ko
 
 
@@ -203,9 +306,11 @@ def rope(q: torch.Tensor, k: torch.Tensor | None, positions: torch.Tensor, cos: 
 # and olmoe's full q/k projections; RoPE at the head geometries of the GQA families and MLA's
 # rope part (64 of 192 or 576 dims, read as a strided slice).
 AOT_NORM_DIMS = (64, 128, 512, 576, 2048, 4096, 7168, 8192)
-AOT_ROPE = (  # (label, head_dim, n_rot, neox)
-    ("qwen3moe", 128, 128, True), ("gpt-oss", 64, 64, True), ("mixtral", 128, 128, False),
-    ("partial", 128, 64, True), ("deepseek2", 64, 64, False))
+AOT_ADD_NORM_DIMS = (2048, 2880, 4096, 7168)  # the residual adds fused with the next norm: n_embd
+AOT_ROPE = (  # (label, head_dim, n_rot, neox, per-head q/k norm)
+    ("qwen3moe", 128, 128, True, True), ("neox", 128, 128, True, False), ("gpt-oss", 64, 64, True, False),
+    ("mixtral", 128, 128, False, False), ("partial", 128, 64, True, False), ("partial+norm", 128, 64, True, True),
+    ("normal+norm", 128, 128, False, True), ("deepseek2", 64, 64, False, False))
 
 
 def aot_report(arch: int = 90) -> list[dict]:
@@ -234,16 +339,25 @@ def aot_report(arch: int = 90) -> list[dict]:
             compile_one(f"rms_norm D={d} w={int(has_w)}", _rms_norm_kernel, sig,
                         {"HAS_W": has_w, "BLOCK": block, "INTERP": False}, _norm_warps(block),
                         ("D", "stride_a", "stride_b") if d % 16 == 0 else ())
-    for label, head_dim, n_rot, neox in AOT_ROPE:
+    for d in AOT_ADD_NORM_DIMS:
+        block = _next_pow2(d)
+        sig = {"h_ptr": "*fp32", "d_ptr": "*fp32", "w_ptr": "*fp32", "ho_ptr": "*fp32", "out_ptr": "*fp32",
+               "stride_h": "i64", "stride_d": "i64", "D": "i32", "eps": "fp32"}
+        compile_one(f"add_rms_norm D={d}", _add_rms_norm_kernel, sig,
+                    {"HAS_W": True, "BLOCK": block, "INTERP": False}, _norm_warps(block),
+                    ("D", "stride_h", "stride_d") if d % 16 == 0 else ())
+    for label, head_dim, n_rot, neox, qk_norm in AOT_ROPE:
         sig = {"q_ptr": "*fp32", "k_ptr": "*fp32", "qo_ptr": "*fp32", "ko_ptr": "*fp32", "pos_ptr": "*i64",
-               "cos_ptr": "*fp32", "sin_ptr": "*fp32", "q_stride_t": "i32", "q_stride_h": "i32",
-               "k_stride_t": "i32", "k_stride_h": "i32", "n_qh": "i32", "n_kh": "i32", "n_q_blocks": "i32"}
+               "cos_ptr": "*fp32", "sin_ptr": "*fp32", "qn_ptr": "*fp32", "kn_ptr": "*fp32", "q_stride_t": "i32",
+               "q_stride_h": "i32", "k_stride_t": "i32", "k_stride_h": "i32", "n_qh": "i32", "n_kh": "i32",
+               "n_q_blocks": "i32", "eps": "fp32"}
         # deepseek2's one k head arrives as the constant 1 (Triton's specialisation of 1)
         one_k_head = {"n_kh": 1} if label == "deepseek2" else {}
         compile_one(f"rope {label}", _rope_kernel, sig,
                     {"HEAD_DIM": head_dim, "N_ROT": n_rot, "NEOX": neox, "BLOCK_H": _ROPE_BLOCK_H,
                      "BLOCK_HALF": _next_pow2(n_rot // 2), "BLOCK_REST": _next_pow2(max(1, head_dim - n_rot)),
-                     "INTERP": False, **one_k_head}, 4, ("q_stride_t", "q_stride_h", "k_stride_t", "k_stride_h"))
+                     "QK_NORM": qk_norm, "INTERP": False, **one_k_head}, 4,
+                    ("q_stride_t", "q_stride_h", "k_stride_t", "k_stride_h"))
     return rows
 
 

@@ -8,7 +8,8 @@ cos/sin are tabulated once per context length on the device and looked up by a p
 tensor there, so a decode step needs no host work (and can be replayed as a CUDA graph).
 The torch code is the reference and the CPU path; where `engine.kernels.triton_applies` says
 so (CUDA) and the shapes fit, one fused Triton launch computes the same products
-(engine/kernels/norm_rope.py), for q and k together through `rope_qk`.
+(engine/kernels/norm_rope.py), for q and k together through `rope_qk`, which also takes
+qwen3moe's per-head q/k RMS norms into that launch.
 """
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ import numpy as np
 import torch
 
 from engine.kernels import triton_applies
+from engine.layers.norm import rms_norm
 
 
 @dataclass(frozen=True)
@@ -79,16 +81,30 @@ def apply_rope(x: torch.Tensor, positions: torch.Tensor, cfg: RopeConfig, n_ctx:
     return _apply_rope_torch(x, positions, cfg, n_ctx)
 
 
-def rope_qk(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cfg: RopeConfig,
-            n_ctx: int) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_qk(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cfg: RopeConfig, n_ctx: int,
+            norms: tuple[torch.Tensor, torch.Tensor] | None = None,
+            eps: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
     """apply_rope of q and of k [T, heads, head_dim] (head counts may differ), in one launch
-    where the kernel applies."""
-    if (_kernel_applies(q, positions, cfg) and _kernel_applies(k, positions, cfg)
-            and k.shape[-1] == q.shape[-1] and k.device == q.device):
+    where the kernel applies. `norms` (q's and k's weights [head_dim]): each head row is first
+    rms_norm'ed with its weight and `eps` (qwen3moe), in that same launch."""
+    fused = (_kernel_applies(q, positions, cfg) and _kernel_applies(k, positions, cfg)
+             and k.shape[-1] == q.shape[-1] and k.device == q.device)
+    if norms is not None and not (fused and _norms_fit(q, k, norms)):
+        q, k = rms_norm(q, norms[0], eps), rms_norm(k, norms[1], eps)  # the two steps in sequence
+        norms = None
+    if fused:
         from engine.kernels import norm_rope
 
-        return norm_rope.rope(q, k, positions, *rope_table(cfg, n_ctx, str(q.device)), cfg.n_rot, cfg.neox)
+        return norm_rope.rope(q, k, positions, *rope_table(cfg, n_ctx, str(q.device)), cfg.n_rot, cfg.neox,
+                              norms, eps)
     return _apply_rope_torch(q, positions, cfg, n_ctx), _apply_rope_torch(k, positions, cfg, n_ctx)
+
+
+def _norms_fit(q: torch.Tensor, k: torch.Tensor, norms: tuple[torch.Tensor, torch.Tensor]) -> bool:
+    """Whether the RoPE launch can take both per-head norm weights."""
+    from engine.kernels import norm_rope
+
+    return all(norm_rope.rope_norm_supported(x, w) for x, w in zip((q, k), norms))
 
 
 def _apply_rope_torch(x: torch.Tensor, positions: torch.Tensor, cfg: RopeConfig, n_ctx: int) -> torch.Tensor:

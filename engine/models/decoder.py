@@ -16,7 +16,7 @@ from engine.gguf.reader import ModelFile
 from engine.layers.attention import KVCache
 from engine.layers.linear import Linear
 from engine.layers.moe import Experts, ExpertWeights, Router, activate, SILU
-from engine.layers.norm import rms_norm
+from engine.layers.norm import add_rms_norm, rms_norm
 from engine.quant.dequant import check_supported, dequantize
 
 
@@ -130,11 +130,14 @@ class DecoderModel:
         prompts, and captured as the decode token's CUDA graph (start None: attention reads the
         whole cache, masked by position; nothing here may wait for the host)."""
         eps = self.config.rms_eps
-        for i, block in enumerate(self.blocks):
-            h = h + block.attention(rms_norm(h, block.attn_norm, eps), positions, cache, i, start)
-            x = rms_norm(h, block.ffn_norm, eps)
-            h = h + (block.ffn(x, experts) if isinstance(block.ffn, MoEFFN) else block.ffn(x))
-        return self.output(rms_norm(h, self.output_norm, eps))
+        # Each residual add is fused with the norm that reads its sum (add_rms_norm: one launch
+        # on the kernels' path): x is always the normalised h the next step takes.
+        next_norms = [b.attn_norm for b in self.blocks[1:]] + [self.output_norm]
+        x = rms_norm(h, self.blocks[0].attn_norm if self.blocks else self.output_norm, eps)
+        for i, (block, next_norm) in enumerate(zip(self.blocks, next_norms)):
+            h, x = add_rms_norm(h, block.attention(x, positions, cache, i, start), block.ffn_norm, eps)
+            h, x = add_rms_norm(h, block.ffn(x, experts) if block.is_moe else block.ffn(x), next_norm, eps)
+        return self.output(x)
 
     def settle(self) -> None:
         """Brings the expert counters up to date after decoding (the decode graph's trail by

@@ -41,8 +41,8 @@ class GQAttention:
         q = q.view(n, self.n_head, self.head_dim)
         k = k.view(n, self.n_head_kv, self.head_dim)
         v = v.view(n, self.n_head_kv, self.head_dim)
-        if self.qk_norm == QK_NORM_HEAD:
-            q, k = rms_norm(q, self.q_norm, self.eps), rms_norm(k, self.k_norm, self.eps)
-        q, k = rope_qk(q, k, positions, self.rope, cache.n_ctx)
+        # per-head q/k norms: normalised in the RoPE launch where the kernel applies
+        norms = (self.q_norm, self.k_norm) if self.qk_norm == QK_NORM_HEAD else None
+        q, k = rope_qk(q, k, positions, self.rope, cache.n_ctx, norms, self.eps)
         keys, values = cache.store(layer, start, k, v, positions)
         return self.o(attend(q, keys, values, positions, self.scale, self.window, self.sinks))

@@ -1,5 +1,6 @@
-"""The fused RMS norm and RoPE kernels (engine/kernels/norm_rope.py) against the torch code of
-engine/layers (the reference and CPU path).
+"""The fused RMS norm, residual add + RMS norm and RoPE (with qwen3moe's per-head q/k norms)
+kernels (engine/kernels/norm_rope.py) against the torch code of engine/layers (the reference
+and CPU path).
 
 Two ways to run:
 - here, without a GPU: Triton's interpreter runs the kernels on CPU tensors (small shapes,
@@ -9,7 +10,10 @@ Two ways to run:
 
 The contract: RoPE bit-identical to the torch code (the same float32 products, each rounded
 before the sum); RMS norm equal up to the order of the row's sum of squares (and rsqrt's last
-bit), bound NORM_TOL relative to the output's largest magnitude.
+bit), bound NORM_TOL relative to the output's largest magnitude; the residual add bit-identical
+(one rounded add). Where the inputs are small integers every order of the sum of squares is
+exact, so there the fused norms must equal the torch sequence bit for bit too (on CPU, where
+rsqrt is the same 1/sqrt): that pins the formula, not just the tolerance.
 """
 from __future__ import annotations
 
@@ -161,13 +165,126 @@ def test_interpreter_rope_of_deepseek2_strided_slices(monkeypatch) -> None:
         assert got[0].is_contiguous() and got[1].shape == (3, 1, 16)
 
 
+def _add_norm_ref(h: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor | None,
+                  eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    s = h + delta
+    return s, _norm_ref(s, weight, eps)
+
+
+def _ints(g: torch.Generator, *shape: int) -> torch.Tensor:
+    """Small integers as float32: every partial sum of their squares is exact."""
+    return torch.randint(-4, 5, shape, generator=g).float()
+
+
+@interp
+@pytest.mark.parametrize("d", [64, 256, 2048, 2880])
+@pytest.mark.parametrize("rows", [1, 6])
+@pytest.mark.parametrize("with_weight", [False, True])
+def test_interpreter_add_rms_norm_matches_torch(monkeypatch, d: int, rows: int, with_weight: bool) -> None:
+    """The residual add is exact (h_new == h + delta bit for bit), the norm of the sum equal to
+    summation order; one launch through the layer function."""
+    g = torch.Generator().manual_seed(d + rows)
+    h = torch.randn(rows, d, generator=g) * 4 + 0.5
+    delta = torch.randn(rows, d, generator=g) * 3
+    w = torch.randn(d, generator=g) if with_weight else None
+    calls = []
+    monkeypatch.setattr(norm_rope, "_add_rms_norm_kernel", _counting(norm_rope._add_rms_norm_kernel, calls))
+    monkeypatch.setenv("MOESTUDIO_TRITON", "force")
+    h_new, x = norm_layer.add_rms_norm(h, delta, w, 1e-6)
+    want_h, want_x = _add_norm_ref(h, delta, w, 1e-6)
+    assert len(calls) == 1
+    assert torch.equal(h_new, want_h) and h_new.is_contiguous()
+    _assert_norm_close(x, want_x)
+    hi, di = _ints(g, rows, d), _ints(g, rows, d)
+    assert all(torch.equal(a, b) for a, b in zip(norm_rope.add_rms_norm(hi, di, w, 1e-6),
+                                                  _add_norm_ref(hi, di, w, 1e-6)))
+
+
+@interp
+def test_interpreter_add_rms_norm_of_strided_rows_and_fallbacks(monkeypatch) -> None:
+    """Rows with a stride (a slice of a wider tensor) are read in place; shapes the kernel does not
+    take (broadcast delta, float64, rows past MAX_NORM_DIM) and MOESTUDIO_TRITON=0 run the torch
+    code, with the same results."""
+    g = torch.Generator().manual_seed(11)
+    wide = torch.randn(4, 96, generator=g)
+    h, delta, w = wide[:, :64], torch.randn(4, 64, generator=g), torch.randn(64, generator=g)
+    calls = []
+    monkeypatch.setattr(norm_rope, "_add_rms_norm_kernel", _counting(norm_rope._add_rms_norm_kernel, calls))
+    monkeypatch.setenv("MOESTUDIO_TRITON", "force")
+    h_new, x = norm_layer.add_rms_norm(h, delta, w, 1e-5)
+    want_h, want_x = _add_norm_ref(h, delta, w, 1e-5)
+    assert len(calls) == 1 and torch.equal(h_new, want_h)
+    _assert_norm_close(x, want_x)
+    for args in ((h, delta[:1], w), (h.double(), delta.double(), w.double()),
+                 (torch.randn(2, norm_rope.MAX_NORM_DIM + 8), torch.randn(2, norm_rope.MAX_NORM_DIM + 8), None)):
+        got, want = norm_layer.add_rms_norm(*args, 1e-5), _add_norm_ref(*args, 1e-5)
+        assert torch.equal(got[0], want[0])
+        _assert_norm_close(got[1].float(), want[1].float())
+    monkeypatch.setenv("MOESTUDIO_TRITON", "0")
+    got = norm_layer.add_rms_norm(h, delta, w, 1e-5)
+    assert torch.equal(got[0], want_h) and torch.equal(got[1], want_x)
+    assert len(calls) == 1
+
+
+def _rope_norm_ref(q, k, positions, cfg, n_ctx, qw, kw, eps):
+    """The torch sequence the fused launch replaces: the per-head norms, then RoPE."""
+    return (rope_layer._apply_rope_torch(_norm_ref(q, qw, eps), positions, cfg, n_ctx),
+            rope_layer._apply_rope_torch(_norm_ref(k, kw, eps), positions, cfg, n_ctx))
+
+
+@interp
+@pytest.mark.parametrize("label,cfg,head_dim", ROPE_CASES, ids=[c[0] for c in ROPE_CASES])
+@pytest.mark.parametrize("n_tok", [1, 6])
+def test_interpreter_rope_with_qk_norm_matches_the_two_steps(monkeypatch, label: str, cfg: RopeConfig,
+                                                            head_dim: int, n_tok: int) -> None:
+    """qwen3moe's per-head q/k norms in the RoPE launch (every pairing and partial n_rot, so the
+    passed-through dims are normalised too): one launch, no norm launch; equal to norm-then-rope
+    up to the norm's summation order, and bit for bit where that order cannot matter."""
+    n_ctx, eps = 64, 1e-6
+    q, k, positions = _rope_cases_device("cpu", n_tok, 20, 4, head_dim, n_ctx, seed=n_tok + 7)
+    g = torch.Generator().manual_seed(head_dim)
+    qw, kw = torch.randn(head_dim, generator=g), torch.randn(head_dim, generator=g)
+    rope_calls, norm_calls = [], []
+    monkeypatch.setattr(norm_rope, "_rope_kernel", _counting(norm_rope._rope_kernel, rope_calls))
+    monkeypatch.setattr(norm_rope, "_rms_norm_kernel", _counting(norm_rope._rms_norm_kernel, norm_calls))
+    monkeypatch.setenv("MOESTUDIO_TRITON", "force")
+    got = rope_layer.rope_qk(q, k, positions, cfg, n_ctx, (qw, kw), eps)
+    assert len(rope_calls) == 1 and norm_calls == []
+    for a, b in zip(got, _rope_norm_ref(q, k, positions, cfg, n_ctx, qw, kw, eps)):
+        _assert_norm_close(a, b)
+    qi, ki = _ints(g, n_tok, 20, head_dim), _ints(g, n_tok, 4, head_dim)
+    got = rope_layer.rope_qk(qi, ki, positions, cfg, n_ctx, (qw, kw), eps)
+    want = _rope_norm_ref(qi, ki, positions, cfg, n_ctx, qw, kw, eps)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    monkeypatch.setenv("MOESTUDIO_TRITON", "0")
+    got = rope_layer.rope_qk(qi, ki, positions, cfg, n_ctx, (qw, kw), eps)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]) and len(rope_calls) == 2
+
+
+@interp
+def test_interpreter_rope_with_wide_qk_norm_takes_two_launches(monkeypatch) -> None:
+    """Head rows wider than MAX_ROPE_NORM_DIM: the norm launch, then the plain RoPE launch."""
+    cfg, n_ctx, hd = RopeConfig(n_rot=64, neox=True), 16, 2 * norm_rope.MAX_ROPE_NORM_DIM
+    q, k, positions = _rope_cases_device("cpu", 2, 2, 1, hd, n_ctx, seed=1)
+    qw, kw = torch.randn(hd), torch.randn(hd)
+    rope_calls, norm_calls = [], []
+    monkeypatch.setattr(norm_rope, "_rope_kernel", _counting(norm_rope._rope_kernel, rope_calls))
+    monkeypatch.setattr(norm_rope, "_rms_norm_kernel", _counting(norm_rope._rms_norm_kernel, norm_calls))
+    monkeypatch.setenv("MOESTUDIO_TRITON", "force")
+    got = rope_layer.rope_qk(q, k, positions, cfg, n_ctx, (qw, kw), 1e-6)
+    assert len(rope_calls) == 1 and len(norm_calls) == 2
+    for a, b in zip(got, _rope_norm_ref(q, k, positions, cfg, n_ctx, qw, kw, 1e-6)):
+        _assert_norm_close(a, b)
+
+
 @interp
 @pytest.mark.parametrize("arch", ["qwen3moe", "deepseek2", "gpt-oss"])
 def test_interpreter_model_gives_the_same_tokens(make_model, monkeypatch, arch: str) -> None:
     """A tiny synthetic model's prompt logits and greedy tokens with the norm and RoPE kernels
-    (force: the interpreter) against the torch code. qwen3moe: per-head q/k norms, NEOX;
-    deepseek2: MLA's strided rope slices and the kv_a norm, YaRN; gpt-oss: YaRN NEOX. RoPE is
-    exact, the norms differ by summation order, so tokens agree and logits nearly."""
+    (force: the interpreter) against the torch code. qwen3moe: per-head q/k norms in the RoPE
+    launch, NEOX; deepseek2: MLA's strided rope slices and the kv_a norm, YaRN; gpt-oss: YaRN
+    NEOX; every family: the residual adds fused with the norms that follow. RoPE and the adds
+    are exact, the norms differ by summation order, so tokens agree and logits nearly."""
     from engine.layers import linear
     from engine.models import build_model
 
@@ -175,22 +292,25 @@ def test_interpreter_model_gives_the_same_tokens(make_model, monkeypatch, arch: 
     prompt = torch.tensor([1, 5, 9, 2, 7, 3])
     # Only this module's kernels: the dense products stay on the torch path.
     monkeypatch.setattr(linear, "triton_applies", lambda device: False)
-    norm_calls, rope_calls = [], []
+    norm_calls, add_norm_calls, rope_calls = [], [], []
     monkeypatch.setattr(norm_rope, "_rms_norm_kernel", _counting(norm_rope._rms_norm_kernel, norm_calls))
+    monkeypatch.setattr(norm_rope, "_add_rms_norm_kernel", _counting(norm_rope._add_rms_norm_kernel,
+                                                                     add_norm_calls))
     monkeypatch.setattr(norm_rope, "_rope_kernel", _counting(norm_rope._rope_kernel, rope_calls))
     results = {}
     for mode in ("0", "force"):
         monkeypatch.setenv("MOESTUDIO_TRITON", mode)
         results[mode] = _greedy(build_model(path), prompt, 4)
         if mode == "0":
-            assert norm_calls == [] and rope_calls == []
+            assert norm_calls == [] and add_norm_calls == [] and rope_calls == []
     (logits0, toks0), (logits1, toks1) = results["0"], results["force"]
     n_layer, steps = build_model(path).config.n_layer, 5  # steps: the prompt and four tokens
-    assert len(rope_calls) == steps * n_layer, "one rope launch per layer and step: q and k together"
-    # norms per layer: attn + ffn, and qwen3moe's per-head q and k, deepseek2's kv_a (and q_a
-    # where the model has a q LoRA); one more for the output
-    per_layer = {"qwen3moe": 4, "gpt-oss": 2, "deepseek2": 3}[arch]
-    assert steps * (per_layer * n_layer + 1) <= len(norm_calls) <= steps * ((per_layer + 1) * n_layer + 1)
+    assert len(rope_calls) == steps * n_layer, "one rope launch per layer and step: q, k and their norms"
+    # two residual adds per layer, each with the norm after it (the next attn/ffn norm, the
+    # output norm); plain norms: the first attn norm per step, and deepseek2's kv_a per layer
+    # (the tiny model has no q LoRA, so no q_a norm); qwen3moe's per-head norms are in the rope launch
+    assert len(add_norm_calls) == steps * 2 * n_layer
+    assert len(norm_calls) == steps * (1 + {"qwen3moe": 0, "gpt-oss": 0, "deepseek2": 1}[arch] * n_layer)
     assert toks1 == toks0
     assert (logits1 - logits0).abs().max().item() <= 1e-4 * logits0.abs().max().item()
 
@@ -216,7 +336,8 @@ def _greedy(model, prompt: torch.Tensor, n_new: int) -> tuple[torch.Tensor, list
 def test_kernels_compile_for_hopper_without_spills() -> None:
     """Every variant compiles for sm_90 (Triton ships ptxas; a subprocess, since the kernels
     here may be imported for the interpreter): rows up to 8192 stay in registers, loads are
-    16 bytes wide, and RoPE's products are not contracted into FMAs (its bit-exactness)."""
+    16 bytes wide, and RoPE's products are not contracted into FMAs (its bit-exactness; with
+    the per-head q/k norms too, whose power-of-two mean is a product, not the FMAs of a division)."""
     import json
     import subprocess
     import sys
@@ -229,12 +350,13 @@ def test_kernels_compile_for_hopper_without_spills() -> None:
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = json.loads(proc.stdout.strip().splitlines()[-1])
     want = {f"rms_norm D={d} w={w}" for d in norm_rope.AOT_NORM_DIMS for w in (0, 1)}
+    want |= {f"add_rms_norm D={d}" for d in norm_rope.AOT_ADD_NORM_DIMS}
     want |= {f"rope {label}" for label, *_ in norm_rope.AOT_ROPE}
     assert {r["kernel"] for r in rows} == want
     for r in rows:
         assert r["spill_ops"] == 0 and r["local"] == 0, r
         # rows of 16k values read 16 bytes at a time (the GQA heads' NEOX halves too)
-        if r["kernel"].startswith("rms_norm") and not r["kernel"].startswith("rms_norm D=64 "):
+        if "rms_norm" in r["kernel"] and not r["kernel"].startswith("rms_norm D=64 "):
             assert set(r["loads"]) == {"LDG.E.128"}, r
         if r["kernel"].startswith("rope"):
             assert r["ffma"] == 0, f"{r['kernel']}: a product fused into a sum is not the torch code's rounding"
@@ -321,3 +443,65 @@ def test_gpu_rope_and_norm_of_deepseek2_strided_slices(monkeypatch, n_tok: int) 
     assert torch.equal(k_pe, rope_layer._apply_rope_torch(kv[:, None, 512:], positions, cfg, n_ctx))
     w = torch.randn(512, device="cuda")
     _assert_norm_close(norm_layer.rms_norm(kv[:, :512], w, 1e-6), _norm_ref(kv[:, :512], w, 1e-6))
+
+
+@gpu
+@pytest.mark.parametrize("d", [2048, 2880, 4096, 7168])
+@pytest.mark.parametrize("rows", [1, 300])
+def test_gpu_add_rms_norm_matches_torch(monkeypatch, d: int, rows: int) -> None:
+    """The residual add + next norm at the models' n_embd: the add bit for bit, the norm to
+    summation order."""
+    monkeypatch.setenv("MOESTUDIO_TRITON", "1")
+    g = torch.Generator().manual_seed(d + rows)
+    h = (torch.randn(rows, d, generator=g) * 4 + 0.5).cuda()
+    delta = (torch.randn(rows, d, generator=g) * 3).cuda()
+    w = torch.randn(d, generator=g).cuda()
+    h_new, x = norm_layer.add_rms_norm(h, delta, w, 1e-6)
+    want_h, want_x = _add_norm_ref(h, delta, w, 1e-6)
+    assert torch.equal(h_new, want_h)
+    _assert_norm_close(x, want_x)
+
+
+@gpu
+@pytest.mark.parametrize("n_tok", [1, 300])
+def test_gpu_rope_with_qk_norm_matches_the_two_steps(monkeypatch, n_tok: int) -> None:
+    """qwen3moe's (Qwen3-30B-A3B: 32 q heads, 4 kv heads, head_dim 128, NEOX) per-head norms in
+    the RoPE launch against norm-then-rope in torch."""
+    monkeypatch.setenv("MOESTUDIO_TRITON", "1")
+    cfg, n_ctx = GPU_ROPE[0][1], 4096
+    q, k, positions = _rope_cases_device("cuda", n_tok, 32, 4, 128, n_ctx, seed=n_tok)
+    qw, kw = torch.randn(128, device="cuda"), torch.randn(128, device="cuda")
+    got = rope_layer.rope_qk(q, k, positions, cfg, n_ctx, (qw, kw), 1e-6)
+    for a, b in zip(got, _rope_norm_ref(q, k, positions, cfg, n_ctx, qw, kw, 1e-6)):
+        _assert_norm_close(a, b)
+
+
+@gpu
+def test_gpu_fused_norms_replay_in_a_cuda_graph(monkeypatch) -> None:
+    """add_rms_norm and the q/k-normed RoPE captured once, replayed at other positions and
+    inputs: the same results as eager runs."""
+    monkeypatch.setenv("MOESTUDIO_TRITON", "1")
+    cfg, n_ctx = GPU_ROPE[0][1], 4096
+    h, delta = torch.randn(1, 2048, device="cuda"), torch.randn(1, 2048, device="cuda")
+    w = torch.randn(2048, device="cuda")
+    q = torch.randn(1, 32, 128, device="cuda")
+    k = torch.randn(1, 4, 128, device="cuda")
+    qw, kw = torch.randn(128, device="cuda"), torch.randn(128, device="cuda")
+    positions = torch.zeros(1, dtype=torch.long, device="cuda")
+
+    def step():
+        return (*norm_layer.add_rms_norm(h, delta, w, 1e-6),
+                *rope_layer.rope_qk(q, k, positions, cfg, n_ctx, (qw, kw), 1e-6))
+
+    step()  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = step()
+    for pos in (7, 4095, 123):
+        for t in (h, delta, q, k):
+            t.copy_(torch.randn_like(t))
+        positions.fill_(pos)
+        graph.replay()
+        for got, want in zip(outs, step()):
+            assert torch.equal(got, want)
