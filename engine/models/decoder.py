@@ -127,8 +127,9 @@ class DecoderModel:
     def run(self, h: torch.Tensor, positions: torch.Tensor, cache: KVCache, start: int | None,
             experts: Experts) -> torch.Tensor:
         """The forward from the embedded rows h [T, D] to the logits, written once: eagerly for
-        prompts, and captured as the decode token's CUDA graph (start None: attention reads the
-        whole cache, masked by position; nothing here may wait for the host)."""
+        prompts, and captured as the decode token's CUDA graph (start None: attention is given
+        the whole cache and reads up to the device-side position; nothing here may wait for the
+        host)."""
         eps = self.config.rms_eps
         # Each residual add is fused with the norm that reads its sum (add_rms_norm: one launch
         # on the kernels' path): x is always the normalised h the next step takes.
