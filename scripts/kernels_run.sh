@@ -13,12 +13,13 @@
 #        bash scripts/kernels_run.sh llamaops,bench --only dense,experts --rows 1,8
 # llamaops builds from the carried .src/llama_cpp_python-0.3.36.tar.gz, which must keep
 # vendor/llama.cpp/tests/test-backend-ops.cpp (the rest of tests/ may go: this stage writes its own
-# tests/CMakeLists.txt, test-backend-ops needs ggml alone). Make .src that way:
-#   pip download --no-deps --no-binary=:all: llama-cpp-python==0.3.36 -d /tmp/sd
-#   tar xzf /tmp/sd/llama_cpp_python-0.3.36.tar.gz -C /tmp/sd && cd /tmp/sd/llama_cpp_python-0.3.36
-#   (slim as before: delete what the CPU/CUDA builds do not need, keeping tests/test-backend-ops.cpp)
-#   find vendor/llama.cpp/tests -mindepth 1 ! -name test-backend-ops.cpp -delete
-#   cd .. && tar czf <repo>/.src/llama_cpp_python-0.3.36.tar.gz llama_cpp_python-0.3.36
+# tests/CMakeLists.txt, test-backend-ops needs ggml alone). Make it from the full sdist, keeping
+# the files of the slimmed one that .src holds now plus that one file (5.2 MB instead of 5.1):
+#   pip download --no-deps --no-binary=:all: llama-cpp-python==0.3.36 -d /tmp/sd && cd /tmp/sd
+#   tar xzf llama_cpp_python-0.3.36.tar.gz
+#   tar tzf <repo>/.src/llama_cpp_python-0.3.36.tar.gz > keep.lst
+#   echo llama_cpp_python-0.3.36/vendor/llama.cpp/tests/test-backend-ops.cpp >> keep.lst
+#   tar czf slim.tar.gz --no-recursion -T keep.lst && mv slim.tar.gz <repo>/.src/llama_cpp_python-0.3.36.tar.gz
 set -u
 STAGES=${1:-tests,bench}
 shift $(( $# > 0 ? 1 : 0 ))

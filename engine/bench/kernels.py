@@ -17,6 +17,10 @@ a Qwen3-30B-A3B layer (128 experts, top-8, 2048 x 768) at 512 and 4,096 tokens (
 achieved TFLOP/s of its four launches from a replayed graph, the whole call eager (with the
 host's grouping of pairs), and beside them the torch path it replaces (each expert dequantized,
 then matmul; eager: it reads the routing on the host). Results: JSON and markdown tables.
+
+`--llama-ops PATH` (or MOESTUDIO_LLAMA_OPS): llama.cpp's test-backend-ops then times its own
+MUL_MAT / MUL_MAT_ID perf cases that have one of our rows' type, shape and row count
+(engine/bench/llama_ops.py), printed beside ours with the ratio per byte.
 """
 from __future__ import annotations
 
