@@ -501,6 +501,29 @@ def attach_llama(results: list[dict], records: list[llama_ops.OpPerf], copy: flo
     return matched
 
 
+def add_llama(result: dict, binary: Path, backend: str, out: Path) -> None:
+    """Run llama.cpp's perf cases that our rows can stand beside and attach its figures to the
+    rows (attach_llama); its raw output into out/llama_ops.txt. A failure of the binary leaves
+    our figures as they are and is kept as `llama_ops_error` (run() then exits 1)."""
+    regex = llama_params_regex(result["results"])
+    if regex is None:
+        print("llama.cpp: none of its perf cases has these rows' shapes and types", flush=True)
+        return
+    try:
+        records, text = llama_ops.run_perf(binary, backend, params_regex=regex)
+    except UserError as e:
+        result["llama_ops_error"] = str(e)
+        print(f"llama.cpp's figures missing: {e}", flush=True)
+        return
+    (out / "llama_ops.txt").write_text(text)
+    result["llama_ops"] = f"{binary} perf -b {backend}"
+    matched = attach_llama(result["results"], records, result["copy_GBps"])
+    for r in result["results"]:
+        if "llama" in r:
+            print(llama_line(r), flush=True)
+    print(f"llama.cpp: {len(records)} perf cases, {matched} of our rows beside one", flush=True)
+
+
 def llama_case_label(rec: dict) -> str:
     """A short name of the llama.cpp case a row was compared with."""
     p = llama_ops.split_params(rec["case"][rec["case"].index("(") + 1:-1])
@@ -668,24 +691,9 @@ def run(args: argparse.Namespace) -> int:
                 result["results"] += bench_grouped(name, sc, args.tokens, dev, args.replays,
                                                    _grouped_sweep() if args.sweep else None)
     args.out.mkdir(parents=True, exist_ok=True)
-    regex = llama_params_regex(result["results"]) if llama_bin is not None else None
-    if llama_bin is not None and regex is None:
-        print("llama.cpp: none of its perf cases has these rows' shapes and types", flush=True)
-    elif llama_bin is not None:
+    if llama_bin is not None:
         torch.cuda.empty_cache()  # its own process needs the GPU memory this one no longer uses
-        try:
-            records, text = llama_ops.run_perf(llama_bin, args.llama_backend, params_regex=regex)
-        except UserError as e:  # our figures are still written; the exit status says it failed
-            result["llama_ops_error"] = str(e)
-            print(f"llama.cpp's figures missing: {e}", flush=True)
-        else:
-            (args.out / "llama_ops.txt").write_text(text)
-            result["llama_ops"] = f"{llama_bin} perf -b {args.llama_backend}"
-            matched = attach_llama(result["results"], records, copy)
-            for r in result["results"]:
-                if "llama" in r:
-                    print(llama_line(r), flush=True)
-            print(f"llama.cpp: {len(records)} perf cases, {matched} of our rows beside one", flush=True)
+        add_llama(result, llama_bin, args.llama_backend, args.out)
     (args.out / "kernels.json").write_text(json.dumps(result, indent=1))
     table = markdown(result)
     (args.out / "kernels.md").write_text(table)

@@ -171,7 +171,7 @@ def run_perf(binary: Path, backend: str = "CUDA0", ops: tuple[str, ...] = OPS, p
     text = "".join(outputs)
     records = parse(text)
     if not records:
-        tail = "\n".join(text.strip().splitlines()[-5:]) or "(no output)"
+        tail = "\n".join(_ANSI.sub("", text).strip().splitlines()[-5:]) or "(no output)"
         raise UserError(f"{binary} printed no timed {'/'.join(ops)} line for backend {backend} "
                         f"(wrong backend name, or a params filter that matched nothing?); its last lines:\n{tail}")
     return records, text

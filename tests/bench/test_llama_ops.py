@@ -182,6 +182,21 @@ def test_real_binary_one_expert_case_on_the_cpu() -> None:
 
 
 @needs_binary
+def test_bench_step_runs_the_binary_and_writes_its_output(tmp_path) -> None:
+    """What `bench kernels` does after timing ours (kernels.run -> add_llama), on the CPU backend."""
+    rows = [_dense_row("mixtral ffn_up", "Q4_K", 1, 22.8, 1451.0, 33.03), _expert_row("qwen3-30b-a3b Q4_K_M", 1)]
+    result = {"device": "cpu", "torch": "-", "triton": "-", "copy_GBps": 100.0, "results": rows}
+    kb.add_llama(result, Path(_BINARY), "CPU", tmp_path)
+    assert "llama_ops_error" not in result and result["llama_ops"].endswith("perf -b CPU")
+    assert rows[0]["llama"]["case"].startswith("MUL_MAT(type_a=q4_K,type_b=f32,m=14336,n=1,k=4096,")
+    assert "llama" not in rows[1]
+    assert rows[0]["llama"]["case"] in (tmp_path / "llama_ops.txt").read_text()
+    assert "| dense mixtral ffn_up (14336 x 4096) | Q4_K | 1 |" in kb.markdown(result)
+    kb.add_llama(result, Path(_BINARY), "NOPE", tmp_path)  # a failure is kept, ours stay
+    assert "no timed MUL_MAT/MUL_MAT_ID line for backend NOPE" in result["llama_ops_error"] and "llama" in rows[0]
+
+
+@needs_binary
 def test_real_binary_with_an_unknown_backend_is_an_error() -> None:
     with pytest.raises(UserError, match="no timed MUL_MAT line for backend NOPE"):
         llama_ops.run_perf(Path(_BINARY), "NOPE", ops=("MUL_MAT",))
