@@ -4,9 +4,22 @@
 # Results in $OUT: gpu_kernel_tests.log, kernels.json, kernels.md (the table), bench_kernels.log.
 # Needs CUDA torch and triton; gguf from the carried .whl/ wheels when that folder is there.
 # Usage: bash scripts/kernels_run.sh [STAGES] [bench kernels options]
-#   STAGES: tests,bench (default both; one of them alone when a call's time limit is short:
-#   Triton's compile cache carries over to the next call while the machine stays warm)
+#   STAGES: any of llamaops,tests,bench (default tests,bench; one alone when a call's time limit
+#   is short: Triton's compile cache and the llamaops build stay while the machine stays warm)
+#   llamaops  build llama.cpp's test-backend-ops with CUDA into /tmp/llamaops (once per machine);
+#             the bench stage then runs its MUL_MAT / MUL_MAT_ID perf cases of our shapes and
+#             prints llama.cpp's figures beside ours (MOESTUDIO_LLAMA_OPS), llama_ops.txt in $OUT
 #   e.g. bash scripts/kernels_run.sh bench --only dense --rows 1,8 --sweep
+#        bash scripts/kernels_run.sh llamaops,bench --only dense,experts --rows 1,8
+# llamaops builds from the carried .src/llama_cpp_python-0.3.36.tar.gz, which must keep
+# vendor/llama.cpp/tests/test-backend-ops.cpp (the rest of tests/ may go: this stage writes its own
+# tests/CMakeLists.txt, test-backend-ops needs ggml alone). Make it from the full sdist, keeping
+# the files of the slimmed one that .src holds now plus that one file (5.2 MB instead of 5.1):
+#   pip download --no-deps --no-binary=:all: llama-cpp-python==0.3.36 -d /tmp/sd && cd /tmp/sd
+#   tar xzf llama_cpp_python-0.3.36.tar.gz
+#   tar tzf <repo>/.src/llama_cpp_python-0.3.36.tar.gz > keep.lst
+#   echo llama_cpp_python-0.3.36/vendor/llama.cpp/tests/test-backend-ops.cpp >> keep.lst
+#   tar czf slim.tar.gz --no-recursion -T keep.lst && mv slim.tar.gz <repo>/.src/llama_cpp_python-0.3.36.tar.gz
 set -u
 STAGES=${1:-tests,bench}
 shift $(( $# > 0 ? 1 : 0 ))
@@ -17,6 +30,30 @@ if compgen -G ".whl/*.whl" > /dev/null; then
   export PYTHONPATH=/tmp/site:$PWD
 fi
 export PYTHONUNBUFFERED=1
+LLAMA_OPS_BIN=/tmp/llamaops/bin/test-backend-ops
+if [[ ",$STAGES," == *",llamaops,"* && ! -x $LLAMA_OPS_BIN ]]; then
+  echo "[$(date +%T)] building llama.cpp's test-backend-ops (CUDA)"
+  rm -rf /tmp/llamaops-src && mkdir -p /tmp/llamaops-src && tar xzf .src/llama_cpp_python-*.tar.gz -C /tmp/llamaops-src
+  SRC=$(echo /tmp/llamaops-src/llama_cpp_python-*/vendor/llama.cpp)
+  if [ ! -f "$SRC/tests/test-backend-ops.cpp" ]; then
+    echo "llamaops: .src's sdist has no vendor/llama.cpp/tests/test-backend-ops.cpp; remake .src as this script's header says"
+    exit 1
+  fi
+  # Only test-backend-ops, linked to ggml alone (upstream's list also links llama and llama-common
+  # and names ~60 other test sources); FlashAttention kernels off: the products do not use them
+  # and they are most of the CUDA compile time.
+  printf '%s\n' 'add_executable(test-backend-ops test-backend-ops.cpp)' \
+    'target_link_libraries(test-backend-ops PRIVATE ggml)' > "$SRC/tests/CMakeLists.txt"
+  { cmake -S "$SRC" -B /tmp/llamaops -DCMAKE_BUILD_TYPE=Release -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 \
+      -DGGML_CUDA_FA=OFF -DLLAMA_BUILD_TESTS=ON -DLLAMA_BUILD_COMMON=ON -DLLAMA_BUILD_TOOLS=OFF \
+      -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_APP=OFF -DLLAMA_OPENSSL=OFF \
+    && timeout "${LLAMAOPS_TIMEOUT:-540}" cmake --build /tmp/llamaops --target test-backend-ops -j "$(nproc)"; } \
+    > "$OUT/llamaops_build.log" 2>&1
+  echo "[$(date +%T)] test-backend-ops build rc=$? $(tail -1 "$OUT/llamaops_build.log")"
+fi
+if [ -z "${MOESTUDIO_LLAMA_OPS:-}" ] && [ -x $LLAMA_OPS_BIN ]; then
+  export MOESTUDIO_LLAMA_OPS=$LLAMA_OPS_BIN  # the bench stage runs it beside ours
+fi
 if [[ ",$STAGES," == *",tests,"* ]]; then
   echo "[$(date +%T)] GPU kernel tests"
   timeout "${TESTS_TIMEOUT:-270}" python3 -m pytest -q -p no:cacheprovider -m gpu tests/quant tests/kernels \

@@ -17,6 +17,10 @@ a Qwen3-30B-A3B layer (128 experts, top-8, 2048 x 768) at 512 and 4,096 tokens (
 achieved TFLOP/s of its four launches from a replayed graph, the whole call eager (with the
 host's grouping of pairs), and beside them the torch path it replaces (each expert dequantized,
 then matmul; eager: it reads the routing on the host). Results: JSON and markdown tables.
+
+`--llama-ops PATH` (or MOESTUDIO_LLAMA_OPS): llama.cpp's test-backend-ops then times its own
+MUL_MAT / MUL_MAT_ID perf cases that have one of our rows' type, shape and row count
+(engine/bench/llama_ops.py), printed beside ours with the ratio per byte.
 """
 from __future__ import annotations
 
@@ -31,6 +35,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 from gguf import GGMLQuantizationType as QT
 
+from engine.bench import llama_ops
 from engine.errors import UserError
 
 if TYPE_CHECKING:
@@ -45,7 +50,9 @@ DENSE_SHAPES: dict[str, tuple[int, int]] = {
     "qwen3-30b-a3b attn_k/v": (512, 2048),
     "qwen3-30b-a3b attn_output": (2048, 4096),
     "qwen3-30b-a3b output": (151936, 2048),
-    "mixtral ffn_down": (4096, 14336),  # llama.cpp's test-backend-ops MUL_MAT 4096 x 14336 shape
+    # llama.cpp's test-backend-ops perf cases, so that `--llama-ops` compares like for like:
+    "mixtral ffn_down": (4096, 14336),  # MUL_MAT 4096 x 14336, every type, n = 1, 2, 3, 4, 5, 8
+    "mixtral ffn_up": (14336, 4096),  # MUL_MAT 14336 x 4096, Q4_K, n = 1, 2, 3, 4, 8
 }
 
 
@@ -426,6 +433,113 @@ def bench_grouped(name: str, sc: ExpertScenario, tokens: list[int], dev: torch.d
     return out
 
 
+# ------------------------------------------------------------------------------ llama.cpp beside ours
+
+def ggml_type_name(qtype: QT) -> str:
+    """ggml's name of a type, as test-backend-ops prints it (q4_K, q8_0, mxfp4, bf16)."""
+    name = qtype.name.lower()
+    return name[:-2] + "_K" if name.endswith("_k") else name
+
+
+def llama_case_key(row: dict) -> tuple | None:
+    """What a llama.cpp perf case must match to stand beside one of our rows: (op, type, m, k,
+    n, n_used). Dense rows: MUL_MAT of the same type and shape (m = our n_out, k = our K) at as
+    many activation rows. Expert steps of one type: MUL_MAT_ID of one gate-shaped projection
+    (m = n_ff, k = n_embd) with the same top-k; its expert count may differ (gpt-oss-20b's 32
+    against gpt-oss-120b's 128) and ours is gate, up and down, so the two compare per byte of the
+    experts read. Mixed-type steps (Q4_K_M) have no llama.cpp case."""
+    if row["kind"] == "dense":
+        return ("MUL_MAT", QT[row["type"]], row["n_out"], row["K"], row["rows"], None)
+    if row["kind"] == "experts" and len(set(row["types"])) == 1:
+        return ("MUL_MAT_ID", QT[row["types"][0]], row["n_ff"], row["n_embd"], row["rows"], row["top_k"])
+    return None
+
+
+def _record_key(r: llama_ops.OpPerf) -> tuple:
+    return (r.op, r.qtype, r.m, r.k, r.n, r.n_used)
+
+
+def llama_params_regex(results: list[dict]) -> str | None:
+    """A `test-backend-ops -p` regex that selects only the perf cases some row can stand beside
+    (every case runs for at least a second: the whole MUL_MAT list would take minutes); None
+    when no row has one."""
+    alts = set()
+    for row in results:
+        key = llama_case_key(row)
+        if key is None:
+            continue
+        op, qtype, m, k, n, n_used = key
+        if op == "MUL_MAT":  # one weight matrix: no broadcast batches, no permuted or strided views
+            alts.add(rf"type_a={ggml_type_name(qtype)},type_b=f32,m={m},n={n},k={k},bs=\[1,1\],nr=\[1,1\],"
+                     rf"per=\[0,1,2,3\],k_v=0,")
+        else:
+            alts.add(rf"type_a={ggml_type_name(qtype)},type_b=f32,n_mats=\d+,n_used={n_used},b=0,m={m},n={n},k={k},")
+    return "^(" + "|".join(sorted(alts)) + ")" if alts else None
+
+
+def attach_llama(results: list[dict], records: list[llama_ops.OpPerf], copy: float) -> int:
+    """Put llama.cpp's figure beside each of our rows that one of its perf cases matches
+    (llama_case_key): `llama` (its case, µs, GB/s of weights read, share of our copy bandwidth)
+    and `ours_per_llama_per_byte` (our GB/s over its GB/s: above 1, ours reads faster). Returns
+    how many rows got one."""
+    by_key: dict[tuple, llama_ops.OpPerf] = {}
+    for r in records:
+        if r.weight_bytes is not None and (r.op != "MUL_MAT" or r.experts_read == 1):
+            by_key.setdefault(_record_key(r), r)  # the first of equal cases (the list has none today)
+    matched = 0
+    for row in results:
+        key = llama_case_key(row)
+        rec = by_key.get(key) if key else None
+        if rec is None:
+            continue
+        gbps = rec.gbps
+        row["llama"] = {"case": rec.case, "backend": rec.backend, "us": rec.us,
+                        "MB": round(rec.weight_bytes / 1e6, 2), "GBps": round(gbps, 1),
+                        "of_copy_bw": round(gbps / copy, 3), "printed": rec.printed}
+        row["ours_per_llama_per_byte"] = round(row["new"]["GBps"] / gbps, 2)
+        matched += 1
+    return matched
+
+
+def add_llama(result: dict, binary: Path, backend: str, out: Path) -> None:
+    """Run llama.cpp's perf cases that our rows can stand beside and attach its figures to the
+    rows (attach_llama); its raw output into out/llama_ops.txt. A failure of the binary leaves
+    our figures as they are and is kept as `llama_ops_error` (run() then exits 1)."""
+    regex = llama_params_regex(result["results"])
+    if regex is None:
+        print("llama.cpp: none of its perf cases has these rows' shapes and types", flush=True)
+        return
+    try:
+        records, text = llama_ops.run_perf(binary, backend, params_regex=regex)
+    except UserError as e:
+        result["llama_ops_error"] = str(e)
+        print(f"llama.cpp's figures missing: {e}", flush=True)
+        return
+    (out / "llama_ops.txt").write_text(text)
+    result["llama_ops"] = f"{binary} perf -b {backend}"
+    matched = attach_llama(result["results"], records, result["copy_GBps"])
+    for r in result["results"]:
+        if "llama" in r:
+            print(llama_line(r), flush=True)
+    print(f"llama.cpp: {len(records)} perf cases, {matched} of our rows beside one", flush=True)
+
+
+def llama_case_label(rec: dict) -> str:
+    """A short name of the llama.cpp case a row was compared with."""
+    p = llama_ops.split_params(rec["case"][rec["case"].index("(") + 1:-1])
+    op = rec["case"][:rec["case"].index("(")]
+    if op == "MUL_MAT_ID":
+        return f"MUL_MAT_ID {p['type_a']} {p['m']} x {p['k']}, {p['n_used']} of {p['n_mats']}, n={p['n']}"
+    return f"MUL_MAT {p['type_a']} {p['m']} x {p['k']}, n={p['n']}"
+
+
+def llama_line(row: dict) -> str:
+    ll = row["llama"]
+    return (f"llama.cpp {llama_case_label(ll):44s} {ll['us']:8.2f} us {ll['GBps']:7.0f} GB/s  beside "
+            f"{row['kind']} {row['shape']} rows={row['rows']}: ours {row['new']['us']:.2f} us "
+            f"{row['new']['GBps']:.0f} GB/s, x{row['ours_per_llama_per_byte']} per byte")
+
+
 # ------------------------------------------------------------------------------ report
 
 def _sweep_tiles() -> list:
@@ -506,6 +620,21 @@ def markdown(result: dict) -> str:
             lines.append(f"| {r['shape']} | {'/'.join(r['types'])} | {r['experts']}, {r['top_k']}, {r['n_embd']} x "
                          f"{r['n_ff']} | {r['tokens']} | {r['GFLOP']} | {g['us']} | {g['TFLOPs']} | {e['us']} | "
                          f"{t['us']} | {t['TFLOPs']} | {r['speedup']}x | {r['max_rel_diff_grouped_torch']:.1e} |")
+    beside = [r for r in result["results"] if "llama" in r]
+    if beside:
+        lines += ["", f"llama.cpp's own kernels ({result.get('llama_ops', 'test-backend-ops perf')}), its "
+                  "weights' bytes per run (MUL_MAT_ID: the experts drawn, in expectation) over its µs per run; "
+                  "a case repeats one weight tensor, so where it fits in L2 part of it comes from there. "
+                  "`ours/llama` = our GB/s over its GB/s.\n",
+                  "| ours | type | rows | ours µs | ours GB/s | llama.cpp case | llama.cpp µs | llama.cpp GB/s | "
+                  "llama.cpp share | ours/llama per byte |", "|" + "---|" * 10]
+        for r in beside:
+            n, ll = r["new"], r["llama"]
+            what = (f"dense {r['shape']} ({r['n_out']} x {r['K']})" if r["kind"] == "dense"
+                    else f"expert step {r['shape']} (gate, up, down)")
+            lines.append(f"| {what} | {r.get('type') or r['types'][0]} | {r['rows']} | {n['us']} | "
+                         f"{n['GBps']:.0f} | {llama_case_label(ll)} | {ll['us']} | {ll['GBps']:.0f} | "
+                         f"{ll['of_copy_bw']:.2f} | {r['ours_per_llama_per_byte']:.2f}x |")
     return "\n".join(lines) + "\n"
 
 
@@ -525,6 +654,9 @@ def run(args: argparse.Namespace) -> int:
 
     from engine.quant import triton_kernels as tk
 
+    llama_bin = llama_ops.resolve(args.llama_ops)
+    if llama_bin is not None:  # before minutes of timing ours
+        llama_ops.require(llama_bin)
     if not torch.cuda.is_available():
         raise UserError("bench kernels needs a CUDA GPU (this torch sees none); run it on the GPU machine")
     if tk.INTERPRETED or not tk.available():
@@ -559,12 +691,15 @@ def run(args: argparse.Namespace) -> int:
                 result["results"] += bench_grouped(name, sc, args.tokens, dev, args.replays,
                                                    _grouped_sweep() if args.sweep else None)
     args.out.mkdir(parents=True, exist_ok=True)
+    if llama_bin is not None:
+        torch.cuda.empty_cache()  # its own process needs the GPU memory this one no longer uses
+        add_llama(result, llama_bin, args.llama_backend, args.out)
     (args.out / "kernels.json").write_text(json.dumps(result, indent=1))
     table = markdown(result)
     (args.out / "kernels.md").write_text(table)
     print(table)
     print(f"wrote {args.out / 'kernels.json'} and {args.out / 'kernels.md'}")
-    return 0
+    return 1 if "llama_ops_error" in result else 0
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -587,4 +722,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--replays", type=int, default=5, help="graph replays; the best counts")
     p.add_argument("--sweep", action="store_true", help="also time other tiles (and, for dense products, splits); "
                    "the best of each line is printed")
+    p.add_argument("--llama-ops", metavar="PATH", default=None,
+                   help="llama.cpp's test-backend-ops binary (default: $" + llama_ops.ENV + "): also run its "
+                   "MUL_MAT / MUL_MAT_ID perf cases of our shapes and print its figures beside ours")
+    p.add_argument("--llama-backend", default="CUDA0", help="test-backend-ops backend (default CUDA0)")
     p.set_defaults(run=run)

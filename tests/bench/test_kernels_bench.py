@@ -96,7 +96,7 @@ def test_gpu_bench_kernels_runs_and_reports(tmp_path) -> None:
         pytest.skip("kernels were imported in interpreter mode")
     args = argparse.Namespace(out=tmp_path, only=["dense", "experts", "grouped"], types=["Q4_K", "Q6_K"],
                               shapes=["qwen3-30b-a3b attn_k/v"], rows=[1, 8], steps=4, replays=2, sweep=True,
-                              tokens=[512])
+                              tokens=[512], llama_ops=None, llama_backend="CUDA0")
     assert kb.run(args) == 0
     result = json.loads((tmp_path / "kernels.json").read_text())
     assert result["copy_GBps"] > 100
@@ -110,6 +110,10 @@ def test_gpu_bench_kernels_runs_and_reports(tmp_path) -> None:
         assert 0 < r["new"]["GBps"] and 0 < r["old"]["GBps"] and r["sweep"]
         assert ("new_padded" in r) == (r["type"] == "Q6_K")
     assert (tmp_path / "kernels.md").read_text().count("| qwen3-30b-a3b attn_k/v |") == 6
+    if os.environ.get("MOESTUDIO_LLAMA_OPS"):  # kernels_run.sh's llamaops stage built it: its figures beside ours
+        beside = {(r["shape"], r["rows"]) for r in experts if "llama" in r}
+        assert beside == {(f"qwen3-30b-a3b {t}", n) for t in ("Q4_K", "Q6_K") for n in (1, 8)}
+        assert (tmp_path / "llama_ops.txt").is_file() and "llama.cpp's own kernels" in (tmp_path / "kernels.md").read_text()
     grouped = [r for r in result["results"] if r["kind"] == "grouped"]
     assert {r["shape"] for r in grouped} == {f"qwen3-30b-a3b {t}" for t in ("Q4_K", "Q6_K", "Q4_K_M")}
     for r in grouped:
