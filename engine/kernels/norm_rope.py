@@ -11,10 +11,10 @@ add and the norm's launch (7 torch kernels): per layer the decode step's two res
 two norms take 2 launches instead of 4 (14 in torch; DecoderModel.run, where only the first
 block's attn norm stays a plain rms_norm).
 
-`rope(q, k, positions, cos, sin, n_rot, neox, norms, eps)`: one launch rotates q and, when
-given, k (grid: tokens x blocks of heads, the q heads' blocks first); positions are read on the
-device, so a captured decode graph replays it at any position. It replaces the ~9 kernels
-per tensor of engine/layers/rope.apply_rope (two gathers of the table, slices, four
+`rope(q, k, positions, cos, sin, n_rot, neox, norms, eps)`: one launch rotates q and k (grid:
+tokens x blocks of heads, the q heads' blocks first); positions are read on the device, so a
+captured decode graph replays it at any position. It replaces the ~9 kernels per tensor of
+the torch path (engine/layers/rope._apply_rope_torch: two gathers of the table, slices, four
 products, two sums, cat/stack), i.e. ~18 for q and k together. With `norms` (qwen3moe's
 per-head q/k RMS norm weights) each head row is normalised in registers before it is rotated:
 qwen3moe's q/k norms and RoPE take 1 launch instead of 3 (~30 torch kernels).
@@ -275,25 +275,24 @@ def rope_norm_supported(x: torch.Tensor, weight: torch.Tensor) -> bool:
             and weight.stride(0) == 1 and weight.device == x.device and x.shape[-1] <= MAX_ROPE_NORM_DIM)
 
 
-def rope(q: torch.Tensor, k: torch.Tensor | None, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+def rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
          n_rot: int, neox: bool, norms: tuple[torch.Tensor, torch.Tensor | None] | None = None,
-         eps: float = 0.0) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """q (and k) [T, heads, head_dim] rotated at `positions` [T] with the tables cos/sin
+         eps: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """q and k [T, heads, head_dim] rotated at `positions` [T] with the tables cos/sin
     [n_positions, n_rot/2] (contiguous, on q's device), in one launch. k must share q's
     T and head_dim. `norms` (q's and k's weights, [head_dim] each): each head row is
     RMS-normalised with its weight and `eps` before it is rotated, in the same launch."""
     t, n_qh, head_dim = q.shape
-    n_kh = k.shape[1] if k is not None else 0
+    n_kh = k.shape[1]
     qo = torch.empty(q.shape, dtype=torch.float32, device=q.device)
-    ko = torch.empty(k.shape, dtype=torch.float32, device=q.device) if k is not None else None
+    ko = torch.empty(k.shape, dtype=torch.float32, device=q.device)
     block_h = min(_ROPE_BLOCK_H, _next_pow2(max(n_qh, n_kh)))
     n_q_blocks = triton.cdiv(n_qh, block_h)
     n_k_blocks = triton.cdiv(n_kh, block_h)
-    kk, kko = (k, ko) if k is not None else (q, qo)  # unused when n_k_blocks == 0
     qn, kn = norms if norms is not None else (q, q)  # unused without QK_NORM
     kn = kn if kn is not None else qn
     _rope_kernel[(t, n_q_blocks + n_k_blocks)](
-        q, kk, qo, kko, positions, cos, sin, qn, kn, q.stride(0), q.stride(1), kk.stride(0), kk.stride(1),
+        q, k, qo, ko, positions, cos, sin, qn, kn, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
         n_qh, n_kh, n_q_blocks, float(eps), HEAD_DIM=head_dim, N_ROT=n_rot, NEOX=neox, BLOCK_H=block_h,
         BLOCK_HALF=_next_pow2(n_rot // 2), BLOCK_REST=_next_pow2(max(1, head_dim - n_rot)),
         QK_NORM=norms is not None, INTERP=INTERPRETED, num_warps=4)

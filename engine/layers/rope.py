@@ -8,8 +8,8 @@ cos/sin are tabulated once per context length on the device and looked up by a p
 tensor there, so a decode step needs no host work (and can be replayed as a CUDA graph).
 The torch code is the reference and the CPU path; where `engine.kernels.triton_applies` says
 so (CUDA) and the shapes fit, one fused Triton launch computes the same products
-(engine/kernels/norm_rope.py), for q and k together through `rope_qk`, which also takes
-qwen3moe's per-head q/k RMS norms into that launch.
+(engine/kernels/norm_rope.py) for q and k together (`rope_qk`), with qwen3moe's per-head q/k
+RMS norms in that launch.
 """
 from __future__ import annotations
 
@@ -71,21 +71,12 @@ def _kernel_applies(x: torch.Tensor, positions: torch.Tensor, cfg: RopeConfig) -
     return norm_rope.rope_supported(x, positions, cfg.n_rot)
 
 
-def apply_rope(x: torch.Tensor, positions: torch.Tensor, cfg: RopeConfig, n_ctx: int) -> torch.Tensor:
-    """Rotates x [T, n_heads, head_dim] at `positions` [T] (on x's device, each < n_ctx); dims
-    past n_rot pass through."""
-    if _kernel_applies(x, positions, cfg):
-        from engine.kernels import norm_rope
-
-        return norm_rope.rope(x, None, positions, *rope_table(cfg, n_ctx, str(x.device)), cfg.n_rot, cfg.neox)[0]
-    return _apply_rope_torch(x, positions, cfg, n_ctx)
-
-
 def rope_qk(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cfg: RopeConfig, n_ctx: int,
             norms: tuple[torch.Tensor, torch.Tensor] | None = None,
             eps: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
-    """apply_rope of q and of k [T, heads, head_dim] (head counts may differ), in one launch
-    where the kernel applies. `norms` (q's and k's weights [head_dim]): each head row is first
+    """q and k [T, heads, head_dim] (head counts may differ) rotated at `positions` [T] (on
+    their device, each < n_ctx), dims past n_rot passing through: one launch where the kernel
+    applies. `norms` (q's and k's weights [head_dim]): each head row is first
     rms_norm'ed with its weight and `eps` (qwen3moe), in that same launch."""
     fused = (_kernel_applies(q, positions, cfg) and _kernel_applies(k, positions, cfg)
              and k.shape[-1] == q.shape[-1] and k.device == q.device)
@@ -108,7 +99,7 @@ def _norms_fit(q: torch.Tensor, k: torch.Tensor, norms: tuple[torch.Tensor, torc
 
 
 def _apply_rope_torch(x: torch.Tensor, positions: torch.Tensor, cfg: RopeConfig, n_ctx: int) -> torch.Tensor:
-    """The reference (and CPU path) of apply_rope."""
+    """The reference (and CPU path) of rope_qk, for one tensor."""
     cos, sin = (t[positions][:, None, :] for t in rope_table(cfg, n_ctx, str(x.device)))
     rot, rest = x[..., :cfg.n_rot], x[..., cfg.n_rot:]
     if cfg.neox:

@@ -142,8 +142,6 @@ def test_interpreter_rope_is_bit_exact(monkeypatch, label: str, cfg: RopeConfig,
     got_q, got_k = rope_layer.rope_qk(q, k, positions, cfg, n_ctx)
     assert len(calls) == 1, "q and k in one launch"
     assert torch.equal(got_q, want_q) and torch.equal(got_k, want_k)
-    assert torch.equal(rope_layer.apply_rope(q, positions, cfg, n_ctx), want_q)
-    assert len(calls) == 2
 
 
 @interp
