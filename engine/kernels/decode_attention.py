@@ -268,17 +268,11 @@ REAL_GEOMETRIES: dict[str, tuple[int, int, int, int, int, bool]] = {
 def aot_report(arch: int = 90, n_sm: int = 132) -> list[dict]:  # pragma: no cover - run in a subprocess
     """Both launches of every REAL_GEOMETRIES entry compiled for `arch` without a GPU (Triton
     ships ptxas), with their registers and spills (engine.quant.triton_aot.resource_usage)."""
-    from triton.compiler import ASTSource
-
-    from engine.quant.triton_aot import _target, resource_usage
+    from engine.quant.triton_aot import compile_for, resource_usage
 
     def compile_(fn, types: dict, const: dict, num_warps: int):
-        sig = {name: ("constexpr" if name in const else types.get(name, "i32")) for name in fn.arg_names}
-        # Pointers and row strides 16-aligned, as Triton specializes them at a launch on these shapes.
-        attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(fn.arg_names)
-                 if name.endswith("_ptr") or "_stride_" in name}
-        return triton.compile(ASTSource(fn, sig, const, attrs), target=_target(arch),
-                              options={"num_warps": num_warps, "num_stages": 2})
+        aligned = {name for name in fn.arg_names if "_stride_" in name}  # row strides 16-aligned at a launch
+        return compile_for(fn, types, const, aligned, num_warps=num_warps, num_stages=2, arch=arch)
 
     ptrs = {n: "*fp32" for n in ("q_ptr", "k_ptr", "v_ptr", "m_ptr", "l_ptr", "acc_ptr", "sink_ptr", "out_ptr")}
     types = {**ptrs, "pos_ptr": "*i64", "scale": "fp32"}

@@ -314,19 +314,13 @@ AOT_ROPE = (  # (label, head_dim, n_rot, neox, per-head q/k norm)
 
 def aot_report(arch: int = 90) -> list[dict]:
     """Compiles every variant for `arch` without a GPU (Triton ships ptxas): resource usage each."""
-    from triton.compiler import ASTSource
-
-    from engine.quant.triton_aot import _target, resource_usage
+    from engine.quant.triton_aot import compile_for, resource_usage
 
     rows = []
 
     def compile_one(label: str, fn, sig: dict, const: dict, num_warps: int, aligned: tuple[str, ...] = ()) -> None:
-        # Pointers 16-byte aligned and the `aligned` ints multiples of 16, as Triton specialises
-        # them at run time (torch's allocations; rows of 16k values).
-        attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(fn.arg_names)
-                 if name.endswith("_ptr") or name in aligned}
-        src = ASTSource(fn, {**sig, **{k: "constexpr" for k in const}}, const, attrs)
-        compiled = triton.compile(src, target=_target(arch), options={"num_warps": num_warps, "num_stages": 1})
+        # the `aligned` ints multiples of 16, as Triton specialises them at run time (rows of 16k values)
+        compiled = compile_for(fn, sig, const, set(aligned), num_warps=num_warps, arch=arch)
         rows.append({"kernel": label, "num_warps": num_warps, "ffma": _count_ffma(compiled),
                      **resource_usage(compiled)})
 
