@@ -13,8 +13,6 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as QT
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the kernels' import
 pytest.importorskip("triton")
 
 from engine.bench import kernels as kb  # noqa: E402

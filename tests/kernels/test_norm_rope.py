@@ -22,14 +22,12 @@ import os
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the kernels' import
 triton = pytest.importorskip("triton")
 
 from engine.kernels import norm_rope  # noqa: E402
 from engine.layers import norm as norm_layer  # noqa: E402
 from engine.layers import rope as rope_layer  # noqa: E402
-from engine.layers.rope import RopeConfig, rope_table  # noqa: E402
+from engine.layers.rope import RopeConfig  # noqa: E402
 
 interp = pytest.mark.skipif(not norm_rope.INTERPRETED, reason="interpreter tests run where there is no GPU "
                             "(TRITON_INTERPRET=1 before the kernels are imported)")

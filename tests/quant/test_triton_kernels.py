@@ -18,8 +18,6 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as QT
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the kernels' import
 triton = pytest.importorskip("triton")
 
 from engine.layers.moe import SILU, SWIGLU_OAI, ExpertTensor, ExpertWeights, expert_ffn  # noqa: E402
