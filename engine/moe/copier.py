@@ -13,6 +13,7 @@ import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 
+import numpy as np
 import torch
 
 Pairs = list[tuple[torch.Tensor, torch.Tensor]]  # (host source, device destination)
@@ -26,6 +27,18 @@ class Copy:
 
     def landed(self) -> bool:
         return self.event.query() if self.event is not None else self.future.done()
+
+
+def upload(array: np.ndarray, device: torch.device) -> torch.Tensor:
+    """A host array on `device`, without making the host wait. A copy from pageable memory first
+    waits for all work already enqueued on the stream (CUDA's rule), which in a prompt's layer
+    step serialises every launch the host makes with the GPU; from pinned memory the copy is
+    queued and the host goes on. The pinned buffer comes from torch's caching host allocator,
+    which reuses it only once the copy has run."""
+    t = torch.from_numpy(array)
+    if device.type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
 
 
 _DONE: Future = Future()

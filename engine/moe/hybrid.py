@@ -28,7 +28,7 @@ import torch
 from engine.config import Config
 from engine.kernels import triton_applies
 from engine.layers.moe import ExpertWeights, expert_ffn
-from engine.moe.copier import Copier
+from engine.moe.copier import Copier, upload
 from engine.moe.cpu_pool import CpuExpertPool
 from engine.moe.policy import AdaptParams, Policy
 from engine.moe.slots import LayerSlots, resident_copies, resolve_load_mode
@@ -179,9 +179,9 @@ class HybridExperts:
             step = self.pool.max_rows  # prefill: many pairs, bounded jobs
             out = np.concatenate([self.pool.compute(layer, x_host, pair_rows[a:a + step], pair_experts[a:a + step])
                                   for a in range(0, len(pair_rows), step)])
-            out = torch.from_numpy(out).to(x.device, x.dtype)
+            out = upload(out, x.device).to(x.dtype)
             self.counters.cpu_busy_s = self.pool.busy_seconds
-            tok_t, pos_t = torch.from_numpy(tok).to(x.device), torch.from_numpy(pos).to(x.device)
+            tok_t, pos_t = upload(tok, x.device), upload(pos, x.device)
             per_slot[pos_t, tok_t] = out * weights[tok_t, pos_t, None]
         total = per_slot[0]
         for j in range(1, k):
@@ -276,7 +276,7 @@ class HybridExperts:
             order = np.argsort(pair_slot[tok, pos], kind="stable")  # pairs of one expert adjacent: L2 reuse
             tok, pos = tok[order], pos[order]
             meta = np.stack([tok, pos, pair_slot[tok, pos], ids_host[tok, pos]]).astype(np.int32)
-            meta_t = torch.from_numpy(meta).to(x.device, non_blocking=True)
+            meta_t = upload(meta, x.device)
             try:
                 tk.experts_forward(x.float().contiguous(), L.slots.buffers, L.w, meta_t[0], meta_t[1], meta_t[2],
                                    meta_t[3], weights.float().contiguous(), per_slot)

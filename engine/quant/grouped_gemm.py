@@ -43,6 +43,7 @@ import numpy as np
 import torch
 from gguf import GGMLQuantizationType as QT
 
+from engine.moe.copier import upload
 from engine.quant import triton_kernels as tk
 
 triton = tk.triton
@@ -299,7 +300,7 @@ class Groups:
         exp_of_slot = np.full(int(slot_of.max(initial=-1)) + 1, -1, np.int32)
         exp_of_slot[slot_of[live]] = np.nonzero(live)[0]
         tile_exp = exp_of_slot[tile_slot]
-        packed = torch.from_numpy(np.concatenate([meta.ravel(), tile_slot, tile_exp])).to(device, non_blocking=True)
+        packed = upload(np.concatenate([meta.ravel(), tile_slot, tile_exp]), torch.device(device))
         return cls(packed[:n_rows], packed[n_rows:2 * n_rows], packed[2 * n_rows:2 * n_rows + len(tile_slot)],
                    packed[2 * n_rows + len(tile_slot):], block_m)
 
