@@ -155,7 +155,7 @@ class HybridExperts:
         L = self.layers[layer]
         rows_of, experts, hits, uploads, cpu = self._split(L, ids_host)
         self._run_uploads(L, uploads.tolist(), compute=None)
-        self._account(layer, L, rows_of, experts, hits, uploads, cpu)
+        self._account(layer, L, rows_of, experts, hits, uploads, cpu, len(ids_host))
 
     def __call__(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         L = self.layers[layer]
@@ -187,7 +187,7 @@ class HybridExperts:
         for j in range(1, k):
             total = total + per_slot[j]
 
-        self._account(layer, L, rows_of, experts, hits, uploads, cpu)
+        self._account(layer, L, rows_of, experts, hits, uploads, cpu, len(ids_host))
         return total
 
     def _read_back(self, ids: torch.Tensor, x: torch.Tensor | None) -> tuple[np.ndarray, np.ndarray | None]:
@@ -289,7 +289,7 @@ class HybridExperts:
             self._run_on_accelerator(L, slot, e, x, ids, weights, per_slot)
 
     def _account(self, layer: int, L: _Layer, rows_of: np.ndarray, experts: np.ndarray, hits: np.ndarray,
-                 uploads: np.ndarray, cpu: np.ndarray) -> None:
+                 uploads: np.ndarray, cpu: np.ndarray, tokens: int) -> None:
         c, i = self.counters, self.index[layer]
         c.gpu_hit[i] += rows_of[hits].sum()
         c.uploaded[i] += rows_of[uploads].sum()
@@ -297,7 +297,7 @@ class HybridExperts:
         c.heat[i] *= Telemetry.HEAT_DECAY
         c.heat[i, experts] += rows_of[experts]
         refills = L.policy.refills(experts, rows_of[experts], L.slots.slot_expert, L.slots.resident,
-                                   L.slots.in_flight())
+                                   L.slots.in_flight(), tokens)
         if refills:
             handle = L.slots.load(refills)
             if L.policy.synchronous:

@@ -20,10 +20,11 @@ class World:
         self.resident = np.full(N_EXPERT, -1, np.int32)
         self.in_flight: set[int] = set()
 
-    def step(self, *experts: int, rows: list[int] | None = None, land: bool = True) -> list[tuple[int, int]]:
+    def step(self, *experts: int, rows: list[int] | None = None, land: bool = True,
+             tokens: int = 1) -> list[tuple[int, int]]:
         ids = np.array(sorted(experts))
         refills = self.policy.refills(ids, np.array(rows or [1] * len(ids)), self.slot_expert, self.resident,
-                                      self.in_flight)
+                                      self.in_flight, tokens)
         for slot, expert in refills:
             old = self.slot_expert[slot]
             if old >= 0:
@@ -99,3 +100,16 @@ def test_occurrence_updates_every_few_steps_and_needs_a_margin():
         w.step(7)  # steps 5-7
     assert w.step(7) == [(0, 7)]  # step 8: 7 counts 6 against 2 + 1.5; one swap per update
     assert w.holds() == {7, 1, 2}
+
+
+def test_occurrence_lets_a_prompt_re_rank_the_cache_as_its_tokens_updates_would():
+    params = AdaptParams(every=4, decay=1.0, swaps=1, margin=1.5, min_count=2.0)
+    w = World("occurrence", params)
+    w.step(0, 1, 2)  # fill
+    # A 12-token prompt (tokens 2-13) passes three update points: up to three swaps at once, hottest first,
+    # each still by the margin (5 is short of it: 3 against the coldest resident's 1 + 1.5).
+    assert w.step(0, 5, 6, 7, rows=[1, 3, 12, 8], tokens=12) == [(1, 6), (2, 7)]
+    assert w.holds() == {0, 6, 7}
+    # Tokens 14-15 pass none of them, the 16th token's step one.
+    assert w.step(5, rows=[20], tokens=2) == []
+    assert w.step(5) == [(0, 5)]
