@@ -1,11 +1,16 @@
 """Where a decode token's time goes, on one model: the token graph's host phases and the CPU pool.
 
 python scripts/profile_decode.py MODEL [--budget-mib N] [--tokens 64] [--ctx 4096] [--out DIR] [--profile]
-Prints per token: wall time, host time in each phase of the token step (engine/moe/token_step.py:
+Runs `bench speed`'s order (warm-up, the prompt, then decode) and prints: the prompt's time and
+the CPU pool's share of it (what `bench` reports as time to first token), each of the first 32
+tokens after the prompt (wall time, CPU-computed selections: the residency's adaptation); then per
+token of the next TOKENS: wall time, host time in each phase of the token step (engine/moe/token_step.py:
 map push, mailbox serving, and after_launch, whose excess over serving is the learning the
 serving's waits did not hide), the CPU pool's calls, experts and time, and the spin the
 host spends waiting for the GPU to reach the next layer; then one-row CPU pool timings for 1-8
-experts at several thread counts. With --profile, the torch profiler's tables go to DIR.
+experts at several thread counts; and the 512-token prompt again, warm: its wall time, the CPU
+pool's share and (with --profile) the GPU's busy time and top kernels. With --profile, the torch
+profiler's tables go to DIR.
 """
 from __future__ import annotations
 
@@ -64,6 +69,34 @@ def _gpu_timeline(pr, n_tokens: int) -> dict:
             "collect_us": sum(b - a for a, b, _ in waits) / n_tokens}
 
 
+def _prefill(m, kv, ids: list[int], profile: bool, t0: float) -> dict:
+    """The 512-token prompt again, warm: wall time, the CPU pool's share, and with the profiler
+    the GPU's busy time over the step (how much of a prompt the GPU spends waiting)."""
+    phases: dict = defaultdict(float)
+    pool = m.experts.pool
+    pool.__dict__.pop("compute", None)  # the decode figures' timer stays out of the prompt's
+    _timed(pool, "compute", phases, count_experts=True)
+    prompt = torch.tensor(ids[:512])
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    m.forward(prompt, kv, 0)
+    torch.cuda.synchronize()
+    r = {"wall_s": time.perf_counter() - t, "pool_s": phases["compute"], "pool_calls": phases["compute_calls"],
+         "pool_pairs": phases["experts"]}
+    if profile:
+        from torch.profiler import ProfilerActivity, profile as prof
+
+        with prof(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as pr:
+            m.forward(prompt, kv, 0)
+            torch.cuda.synchronize()
+        r["gpu_timeline"] = _gpu_timeline(pr, n_tokens=1)
+        r["top_kernels"] = pr.key_averages().table(sort_by="self_cuda_time_total", row_limit=25,
+                                                  max_name_column_width=60)
+    pool.__dict__.pop("compute", None)
+    _stage("prefill profiled", t0)
+    return r
+
+
 def run(model: Path, budget: int | None, tokens: int, threads: int, ctx: int, out: Path, profile: bool) -> dict:
     from engine.moe.hybrid import attach_hybrid
     from engine.runtime.engine import Engine, EngineConfig
@@ -76,11 +109,28 @@ def run(model: Path, budget: int | None, tokens: int, threads: int, ctx: int, ou
     m, kv = engine.model, engine.cache
     ids = tokenize_text(model, stdlib_text(max_chars=(tokens + 600) * 8))  # the stream `bench speed` decodes
     _stage("loaded", t0)
+    # `bench speed`'s order: a short warm-up and the graph's capture, then the prompt, then decode
+    m.forward(torch.tensor(ids[:8]), kv, 0)
+    m.forward(torch.tensor(ids[8:9]), kv, 8)
+    torch.cuda.synchronize()
+    first_prompt: dict = defaultdict(float)  # the time to first token `bench` measures
+    _timed(m.experts.pool, "compute", first_prompt, count_experts=True)
+    t = time.perf_counter()
     m.forward(torch.tensor(ids[:512]), kv, 0)
-    _stage("prompt (the first run compiles its kernels)", t0)
-    for p in range(512, 528):
+    torch.cuda.synchronize()
+    first_prompt["wall"] = time.perf_counter() - t
+    m.experts.pool.__dict__.pop("compute")
+    _stage("warm-up, graph capture, prompt (the first runs compile their kernels)", t0)
+    c = engine.telemetry.cache
+    first_ms, first_cpu = [], []  # each of the first 32 tokens after the prompt: adaptation shows here
+    for p in range(512, 544):
+        torch.cuda.synchronize()
+        t, cpu = time.perf_counter(), c.cpu_computed.sum()
         m.forward(torch.tensor([ids[p]]), kv, p)
-    _stage("decode warm-up and graph capture", t0)
+        torch.cuda.synchronize()
+        first_ms.append(round(1e3 * (time.perf_counter() - t), 2))
+        first_cpu.append(int(c.cpu_computed.sum() - cpu))  # the telemetry trails the GPU by one token
+    _stage("the first 32 tokens after the prompt", t0)
     tx = m._runner.token_experts
     phases: dict = defaultdict(float)
     if tx is not None:
@@ -90,7 +140,7 @@ def run(model: Path, budget: int | None, tokens: int, threads: int, ctx: int, ou
     _timed(m.experts.pool, "compute", phases, count_experts=True)
     torch.cuda.synchronize()
     t = time.perf_counter()
-    for p in range(528, 528 + tokens):
+    for p in range(544, 544 + tokens):
         m.forward(torch.tensor([ids[p]]), kv, p)
     torch.cuda.synchronize()
     wall = time.perf_counter() - t
@@ -99,7 +149,7 @@ def run(model: Path, budget: int | None, tokens: int, threads: int, ctx: int, ou
         from torch.profiler import ProfilerActivity, profile as prof
 
         with prof(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as pr:
-            for p in range(528 + tokens, 536 + tokens):
+            for p in range(544 + tokens, 552 + tokens):
                 m.forward(torch.tensor([ids[p]]), kv, p)
             torch.cuda.synchronize()
         ka = pr.key_averages()
@@ -107,7 +157,7 @@ def run(model: Path, budget: int | None, tokens: int, threads: int, ctx: int, ou
                                                           max_name_column_width=70))
         timeline = _gpu_timeline(pr, n_tokens=8)
         _stage("profiled", t0)
-    c = engine.telemetry.cache
+    r_prefill = _prefill(m, kv, ids, profile, t0)
     total = c.gpu_hit.sum() + c.uploaded.sum() + c.cpu_computed.sum()
     per_token = {k: (1e3 * v / tokens if not k.endswith("_calls") and k != "experts" else v / tokens)
                  for k, v in phases.items()}
@@ -117,6 +167,9 @@ def run(model: Path, budget: int | None, tokens: int, threads: int, ctx: int, ou
          "peak_vram_mib": torch.cuda.max_memory_allocated() / 2**20}
     if profile:
         r["gpu_timeline_per_token"] = timeline
+    r["prefill_512"] = r_prefill
+    r["first_tokens"] = {"ms": first_ms, "cpu_selections": first_cpu}
+    r["first_prompt_s"] = dict(first_prompt)
     pool_w = m.experts.pool
     layer = min(m.expert_weights)
     x = np.random.default_rng(0).standard_normal((1, m.config.n_embd)).astype(np.float32)
@@ -142,6 +195,15 @@ def run(model: Path, budget: int | None, tokens: int, threads: int, ctx: int, ou
                         pool.compute(lay, x, np.zeros(n, np.int32),
                                      rng.choice(n_expert, n, replace=False).astype(np.int32))
                 bench[f"t{n_threads}_e{n}_cold_us"] = 1e6 * (time.perf_counter() - t) / (3 * len(layers))
+            # one expert every 5 ms, as a decode token's rare misses come: the pool's threads
+            # sleep in between unless OpenMP keeps them spinning
+            spent = 0.0
+            for lay in layers:
+                time.sleep(0.005)
+                t = time.perf_counter()
+                pool.compute(lay, x, np.zeros(1, np.int32), rng.choice(n_expert, 1).astype(np.int32))
+                spent += time.perf_counter() - t
+            bench[f"t{n_threads}_e1_gap5ms_us"] = 1e6 * spent / len(layers)
     r["pool_one_row"] = bench
     del pool_w
     return r
