@@ -1,7 +1,8 @@
 """`moestudio bench speed`: this engine against llama.cpp, side by side, in one run.
 
 Same GGUF, same token stream, same VRAM budget. Decode is teacher-forced on real text (every
-engine routes the same tokens), prefill runs a fixed prompt. Configurations:
+engine routes the same tokens), prefill runs a fixed prompt. Configurations, each timed in a
+process of its own (engine/bench/engine_runner.py, llama_runner.py):
   hybrid        this engine with its defaults at the budget
   hybrid-mmap   the same with --load-mode mmap (experts read from the memory map, not pinned RAM)
   resident      this engine with every expert on the GPU (budget ignored)
@@ -69,6 +70,7 @@ def measure_bandwidths(device: torch.device, threads: int) -> dict[str, float]:
         torch.cuda.synchronize(device)
         out["h2d_pinned_gbs"] = 5 * pinned.numel() / (time.perf_counter() - t) / 1e9
         del a, b, pinned
+        torch.cuda.empty_cache()  # the engines' processes size their caches from the free memory
     return out
 
 
@@ -94,73 +96,34 @@ def _geometry(path: Path) -> dict[str, int]:
 
 def run_engine(path: Path, prompt: list[int], stream: list[int], *, device: str, budget_mib: int | None,
                cache: str, threads: int, n_ctx: int, load_mode: str = "auto") -> dict:
-    import torch
-
-    from engine.moe.hybrid import attach_hybrid
-    from engine.runtime.engine import Engine, EngineConfig
-
-    dev = torch.device(device)
-    if dev.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(dev)
-    engine = Engine.load(path, EngineConfig(device=device, n_ctx=n_ctx, threads=threads,
-                                            moe_expert_cache_size=cache, vram_budget_mib=budget_mib,
-                                            load_mode=load_mode), attach_experts=attach_hybrid)
-    model, kv = engine.model, engine.cache
-    sync = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else (lambda: None)
-    model.forward(torch.tensor(prompt[:8]), kv, 0)  # warm-up: kernels, pools...
-    model.forward(torch.tensor(prompt[8:9]), kv, 8)  # ...and the decode graphs' capture
-    sync()
-    t0 = time.perf_counter()
-    model.forward(torch.tensor(prompt), kv, 0)
-    sync()
-    prefill_s = time.perf_counter() - t0
-    c = engine.telemetry.cache
-    before = None if c is None else (c.gpu_hit.sum(), c.uploaded.sum(), c.cpu_computed.sum(), c.bytes_uploaded)
-    t0 = time.perf_counter()
-    pos = len(prompt)
-    for tok in stream:
-        model.forward(torch.tensor([tok]), kv, pos)
-        pos += 1
-    sync()
-    decode_s = time.perf_counter() - t0
-    out = {"prefill_tokens_per_s": len(prompt) / prefill_s, "ttft_s": prefill_s,
-           "decode_tokens_per_s": len(stream) / decode_s,
-           "peak_vram_mib": torch.cuda.max_memory_allocated(dev) / MiB if dev.type == "cuda" else None}
-    if c is not None:
-        out["load_mode"] = c.load_mode
-        out["miss_fraction"] = c.miss_fraction
-        out["miss_fraction_tuning"] = c.miss_fraction_tuning
-        hit, up, cpu, moved = (a - b for a, b in zip((c.gpu_hit.sum(), c.uploaded.sum(), c.cpu_computed.sum(),
-                                                      c.bytes_uploaded), before))
-        total = hit + up + cpu
-        out.update(slots_per_layer=c.slots_per_layer, gpu_hit=hit / total, uploaded=up / total, cpu=cpu / total,
-                   pcie_mb_per_s=moved / decode_s / 1e6, uploaded_bytes_per_token=moved / len(stream))
-    model.experts.close() if hasattr(model.experts, "close") else None
-    del engine, model, kv
-    if dev.type == "cuda":
-        import gc
-
-        gc.collect()
-        torch.cuda.empty_cache()  # the next run's auto-sizing must not see this one's memory
-    return out
+    """engine/bench/engine_runner.py in a process of its own, as a user runs the engine."""
+    args = ["--device", device, "--cache", cache, "-t", str(threads), "--ctx", str(n_ctx), "--load-mode", load_mode]
+    if budget_mib is not None:
+        args += ["--budget-mib", str(budget_mib)]
+    return _run_timer("engine.bench.engine_runner", path, prompt, stream, args, dict(os.environ))
 
 
 def run_llama(path: Path, prompt: list[int], stream: list[int], *, n_cpu_moe: int, threads: int, n_ctx: int) -> dict:
     """engine/bench/llama_runner.py in a subprocess; MOESTUDIO_LLAMA_SITE names a site dir with a
     GPU build of llama-cpp-python to put first on its path."""
-    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
-        json.dump({"prompt": prompt, "stream": stream}, f)
     env = dict(os.environ)
     if env.get("MOESTUDIO_LLAMA_SITE"):
         env["PYTHONPATH"] = os.pathsep.join([env["MOESTUDIO_LLAMA_SITE"], env.get("PYTHONPATH", "")])
+    return _run_timer("engine.bench.llama_runner", path, prompt, stream,
+                      ["--n-cpu-moe", str(n_cpu_moe), "-t", str(threads), "--ctx", str(n_ctx)], env)
+
+
+def _run_timer(module: str, path: Path, prompt: list[int], stream: list[int], args: list[str], env: dict) -> dict:
+    """`python -m module MODEL TOKENS.json ARGS`, which prints its result as one JSON line last."""
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+        json.dump({"prompt": prompt, "stream": stream}, f)
     try:
-        r = subprocess.run([sys.executable, "-m", "engine.bench.llama_runner", str(path), f.name,
-                            "--n-cpu-moe", str(n_cpu_moe), "-t", str(threads), "--ctx", str(n_ctx)],
+        r = subprocess.run([sys.executable, "-m", module, str(path), f.name, *args],
                            capture_output=True, text=True, env=env, timeout=600)
     finally:
         os.unlink(f.name)
     if r.returncode != 0:
-        raise RuntimeError(f"llama.cpp run failed (n_cpu_moe={n_cpu_moe}): {r.stderr[-2000:]}")
+        raise RuntimeError(f"{module} {' '.join(args)} failed: {r.stderr[-2000:]}")
     return json.loads(r.stdout.strip().splitlines()[-1])
 
 

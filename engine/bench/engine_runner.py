@@ -1,0 +1,90 @@
+"""Times this engine on a token stream, in a process of its own.
+
+`python -m engine.bench.engine_runner MODEL TOKENS.json --device D [--budget-mib N] --cache C
+-t THREADS --ctx N --load-mode M` prints one JSON line: prefill tok/s on the prompt, then
+teacher-forced decode tok/s on the stream, with the expert cache's hit shares.
+A process per configuration, as a user runs the engine: no run inherits another's state (the
+CPU pool's OpenMP team, pinned host memory, the CUDA and pinned caching allocators). On the
+H200, `bench scenarios` ran its configurations in one process and the 16 GiB hybrid run, the
+fourth engine in it, decoded at 154 tok/s where scripts/profile_decode.py, in a fresh process,
+decoded the same prompt and token order at ~200.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+from engine.config import FIELDS
+
+
+def time_engine(path: Path, prompt: list[int], stream: list[int], *, device: str, budget_mib: int | None,
+                cache: str, threads: int, n_ctx: int, load_mode: str = "auto") -> dict:
+    import torch
+
+    from engine.moe.hybrid import attach_hybrid
+    from engine.runtime.engine import Engine, EngineConfig
+
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(dev)
+    engine = Engine.load(path, EngineConfig(device=device, n_ctx=n_ctx, threads=threads,
+                                            moe_expert_cache_size=cache, vram_budget_mib=budget_mib,
+                                            load_mode=load_mode), attach_experts=attach_hybrid)
+    model, kv = engine.model, engine.cache
+    sync = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else (lambda: None)
+    model.forward(torch.tensor(prompt[:8]), kv, 0)  # warm-up: kernels, pools...
+    model.forward(torch.tensor(prompt[8:9]), kv, 8)  # ...and the decode graphs' capture
+    sync()
+    t0 = time.perf_counter()
+    model.forward(torch.tensor(prompt), kv, 0)
+    sync()
+    prefill_s = time.perf_counter() - t0
+    c = engine.telemetry.cache
+    before = None if c is None else (c.gpu_hit.sum(), c.uploaded.sum(), c.cpu_computed.sum(), c.bytes_uploaded)
+    t0 = time.perf_counter()
+    pos = len(prompt)
+    for tok in stream:
+        model.forward(torch.tensor([tok]), kv, pos)
+        pos += 1
+    sync()
+    decode_s = time.perf_counter() - t0
+    out = {"prefill_tokens_per_s": len(prompt) / prefill_s, "ttft_s": prefill_s,
+           "decode_tokens_per_s": len(stream) / decode_s,
+           "peak_vram_mib": torch.cuda.max_memory_allocated(dev) / 2**20 if dev.type == "cuda" else None}
+    if c is not None:
+        out["load_mode"] = c.load_mode
+        out["miss_fraction"] = c.miss_fraction
+        out["miss_fraction_tuning"] = c.miss_fraction_tuning
+        hit, up, cpu, moved = (a - b for a, b in zip((c.gpu_hit.sum(), c.uploaded.sum(), c.cpu_computed.sum(),
+                                                      c.bytes_uploaded), before))
+        total = hit + up + cpu
+        out.update(slots_per_layer=c.slots_per_layer, gpu_hit=hit / total, uploaded=up / total, cpu=cpu / total,
+                   pcie_mb_per_s=moved / decode_s / 1e6, uploaded_bytes_per_token=moved / len(stream))
+    if hasattr(model.experts, "close"):
+        model.experts.close()  # the CPU pool's threads and the copier
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="engine_runner")
+    p.add_argument("model", type=Path)
+    p.add_argument("tokens", type=Path, help='JSON {"prompt": [...], "stream": [...]}')
+    p.add_argument("--device", required=True)
+    p.add_argument("--budget-mib", type=int, help="the VRAM budget to emulate (none: the whole device)")
+    p.add_argument("--cache", default="auto", help=FIELDS["moe_expert_cache_size"].help)
+    p.add_argument("-t", "--threads", type=int, default=4)
+    p.add_argument("--ctx", type=int, required=True, help=FIELDS["ctx"].help)
+    p.add_argument("--load-mode", default="auto", help=FIELDS["load_mode"].help)
+    args = p.parse_args(argv)
+    toks = json.loads(args.tokens.read_text())
+    print(json.dumps(time_engine(args.model, toks["prompt"], toks["stream"], device=args.device,
+                                 budget_mib=args.budget_mib, cache=args.cache, threads=args.threads,
+                                 n_ctx=args.ctx, load_mode=args.load_mode), default=float))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

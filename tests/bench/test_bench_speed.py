@@ -1,0 +1,37 @@
+"""`moestudio bench speed` end to end on the CPU: each engine configuration in a process of its own."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_bench_speed_times_each_configuration_in_its_own_process(tiny, tmp_path):
+    out = tmp_path / "speed.json"
+    res = subprocess.run([sys.executable, "-m", "engine.cli", "bench", "speed", str(tiny), "--vram-budget-mib", "64",
+                          "--device", "cpu", "-t", "2", "--prompt-tokens", "24", "--decode-tokens", "6", "--ctx", "64",
+                          "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
+    r = json.loads(out.read_text())
+    assert r["tokens"] == {"prompt": 24, "decode": 6, "ctx": 64}
+    runs = r["runs"]
+    assert set(runs) == {"hybrid", "hybrid-mmap", "resident"}  # llama.cpp's runs need a GPU build
+    for name, run in runs.items():
+        assert "error" not in run, (name, run)
+        assert run["prefill_tokens_per_s"] > 0 and run["decode_tokens_per_s"] > 0
+        assert abs(run["gpu_hit"] + run["uploaded"] + run["cpu"] - 1.0) < 1e-9
+    assert runs["resident"]["gpu_hit"] == 1.0
+    assert runs["hybrid-mmap"]["load_mode"] == "mmap"
+
+
+def test_a_configuration_whose_process_fails_raises_with_its_error(tmp_path):
+    from engine.bench.speed import run_engine
+
+    missing = tmp_path / "gone.gguf"
+    with pytest.raises(RuntimeError, match=r"(?s)engine\.bench\.engine_runner .*failed: .*gone\.gguf"):
+        run_engine(missing, [1, 2, 3], [4], device="cpu", budget_mib=64, cache="auto", threads=1, n_ctx=64)
