@@ -8,7 +8,7 @@ One MoE layer step here:
 2. distinct experts split into hits (landed in a slot), uploads (a `miss_fraction` share of
    the misses, copied into staging slots; in a step of many rows, the misses whose CPU cost
    is highest, as many as balance the two sides by measured cost, streamed through the
-   staging slots in turns) and CPU misses (the rest);
+   staging slots, which the layers share, in turns) and CPU misses (the rest);
 3. the CPU pool computes its misses from the memory-mapped GGUF bytes on this thread, once the
    accelerator's work is launched (on CUDA it runs meanwhile);
 4. the weighted outputs are summed slot by slot in top-k order, the same order and maths as
@@ -31,9 +31,10 @@ from engine.layers.moe import ExpertWeights, expert_ffn
 from engine.moe.copier import Copier, upload
 from engine.moe.cpu_pool import CpuExpertPool
 from engine.moe.policy import AdaptParams, Policy
-from engine.moe.slots import LayerSlots, resident_copies, resolve_load_mode
+from engine.moe.slots import LayerSlots, StagingSlots, layout_key, resident_copies, resolve_load_mode
 from engine.moe.tune import RouteCosts, balanced_uploads, measure_costs
-from engine.plan.sizing import FRACTION_STEPS, staging_slots
+from engine.plan.sizing import FRACTION_STEPS, STAGING_TURN_BYTES, staging_slots
+from engine.quant.layout import layout_bytes
 from engine.runtime.progress import ByteProgress, Progress
 from engine.runtime.telemetry import CacheCounters, Telemetry
 
@@ -48,6 +49,7 @@ class HybridOptions:
     top_k: int = 0  # experts per token; sizes the staging slots (0: as many as the fraction of all experts)
     copy_delay_s: float = 0.0  # tests: slow every copy down
     route_costs: RouteCosts | None = None  # steps of many rows route misses by these (tune.py)
+    staging_turn_bytes: int = STAGING_TURN_BYTES  # tests: a prompt's upload turns of fewer experts
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.miss_fraction <= 1.0:
@@ -81,21 +83,31 @@ class HybridExperts:
         self.index = {layer: i for i, layer in enumerate(self.layer_ids)}
         k_max = max(w.n_expert for w in expert_weights.values())
         self.layers: dict[int, _Layer] = {}
+        staging: dict[tuple, StagingSlots | None] = {}  # one set per slot layout, shared by its layers
         for layer, w in expert_weights.items():
             n_slots = min(options.slots_per_layer, w.n_expert)
-            n_staging = 0 if n_slots == w.n_expert else staging_slots(options.miss_fraction, w.n_expert, options.top_k)
-            slots = LayerSlots(w, n_slots, n_staging, self.device, self.copier)
+            shared = None
+            if n_slots < w.n_expert:
+                key = layout_key(w)
+                if key not in staging:
+                    expert_bytes = sum(layout_bytes(t.qtype, t.raw[0].numel()) for t in (w.gate, w.up, w.down))
+                    n = staging_slots(options.miss_fraction, w.n_expert, options.top_k, expert_bytes,
+                                      options.staging_turn_bytes)
+                    staging[key] = StagingSlots(w, n, self.device) if n else None
+                shared = staging[key]
+            slots = LayerSlots(w, n_slots, shared, self.device, self.copier)
             self.layers[layer] = _Layer(w, slots, Policy(options.policy, w.n_expert, n_slots, options.adapt))
         self.counters = CacheCounters(self.layer_ids, k_max, min(options.slots_per_layer, k_max))
 
     # --- the decode token's graph ----------------------------------------------------------------
     def token_experts(self, k: int, n_embd: int):
         """The one-token step for the decode graph (engine/moe/token_step.py), where it applies:
-        CUDA, the Triton kernels for every layer's expert types, a slot buffer in every layer."""
+        CUDA, the Triton kernels for every layer's expert types, a resident slot in every layer
+        (a pair that missed reads slot 0 and stores nothing)."""
         if self.device.type != "cuda" or self._triton_broken:
             return None
         x = torch.empty(1, n_embd, device=self.device)
-        if not all(_use_triton(L.w, x, k) and L.slots.n_slots + L.slots.n_staging > 0 for L in self.layers.values()):
+        if not all(_use_triton(L.w, x, k) and L.slots.n_slots > 0 for L in self.layers.values()):
             return None
         from engine.moe.token_step import TokenExperts
 
@@ -167,10 +179,10 @@ class HybridExperts:
         per_slot = torch.zeros(k, *x.shape, dtype=x.dtype, device=x.device)
         # Hits first (they need no copy), then the uploads once staged: one batch each, launched
         # asynchronously on CUDA, so the CPU pool's misses below run while the GPU computes them.
-        self._run_batch_on_accelerator(L, hits.tolist(), slots.resident[hits].tolist(), x, ids, ids_host,
+        self._run_batch_on_accelerator(L, hits.tolist(), slots.resident[hits].tolist(), False, x, ids, ids_host,
                                        weights, per_slot)
         self._run_uploads(L, uploads.tolist(), lambda turn, turn_slots: self._run_batch_on_accelerator(
-            L, turn, turn_slots, x, ids, ids_host, weights, per_slot))
+            L, turn, turn_slots, True, x, ids, ids_host, weights, per_slot))
 
         if cpu.size:
             tok, pos = np.nonzero(_member(L.w.n_expert, cpu)[ids_host])
@@ -235,22 +247,24 @@ class HybridExperts:
             if halves == 1 and i + 1 < len(turns):
                 staged.append(L.slots.stage_async(turns[i + 1], first=0))
 
-    def _run_on_accelerator(self, L: _Layer, slot: int, e: int, x: torch.Tensor, ids: torch.Tensor,
+    def _run_on_accelerator(self, L: _Layer, slot: int, staged: bool, e: int, x: torch.Tensor, ids: torch.Tensor,
                             weights: torch.Tensor, per_slot: torch.Tensor) -> None:
         """The torch path for one expert (the fallback, and the oracle the kernels are tested against)."""
         tok, pos = torch.nonzero(ids == e, as_tuple=True)
-        out = expert_ffn(x[tok], *L.slots.weights(slot), L.w, e)
+        out = expert_ffn(x[tok], *L.slots.weights(slot, staged), L.w, e)
         per_slot[pos, tok] = out * weights[tok, pos, None]
 
     # --- Triton dispatch hook (kernels: engine/quant/triton_kernels.py) -------------------------
-    def _run_batch_on_accelerator(self, L: _Layer, experts: list[int], slots: list[int], x: torch.Tensor,
-                                  ids: torch.Tensor, ids_host: np.ndarray, weights: torch.Tensor,
+    def _run_batch_on_accelerator(self, L: _Layer, experts: list[int], slots: list[int], staged: bool,
+                                  x: torch.Tensor, ids: torch.Tensor, ids_host: np.ndarray, weights: torch.Tensor,
                                   per_slot: torch.Tensor) -> None:
-        """Every (token, top-k) pair routed to `experts` (living in `slots`): one Triton launch
-        sequence over all of them when the kernels apply (the decode kernels up to
-        TRITON_MAX_PAIRS pairs, the grouped GEMM beyond), else the torch path expert by expert."""
+        """Every (token, top-k) pair routed to `experts` (living in `slots`, staging slots when
+        `staged`): one Triton launch sequence over all of them when the kernels apply (the decode
+        kernels up to TRITON_MAX_PAIRS pairs, the grouped GEMM beyond), else the torch path
+        expert by expert."""
         if not experts:
             return
+        buffers = L.slots.buffers_of(staged)
         n_pairs = int(_member(L.w.n_expert, experts)[ids_host].sum())
         if not self._grouped_broken and _use_grouped(L.w, x, n_pairs):
             from engine.quant import grouped_gemm as gg
@@ -258,7 +272,7 @@ class HybridExperts:
             slot_of = np.full(L.w.n_expert, -1, np.int32)
             slot_of[experts] = slots
             try:
-                gg.experts_forward(x.float().contiguous(), L.slots.buffers, L.w, ids_host, slot_of,
+                gg.experts_forward(x.float().contiguous(), buffers, L.w, ids_host, slot_of,
                                    weights.float().contiguous(), per_slot)
                 return
             except Exception as e:  # a kernel that does not build here: say so once, keep running on torch
@@ -278,7 +292,7 @@ class HybridExperts:
             meta = np.stack([tok, pos, pair_slot[tok, pos], ids_host[tok, pos]]).astype(np.int32)
             meta_t = upload(meta, x.device)
             try:
-                tk.experts_forward(x.float().contiguous(), L.slots.buffers, L.w, meta_t[0], meta_t[1], meta_t[2],
+                tk.experts_forward(x.float().contiguous(), buffers, L.w, meta_t[0], meta_t[1], meta_t[2],
                                    meta_t[3], weights.float().contiguous(), per_slot)
                 return
             except Exception as e:  # a kernel that does not build here: say so once, keep running on torch
@@ -286,7 +300,7 @@ class HybridExperts:
                               f"path (MOESTUDIO_TRITON=0 silences this)", RuntimeWarning, stacklevel=2)
                 self._triton_broken = True
         for e, slot in zip(experts, slots):
-            self._run_on_accelerator(L, slot, e, x, ids, weights, per_slot)
+            self._run_on_accelerator(L, slot, staged, e, x, ids, weights, per_slot)
 
     def _account(self, layer: int, L: _Layer, rows_of: np.ndarray, experts: np.ndarray, hits: np.ndarray,
                  uploads: np.ndarray, cpu: np.ndarray, tokens: int) -> None:

@@ -5,7 +5,9 @@ kernels read fastest (engine/quant/layout.py: Q6_K blocks padded from 210 to 224
 are copied in; the host keeps the GGUF bytes, which the CPU pool reads). The residency
 map only ever names experts whose copy has LANDED: a slot being refilled is first taken out
 of the map (so no hit can read it), then copied, and only after the copy has landed does the
-map point at it again. Staging slots after the resident ones receive this step's uploads.
+map point at it again. A step's uploads go to staging slots, which the layers whose experts
+share a layout share (`StagingSlots`): the layers run one after another, and a copy into the
+staging slots waits for the kernels already enqueued, which read the previous layer's.
 """
 from __future__ import annotations
 
@@ -56,21 +58,39 @@ def resident_copies(expert_weights: dict[int, ExpertWeights], pin: bool,
             for layer, w in expert_weights.items()}
 
 
-class LayerSlots:
-    def __init__(self, w: ExpertWeights, n_slots: int, n_staging: int, device: torch.device, copier: Copier):
-        self.w, self.n_slots, self.n_staging, self.device = w, n_slots, n_staging, device
-        self.copier = copier
-        n = n_slots + n_staging
+def layout_key(w: ExpertWeights) -> tuple:
+    """Layers with equal keys hold their experts in slots of one shape and layout."""
+    return tuple((t.qtype, tuple(t.raw.shape[1:])) for t in (w.gate, w.up, w.down))
+
+
+class StagingSlots:
+    """`n` slots for a step's uploads, shared by the layers of one layout_key."""
+
+    def __init__(self, w: ExpertWeights, n: int, device: torch.device):
+        self.n = n
         self.buffers = [_slot_buffer(t, n, device) for t in (w.gate, w.up, w.down)]
+
+
+class LayerSlots:
+    def __init__(self, w: ExpertWeights, n_slots: int, staging: StagingSlots | None, device: torch.device,
+                 copier: Copier):
+        self.w, self.n_slots, self.device = w, n_slots, device
+        self.staging = staging
+        self.n_staging = staging.n if staging is not None else 0
+        self.copier = copier
+        self.buffers = [_slot_buffer(t, n_slots, device) for t in (w.gate, w.up, w.down)]
         self.resident = np.full(w.n_expert, -1, np.int32)  # expert -> slot, landed copies only
         self.slot_expert = np.full(n_slots, -1, np.int32)  # slot -> expert, landed or in flight
         self.pending: list[tuple[int, int, Copy]] = []  # (slot, expert, copy)
         # Per-expert and per-slot views made once: indexing a tensor costs microseconds of host
         # time, and every decode step copies experts. Padded Q6_K: the GGUF blocks, and the
         # first 210 bytes of each padded block (layout.copy_views).
-        views = [copy_views(t.raw, b) for t, b in zip((w.gate, w.up, w.down), self.buffers)]
+        tensors = (w.gate, w.up, w.down)
+        views = [copy_views(t.raw, b) for t, b in zip(tensors, self.buffers)]
         self._host_views = [h.unbind(0) for h, _ in views]
         self._slot_views = [d.unbind(0) for _, d in views]
+        self._staging_views = [] if staging is None else \
+            [copy_views(t.raw, b)[1].unbind(0) for t, b in zip(tensors, staging.buffers)]
 
     @property
     def expert_bytes(self) -> int:
@@ -107,7 +127,7 @@ class LayerSlots:
 
     def stage(self, experts: list[int]) -> list[int]:
         """Copies `experts` into the staging slots for this step, later compute ordered after the
-        copy; returns their slot indices."""
+        copy; returns their staging slot indices."""
         if not experts:
             return []
         slots, copy = self.stage_async(experts)
@@ -118,8 +138,9 @@ class LayerSlots:
         """Starts copying `experts` into the staging slots from staging slot `first` on."""
         if first + len(experts) > self.n_staging:
             raise ValueError(f"{len(experts)} experts from staging slot {first} exceed {self.n_staging} slots")
-        slots = list(range(self.n_slots + first, self.n_slots + first + len(experts)))
-        return slots, self.copier.copy([pair for e, s in zip(experts, slots) for pair in self._copy_pairs(e, s)])
+        slots = list(range(first, first + len(experts)))
+        return slots, self.copier.copy([(h[e], d[s]) for e, s in zip(experts, slots)
+                                        for h, d in zip(self._host_views, self._staging_views)])
 
     def _copy_pairs(self, expert: int, slot: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """(host, slot) for the expert's gate, up and down bytes; host is the map or the RAM copies."""
@@ -129,11 +150,16 @@ class LayerSlots:
         free = np.nonzero(self.slot_expert < 0)[0]
         return int(free[0]) if free.size else None
 
-    def weights(self, slot: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Float32 gate, up, down of the expert in `slot`, decoded on the accelerator."""
+    def buffers_of(self, staged: bool) -> list[torch.Tensor]:
+        """The gate, up and down slot buffers: the resident slots', or the staging slots'."""
+        return self.staging.buffers if staged else self.buffers
+
+    def weights(self, slot: int, staged: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Float32 gate, up, down of the expert in `slot` (a staging slot when `staged`), decoded
+        on the accelerator."""
         w = self.w
         return tuple(dequantize_layout(buf[slot], t.qtype, t.shape[1:])
-                     for buf, t in zip(self.buffers, (w.gate, w.up, w.down)))
+                     for buf, t in zip(self.buffers_of(staged), (w.gate, w.up, w.down)))
 
 
 def _slot_buffer(t: ExpertTensor, n: int, device: torch.device) -> torch.Tensor:

@@ -216,8 +216,8 @@ def make_plan(hw: Hardware, g: Geometry, s: Config = Config(), o: PlanOptions = 
                  f"({o.kv_type})"),
         PlanLine("compute workspace", p.workspace_bytes, "gpu", f"estimate: logits, activations and attention scores "
                  f"of a {s.prefill_chunk}-token prefill chunk"),
-        PlanLine("upload staging", p.staging_bytes, "gpu", f"{p.staging_per_layer} "
-                 f"slot{'s' * (p.staging_per_layer != 1)} per layer for the misses uploaded in a decode step"),
+        PlanLine("upload staging", p.staging_bytes, "gpu", f"{p.staging_slots} "
+                 f"slot{'s' * (p.staging_slots != 1)} shared by the layers for the misses a step uploads"),
         PlanLine("headroom", p.headroom_bytes, "gpu", "left free for the CUDA context, allocator and other programs "
                  "(1 GiB, or an eighth of a smaller budget)"),
         PlanLine("expert cache", cache, "gpu", f"{slots} of {g.n_expert} experts per layer x {len(g.moe_layers)} layers "

@@ -34,12 +34,21 @@ def balanced_fraction(upload_s: float, cpu_s: float) -> float:
     return quantized_fraction(cpu_s / (upload_s + cpu_s))
 
 
-def staging_slots(miss_fraction: float, n_expert: int, top_k: int) -> int:
-    """Staging slots per layer for one step's uploads: the fraction of a decode step's top-k
-    (rounded up), so a step of many tokens (prefill) uploads at most that many experts and
-    computes its other misses on the CPU; with top_k 0, the fraction of every expert."""
+STAGING_TURN_BYTES = 64 * MIB  # a prompt's upload turn: the experts that fit (at least one)
+
+
+def staging_slots(miss_fraction: float, n_expert: int, top_k: int, expert_bytes: int,
+                  turn_bytes: int = STAGING_TURN_BYTES) -> int:
+    """Staging slots for a step's uploads, shared by the MoE layers (they run one after another,
+    and a copy into the slots waits for the kernels already enqueued): a decode step's uploads,
+    the fraction of its top-k rounded up (top_k 0: of every expert), and two of a prompt's
+    turns, each the experts that fit in `turn_bytes`, so that one turn's copy overlaps the
+    previous turn's compute. None when the fraction is 0: nothing is uploaded."""
     step_fraction = round(miss_fraction * FRACTION_STEPS)
-    return -(-step_fraction * (top_k or n_expert) // FRACTION_STEPS)
+    if not step_fraction:
+        return 0
+    decode = -(-step_fraction * (top_k or n_expert) // FRACTION_STEPS)
+    return min(n_expert, max(decode, 2 * max(1, turn_bytes // expert_bytes)))
 
 
 # Rows of one expert per tile of the grouped expert GEMM (engine/quant/grouped_gemm.py's
@@ -67,7 +76,7 @@ class Placement:
     dense_bytes: int
     kv_bytes: int
     workspace_bytes: int
-    staging_per_layer: int  # upload slots in each MoE layer
+    staging_slots: int  # upload slots, shared by the MoE layers
     staging_bytes: int
     headroom_bytes: int
     slots_per_layer: int
@@ -96,7 +105,7 @@ def place(g: Geometry, gpu_free_bytes: int | None, *, ctx: int, prefill_chunk: i
     kv, work = g.kv_bytes(ctx, kv_type), workspace_bytes(g, ctx, prefill_chunk)
     headroom = min(HEADROOM_BYTES, budget // 8)  # an emulated small GPU keeps a proportionate eighth
     room = budget - g.dense_bytes - kv - work - headroom  # for experts: cached and staging
-    staging = staging_slots(miss_fraction, g.n_expert, g.n_expert_used)
+    staging = staging_slots(miss_fraction, g.n_expert, g.n_expert_used, g.expert_slot_bytes)
     if moe_expert_cache_mib is not None:
         slots = min(g.n_expert, moe_expert_cache_mib * MIB // per_slot)
     elif moe_expert_cache_size == "all":
@@ -108,10 +117,10 @@ def place(g: Geometry, gpu_free_bytes: int | None, *, ctx: int, prefill_chunk: i
     elif room // per_slot >= g.n_expert:
         slots = g.n_expert
     else:
-        slots = max(0, room // per_slot - staging)
+        slots = max(0, (room - staging * g.expert_slot_bytes) // per_slot)
     if slots == g.n_expert or gpu_free_bytes is None:
         staging = 0  # every expert resident: nothing to upload (without a GPU: nothing to upload to)
+    staging_bytes = staging * g.expert_slot_bytes
     return Placement(ctx=ctx, budget_bytes=budget, dense_bytes=g.dense_bytes, kv_bytes=kv, workspace_bytes=work,
-                     staging_per_layer=staging, staging_bytes=staging * per_slot, headroom_bytes=headroom,
-                     slots_per_layer=slots, cache_bytes=slots * per_slot,
-                     free_for_experts=room - staging * per_slot)
+                     staging_slots=staging, staging_bytes=staging_bytes, headroom_bytes=headroom,
+                     slots_per_layer=slots, cache_bytes=slots * per_slot, free_for_experts=room - staging_bytes)

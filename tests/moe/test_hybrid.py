@@ -96,11 +96,11 @@ def test_a_slot_is_never_read_before_its_copy_lands(make_model, prompt_text, mon
         slots = layer.slots
         original = slots.weights
 
-        def checked(slot, slots=slots, original=original):
+        def checked(slot, staged=False, slots=slots, original=original):
             pending = {s for s, _, handle in slots.pending if not handle.landed()}
             reads.append(slot)
-            assert slot not in pending, "a hit read a slot whose copy had not landed"
-            return original(slot)
+            assert staged or slot not in pending, "a hit read a slot whose copy had not landed"
+            return original(slot, staged)
 
         monkeypatch.setattr(slots, "weights", checked)
     steps = {layer: itertools.count() for layer in hybrid.layers}
@@ -192,11 +192,11 @@ def test_uploads_after_a_long_prefill_step_stay_at_the_miss_fraction(make_model)
     decode steps after it: those upload the fraction of their own misses (+ at most one)."""
     model = build_model(make_model("qwen3moe"))
     hybrid = HybridExperts(model.expert_weights, "cpu", HybridOptions(
-        slots_per_layer=1, miss_fraction=0.5, policy="off", threads=1, top_k=2))
+        slots_per_layer=1, miss_fraction=0.5, policy="off", threads=1, top_k=2, staging_turn_bytes=1))
     try:
         hybrid.prefill_residency([(0, 0)])  # expert 0 resident, static ("off")
-        assert hybrid.layers[0].slots.n_staging == 1
-        hybrid.replay(0, np.arange(16).reshape(8, 2) % 8)  # prefill: 7 distinct misses, 1 staging slot
+        assert hybrid.layers[0].slots.n_staging == 2  # two turns of one expert
+        hybrid.replay(0, np.arange(16).reshape(8, 2) % 8)  # prefill: 7 distinct misses, 2 staging slots
         c = hybrid.counters
         before = c.uploaded[0]
         for e in range(1, 9):  # decode: expert 0 hits, one miss per step
@@ -206,23 +206,28 @@ def test_uploads_after_a_long_prefill_step_stay_at_the_miss_fraction(make_model)
         hybrid.close()
 
 
-@pytest.mark.parametrize("fraction", [0.5, 1.0])  # 1 staging slot (turn by turn), 2 (two halves)
-def test_prefill_streams_its_misses_through_the_staging_slots_in_turns(reference_runs, fraction):
+@pytest.mark.parametrize("turn", [1, 2])  # experts per turn: 2 staging slots, 4
+def test_prefill_streams_its_misses_through_the_staging_slots_in_turns(reference_runs, turn):
     """Uploads that cost next to nothing against the CPU: a prefill step uploads far more misses
-    than there are staging slots, in turns, and the tokens stay those of the all-resident engine."""
+    than there are staging slots, in turns over the two halves of the slots the layers share,
+    and the tokens stay those of the all-resident engine."""
     path, tokens, resident = reference_runs["qwen3moe"]
     model = build_model(path)
     k = model.config.n_expert_used
+    w = next(iter(model.expert_weights.values()))
+    expert_bytes = sum(t.raw[0].numel() for t in (w.gate, w.up, w.down))
     hybrid = HybridExperts(model.expert_weights, "cpu", HybridOptions(
-        slots_per_layer=1, miss_fraction=fraction, policy="off", threads=1, top_k=k,
+        slots_per_layer=1, miss_fraction=1.0, policy="off", threads=1, top_k=k, staging_turn_bytes=turn * expert_bytes,
         route_costs=RouteCosts(upload_s=1e-9, cpu_s=1e-3, cpu_row_s=1e-4, gpu_s=1e-9), copy_delay_s=0.001))
     model.experts = hybrid
     try:
         cache = model.new_cache(len(tokens))
         first = model.forward(torch.tensor(tokens[:N_PROMPT]), cache)[-1:]
-        staging = hybrid.layers[min(hybrid.layers)].slots.n_staging
-        assert staging == round(fraction * k)
-        assert (hybrid.counters.uploaded > 2 * staging).all()  # turns, not one staged batch
+        staging = {id(L.slots.staging) for L in hybrid.layers.values()}
+        assert len(staging) == 1  # one set for every layer
+        n_staging = hybrid.layers[min(hybrid.layers)].slots.n_staging
+        assert n_staging == max(k, 2 * turn)
+        assert (hybrid.counters.uploaded > 2 * n_staging).all()  # turns, not one staged batch
         logits = torch.cat([first] + [model.forward(torch.tensor([t]), cache) for t in tokens[N_PROMPT:-1]])
     finally:
         hybrid.close()

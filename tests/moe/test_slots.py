@@ -9,7 +9,7 @@ from gguf import GGMLQuantizationType as QT
 
 from engine.models import build_model
 from engine.moe.copier import Copier
-from engine.moe.slots import LayerSlots
+from engine.moe.slots import LayerSlots, StagingSlots
 from engine.plan.geometry import read_geometry
 from engine.quant.dequant import dequantize
 from engine.quant.layout import Q6_K_BLOCK, Q6_K_PADDED_BLOCK
@@ -22,20 +22,22 @@ def test_slots_decode_to_the_gguf_experts(make_model, arch: str, qtype: QT) -> N
     w = next(iter(model.expert_weights.values()))
     tensors = (w.gate, w.up, w.down)
     assert {t.qtype for t in tensors} == {qtype}
-    slots = LayerSlots(w, n_slots=2, n_staging=1, device=torch.device("cpu"), copier=Copier(torch.device("cpu")))
-    for buf, t in zip(slots.buffers, tensors):
-        row_bytes = t.raw.shape[-1]
-        want = row_bytes // Q6_K_BLOCK * Q6_K_PADDED_BLOCK if qtype == QT.Q6_K else row_bytes
-        assert buf.shape == (3, t.shape[1], want)
+    cpu = torch.device("cpu")
+    slots = LayerSlots(w, n_slots=2, staging=StagingSlots(w, 1, cpu), device=cpu, copier=Copier(cpu))
+    for n, buffers in ((2, slots.buffers), (1, slots.staging.buffers)):
+        for buf, t in zip(buffers, tensors):
+            row_bytes = t.raw.shape[-1]
+            want = row_bytes // Q6_K_BLOCK * Q6_K_PADDED_BLOCK if qtype == QT.Q6_K else row_bytes
+            assert buf.shape == (n, t.shape[1], want)
     # The planner prices a slot at what the engine allocates for it.
     assert read_geometry(path).expert_slot_bytes == slots.expert_bytes
     last = w.n_expert - 1
     slots.copier.wait(slots.load([(0, last), (1, 0)]))
     assert slots.refresh() == 2 and slots.resident[last] == 0 and slots.resident[0] == 1
     (staged,) = slots.stage([1])
-    for slot, expert in ((0, last), (1, 0), (staged, 1)):
-        for got, t in zip(slots.weights(slot), tensors):
+    for slot, is_staged, expert in ((0, False, last), (1, False, 0), (staged, True, 1)):
+        for got, t in zip(slots.weights(slot, is_staged), tensors):
             assert torch.equal(got, dequantize(t.raw[expert], t.qtype, t.shape[1:]))
     if qtype == QT.Q6_K:  # the padding after each block is never written
-        for buf in slots.buffers:
+        for buf in slots.buffers + slots.staging.buffers:
             assert not buf.reshape(-1, Q6_K_PADDED_BLOCK)[:, Q6_K_BLOCK:].any()

@@ -31,10 +31,10 @@ def test_cache_shrinks_when_slot_allocation_runs_out_of_memory(make_model, monke
     real_init = slots_module.LayerSlots.__init__
     fits = 3  # slots per layer this "GPU" can hold
 
-    def allocate(self, w, n_slots, n_staging, device, copier):
-        if n_slots + n_staging > fits:
-            raise torch.OutOfMemoryError(f"CUDA out of memory (injected: {n_slots + n_staging} slots)")
-        real_init(self, w, n_slots, n_staging, device, copier)
+    def allocate(self, w, n_slots, staging, device, copier):
+        if n_slots > fits:
+            raise torch.OutOfMemoryError(f"CUDA out of memory (injected: {n_slots} slots)")
+        real_init(self, w, n_slots, staging, device, copier)
 
     monkeypatch.setattr(slots_module.LayerSlots, "__init__", allocate)
     with pytest.warns(RuntimeWarning, match=r"out of GPU memory with 8 expert slots per layer; shrinking") as record:
@@ -53,9 +53,9 @@ def test_auto_sized_cache_shrinks_when_too_little_memory_is_left_after_allocatin
     real_init = slots_module.LayerSlots.__init__
     allocated = []
 
-    def allocate(self, w, n_slots, n_staging, device, copier):
+    def allocate(self, w, n_slots, staging, device, copier):
         allocated.append(n_slots)
-        real_init(self, w, n_slots, n_staging, device, copier)
+        real_init(self, w, n_slots, staging, device, copier)
 
     monkeypatch.setattr(slots_module.LayerSlots, "__init__", allocate)
     monkeypatch.setattr(budget, "gpu_free_bytes", lambda device: 16 << 30)  # room for every expert; 1 GiB headroom
