@@ -439,6 +439,12 @@ def attach_hybrid(model, config, progress: Progress | None = None) -> HybridExpe
         ranking = load_profile(config.moe_expert_profile, model.source).ranking()
     elif n_slots >= any_w.n_expert:  # every expert fits: load them all now, not on first use
         ranking = [(layer, e) for layer in sorted(ws) for e in range(ws[layer].n_expert)]
+    elif n_slots:
+        # No evidence yet: placeholders, so the first prompt finds the slots full rather than
+        # empty; the policy gives them way like empty slots until their experts are used.
+        ranking = [(layer, e) for layer in sorted(ws) for e in range(n_slots)]
+        for L in hybrid.layers.values():
+            L.policy.hold_placeholders(np.arange(L.slots.n_slots))
     if ranking and n_slots:
         # At most the slots' worth of experts is copied: that is the total to report against.
         total = sum(L.slots.expert_bytes * min(L.slots.n_slots, len({e for layer, e in ranking if layer == i}))

@@ -2,7 +2,9 @@
 
 Every policy sees the same observations (the distinct experts a layer step routed to, with
 how many rows picked each) and answers with refills: (slot, expert) copies to start. All of
-them first fill empty slots with missed experts. Then:
+them first fill empty slots with missed experts, then placeholders: slots the engine filled at
+load without evidence (no profile), which serve hits until then but give way like empty ones.
+Then:
 
 * off            static after the fill (a profile, if given, did the fill at start)
 * occurrence     Strata's adaptive tier: decayed counts (x decay per update), a miss becomes a
@@ -45,9 +47,13 @@ class Policy:
         self.name, self.params, self.n_slots = name, params, n_slots
         self.counts = np.zeros(n_expert, np.float64)  # decayed access counts
         self.last_use = np.zeros(n_expert, np.int64)
+        self.placeholder = np.zeros(n_slots, bool)  # filled without evidence; free until its expert is used
         self.step = 0  # layer steps seen
         self.tokens = 0  # tokens those steps held (occurrence updates every `every` of them)
         self._step_decay = params.decay ** (1 / params.every)  # occurrence's half-life, per step
+
+    def hold_placeholders(self, slots: np.ndarray) -> None:
+        self.placeholder[slots] = True
 
     @property
     def synchronous(self) -> bool:
@@ -63,12 +69,17 @@ class Policy:
             self.counts *= self._step_decay
         self.counts[experts] += rows
         self.last_use[experts] = self.step
+        if self.placeholder.any():  # a placeholder whose expert was used is one no longer
+            self.placeholder &= self.counts[slot_expert] == 0
         missed = experts[resident[experts] < 0]
         if not missed.size:
             return []
         missed = [e for e in missed[np.argsort(-self.counts[missed], kind="stable")].tolist() if e not in in_flight]
         free = (slot_expert < 0).nonzero()[0].tolist()
+        if self.placeholder.any():
+            free += self.placeholder.nonzero()[0].tolist()
         out = list(zip(free, missed))
+        self.placeholder[[s for s, _ in out]] = False
         missed = missed[len(out):]
         if self.name == "off" or not missed or self.n_slots == 0:
             return out

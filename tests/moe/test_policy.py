@@ -113,3 +113,16 @@ def test_occurrence_lets_a_prompt_re_rank_the_cache_as_its_tokens_updates_would(
     # Tokens 14-15 pass none of them, the 16th token's step one.
     assert w.step(5, rows=[20], tokens=2) == []
     assert w.step(5) == [(0, 5)]
+
+
+@pytest.mark.parametrize("name", ["off", "occurrence", "lru"])
+def test_placeholders_serve_hits_and_give_way_like_empty_slots_until_used(name):
+    w = World(name)
+    for slot, expert in enumerate((0, 1, 2)):  # filled at load without evidence
+        w.slot_expert[slot], w.resident[expert] = expert, slot
+    w.policy.hold_placeholders(np.arange(N_SLOTS))
+    assert w.step(1, 5, rows=[1, 2]) == [(0, 5)]  # 1 hit (no longer a placeholder), 5 takes slot 0
+    assert w.step(6) == [(2, 6)]  # the last placeholder
+    assert w.holds() == {5, 1, 6}
+    if name == "off":  # static once the fill is done
+        assert w.step(7) == []
