@@ -83,23 +83,25 @@ class Policy:
         missed = missed[len(out):]
         if self.name == "off" or not missed or self.n_slots == 0:
             return out
+        busy = [s for s, _ in out]  # a placeholder just given away is still landed: not a victim too
         if self.name in ("occurrence", "occurrence-sync"):
-            return out + self._occurrence(missed, slot_expert, resident, tokens)
-        return out + self._replace(missed[:self.params.swaps], slot_expert, resident, busy=[s for s, _ in out])
+            return out + self._occurrence(missed, slot_expert, resident, tokens, busy)
+        return out + self._replace(missed[:self.params.swaps], slot_expert, resident, busy)
 
-    def _landed(self, slot_expert: np.ndarray, resident: np.ndarray) -> np.ndarray:
-        """Slots whose expert has landed (a slot in flight cannot be evicted)."""
-        return ((slot_expert >= 0) & (resident[slot_expert] == np.arange(self.n_slots))).nonzero()[0]
+    def _landed(self, slot_expert: np.ndarray, resident: np.ndarray, busy: list[int]) -> np.ndarray:
+        """Slots whose expert has landed (a slot in flight cannot be evicted), but for `busy`."""
+        landed = ((slot_expert >= 0) & (resident[slot_expert] == np.arange(self.n_slots))).nonzero()[0]
+        return landed[~np.isin(landed, busy)] if busy else landed
 
     def _occurrence(self, missed: list[int], slot_expert: np.ndarray, resident: np.ndarray,
-                    tokens: int) -> list[tuple[int, int]]:
+                    tokens: int, busy: list[int]) -> list[tuple[int, int]]:
         p = self.params
         updates = self.tokens // p.every - (self.tokens - tokens) // p.every  # update points this step passed
         if not updates:
             return []
         self.counts *= p.decay
         candidates = [e for e in missed if self.counts[e] >= p.min_count]
-        landed = self._landed(slot_expert, resident)
+        landed = self._landed(slot_expert, resident, busy)
         victims = landed[np.argsort(self.counts[slot_expert[landed]], kind="stable")].tolist()
         out = []
         for e, s in zip(candidates, victims):
@@ -110,9 +112,7 @@ class Policy:
 
     def _replace(self, missed: list[int], slot_expert: np.ndarray, resident: np.ndarray,
                  busy: list[int]) -> list[tuple[int, int]]:
-        landed = self._landed(slot_expert, resident)
-        if busy:
-            landed = landed[~np.isin(landed, busy)]
+        landed = self._landed(slot_expert, resident, busy)
         used = self.last_use[slot_expert[landed]]
         if self.name == "lru":
             order = landed[np.argsort(used, kind="stable")]

@@ -126,3 +126,17 @@ def test_placeholders_serve_hits_and_give_way_like_empty_slots_until_used(name):
     assert w.holds() == {5, 1, 6}
     if name == "off":  # static once the fill is done
         assert w.step(7) == []
+
+
+@pytest.mark.parametrize("name", ["occurrence", "lru"])
+def test_a_placeholder_given_away_is_not_also_a_victim(name):
+    w = World(name, AdaptParams(every=1, decay=1.0, swaps=4, margin=0.0, min_count=0.0))
+    w.step(0)  # slot 0: expert 0, used
+    w.step(1)  # slot 1: expert 1, used
+    w.step(2)  # slot 2: expert 2, used
+    w.slot_expert[1], w.resident[1], w.resident[3] = 3, -1, 1  # slot 1 now holds 3, filled without evidence
+    w.policy.hold_placeholders(np.array([1]))
+    refills = w.step(5, 6, rows=[9, 8])
+    assert refills[0] == (1, 5)  # the placeholder first
+    slots = [s for s, _ in refills]
+    assert len(slots) == len(set(slots)), refills
