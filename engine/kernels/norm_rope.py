@@ -56,10 +56,6 @@ _ROPE_BLOCK_H = 16  # heads per RoPE program: a decode token's q heads take 1..4
 MAX_ROPE_NORM_DIM = 256  # per-head norms in the RoPE launch: 16 heads' rows stay in registers
 
 
-def _next_pow2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
-
-
 def _norm_warps(block: int) -> int:
     # 16 values per thread at the larger rows; a warp for a head's 64..256 values
     return max(1, min(8, block // 512))
@@ -233,7 +229,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.
     x3 = _as_rows3(x)
     n_a, n_b, d = x3.shape
     out = torch.empty(x.shape, dtype=torch.float32, device=x.device)
-    block = _next_pow2(d)
+    block = triton.next_power_of_2(d)
     _rms_norm_kernel[(n_a * n_b,)](
         x3, weight if weight is not None else x3, out, x3.stride(0), x3.stride(1), n_b, d, float(eps),
         HAS_W=weight is not None, BLOCK=block, INTERP=INTERPRETED, num_warps=_norm_warps(block))
@@ -253,7 +249,7 @@ def add_rms_norm(h: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor | No
     n, d = h.shape
     h_new = torch.empty(h.shape, dtype=torch.float32, device=h.device)
     out = torch.empty(h.shape, dtype=torch.float32, device=h.device)
-    block = _next_pow2(d)
+    block = triton.next_power_of_2(d)
     _add_rms_norm_kernel[(n,)](
         h, delta, weight if weight is not None else h, h_new, out, h.stride(0), delta.stride(0), d, float(eps),
         HAS_W=weight is not None, BLOCK=block, INTERP=INTERPRETED, num_warps=_norm_warps(block))
@@ -286,7 +282,7 @@ def rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos: torch.T
     n_kh = k.shape[1]
     qo = torch.empty(q.shape, dtype=torch.float32, device=q.device)
     ko = torch.empty(k.shape, dtype=torch.float32, device=q.device)
-    block_h = min(_ROPE_BLOCK_H, _next_pow2(max(n_qh, n_kh)))
+    block_h = min(_ROPE_BLOCK_H, triton.next_power_of_2(max(n_qh, n_kh)))
     n_q_blocks = triton.cdiv(n_qh, block_h)
     n_k_blocks = triton.cdiv(n_kh, block_h)
     qn, kn = norms if norms is not None else (q, q)  # unused without QK_NORM
@@ -294,7 +290,7 @@ def rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos: torch.T
     _rope_kernel[(t, n_q_blocks + n_k_blocks)](
         q, k, qo, ko, positions, cos, sin, qn, kn, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
         n_qh, n_kh, n_q_blocks, float(eps), HEAD_DIM=head_dim, N_ROT=n_rot, NEOX=neox, BLOCK_H=block_h,
-        BLOCK_HALF=_next_pow2(n_rot // 2), BLOCK_REST=_next_pow2(max(1, head_dim - n_rot)),
+        BLOCK_HALF=triton.next_power_of_2(n_rot // 2), BLOCK_REST=triton.next_power_of_2(max(1, head_dim - n_rot)),
         QK_NORM=norms is not None, INTERP=INTERPRETED, num_warps=4)
     return qo, ko
 
@@ -326,14 +322,14 @@ def aot_report(arch: int = 90) -> list[dict]:
 
     for d in AOT_NORM_DIMS:
         for has_w in (False, True):
-            block = _next_pow2(d)
+            block = triton.next_power_of_2(d)
             sig = {"x_ptr": "*fp32", "w_ptr": "*fp32", "out_ptr": "*fp32", "stride_a": "i64", "stride_b": "i64",
                    "n_b": "i32", "D": "i32", "eps": "fp32"}
             compile_one(f"rms_norm D={d} w={int(has_w)}", _rms_norm_kernel, sig,
                         {"HAS_W": has_w, "BLOCK": block, "INTERP": False}, _norm_warps(block),
                         ("D", "stride_a", "stride_b") if d % 16 == 0 else ())
     for d in AOT_ADD_NORM_DIMS:
-        block = _next_pow2(d)
+        block = triton.next_power_of_2(d)
         sig = {"h_ptr": "*fp32", "d_ptr": "*fp32", "w_ptr": "*fp32", "ho_ptr": "*fp32", "out_ptr": "*fp32",
                "stride_h": "i64", "stride_d": "i64", "D": "i32", "eps": "fp32"}
         compile_one(f"add_rms_norm D={d}", _add_rms_norm_kernel, sig,
@@ -348,7 +344,7 @@ def aot_report(arch: int = 90) -> list[dict]:
         one_k_head = {"n_kh": 1} if label == "deepseek2" else {}
         compile_one(f"rope {label}", _rope_kernel, sig,
                     {"HEAD_DIM": head_dim, "N_ROT": n_rot, "NEOX": neox, "BLOCK_H": _ROPE_BLOCK_H,
-                     "BLOCK_HALF": _next_pow2(n_rot // 2), "BLOCK_REST": _next_pow2(max(1, head_dim - n_rot)),
+                     "BLOCK_HALF": triton.next_power_of_2(n_rot // 2), "BLOCK_REST": triton.next_power_of_2(max(1, head_dim - n_rot)),
                      "QK_NORM": qk_norm, "INTERP": False, **one_k_head}, 4,
                     ("q_stride_t", "q_stride_h", "k_stride_t", "k_stride_h"))
     return rows

@@ -197,9 +197,9 @@ def route(logits: torch.Tensor, cfg: RouterConfig, selection_bias: torch.Tensor 
 def compile_for(cfg: RouterConfig, has_bias: bool, groups: tuple[int, int] = PLAIN, arch: int = 90):
     """The kernel compiled for CUDA sm_`arch` without a GPU (Triton ships ptxas): the AOT check.
     Not with TRITON_INTERPRET=1 (interpreted kernels cannot be compiled)."""
-    from engine.quant.triton_aot import compile_for as compile_kernel
+    from engine.quant import triton_aot
 
     const = launch_constants(cfg, has_bias, groups, interp=False)
     types = {"logits_ptr": "*fp32", "bias_ptr": "*fp32", "ids_ptr": "*i64", "w_ptr": "*fp32",
              "scale": "fp32", "sum_min": "fp32"}
-    return compile_kernel(_router_kernel, types, const, num_warps=_num_warps(const["BLOCK"]), arch=arch)
+    return triton_aot.compile_for(_router_kernel, types, const, num_warps=_num_warps(const["BLOCK"]), arch=arch)

@@ -28,44 +28,31 @@ _ALIGNED_INTS = {"g_slot_bytes", "g_row_bytes", "u_slot_bytes", "u_row_bytes", "
                  "x_stride", "out_stride_pos", "out_stride_tok", "w_row_bytes"}
 
 
-def _signature(fn, constexprs: dict, aligned: set[str]) -> tuple[dict, dict]:
-    sig, attrs = {}, {}
-    for i, name in enumerate(fn.arg_names):
-        if name in constexprs:
-            sig[name] = "constexpr"
-        elif name.endswith("_ptr") or name.startswith("pair_"):
-            base = name[:-4] if name.endswith("_ptr") else "pair"
-            sig[name] = _PTR.get(base, "*i32")
-            attrs[(i,)] = [["tt.divisibility", 16]]
-        else:
-            sig[name] = "i64" if name.endswith("slot_bytes") else "i32"
-            if name in aligned:
-                attrs[(i,)] = [["tt.divisibility", 16]]
-    return sig, attrs
-
-
 def compile_kernel(fn, constexprs: dict, num_warps: int = 4, num_stages: int = 1, arch: int = 90,
                    aligned: set[str] = _ALIGNED_INTS):
-    """A quantized-product kernel, its argument types read off its argument names (_PTR)."""
-    sig, attrs = _signature(fn, constexprs, aligned)
-    return _compile(fn, sig, constexprs, attrs, num_warps, num_stages, arch)
+    """A quantized-product kernel, its argument types read off its argument names (_PTR; the
+    pair tables int32 pointers, slot strides int64)."""
+    types, pointers = {}, set()
+    for name in fn.arg_names:
+        if name.endswith("_ptr") or name.startswith("pair_"):
+            types[name] = _PTR.get(name[:-4] if name.endswith("_ptr") else "pair", "*i32")
+            pointers.add(name)
+        elif name.endswith("slot_bytes"):
+            types[name] = "i64"
+    return compile_for(fn, types, constexprs, aligned | pointers, num_warps, num_stages, arch)
 
 
 def compile_for(fn, types: dict[str, str], constexprs: dict, aligned: set[str] = frozenset(), num_warps: int = 4,
                 num_stages: int = 1, arch: int = 90):
     """`fn` compiled for CUDA sm_`arch` without a GPU. `types`: its runtime arguments' Triton
-    types (the others i32); pointers (names ending in _ptr) and the `aligned` ints are taken as
-    multiples of 16, as Triton specializes them at a launch on torch's allocations."""
-    sig = {name: "constexpr" if name in constexprs else types.get(name, "i32") for name in fn.arg_names}
-    attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(fn.arg_names)
-             if name not in constexprs and (name.endswith("_ptr") or name in aligned)}
-    return _compile(fn, sig, constexprs, attrs, num_warps, num_stages, arch)
-
-
-def _compile(fn, sig: dict, constexprs: dict, attrs: dict, num_warps: int, num_stages: int, arch: int):
+    types (the others i32); pointers (names ending in _ptr) and the `aligned` arguments are taken
+    as multiples of 16, as Triton specializes them at a launch on torch's allocations."""
     import triton
     from triton.compiler import ASTSource
 
+    sig = {name: "constexpr" if name in constexprs else types.get(name, "i32") for name in fn.arg_names}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(fn.arg_names)
+             if name not in constexprs and (name.endswith("_ptr") or name in aligned)}
     src = ASTSource(fn, sig, constexprs, attrs)
     return triton.compile(src, target=_target(arch), options={"num_warps": num_warps, "num_stages": num_stages})
 
