@@ -6,7 +6,8 @@
 # Usage: bash scripts/kernels_run.sh [STAGES] [bench kernels options]
 #   STAGES: any of llamaops,tests,bench (default tests,bench; one alone when a call's time limit
 #   is short: Triton's compile cache and the llamaops build stay while the machine stays warm)
-#   llamaops  build llama.cpp's test-backend-ops with CUDA into /tmp/llamaops (once per machine);
+#   llamaops  build llama.cpp's test-backend-ops with CUDA into /tmp/llamaops (once per machine;
+#             seconds when device_run.sh's CUDA build is in /tmp/site_cuda, else a ggml build);
 #             the bench stage then runs its MUL_MAT / MUL_MAT_ID perf cases of our shapes and
 #             prints llama.cpp's figures beside ours (MOESTUDIO_LLAMA_OPS), llama_ops.txt in $OUT
 #   e.g. bash scripts/kernels_run.sh bench --only dense --rows 1,8 --sweep
@@ -31,6 +32,7 @@ if compgen -G ".whl/*.whl" > /dev/null; then
 fi
 export PYTHONUNBUFFERED=1
 LLAMA_OPS_BIN=/tmp/llamaops/bin/test-backend-ops
+CUDA_LIB=${MOESTUDIO_LLAMA_SITE:-/tmp/site_cuda}/llama_cpp/lib
 if [[ ",$STAGES," == *",llamaops,"* && ! -x $LLAMA_OPS_BIN ]]; then
   echo "[$(date +%T)] building llama.cpp's test-backend-ops (CUDA)"
   rm -rf /tmp/llamaops-src && mkdir -p /tmp/llamaops-src && tar xzf .src/llama_cpp_python-*.tar.gz -C /tmp/llamaops-src
@@ -39,6 +41,15 @@ if [[ ",$STAGES," == *",llamaops,"* && ! -x $LLAMA_OPS_BIN ]]; then
     echo "llamaops: .src's sdist has no vendor/llama.cpp/tests/test-backend-ops.cpp; remake .src as this script's header says"
     exit 1
   fi
+fi
+if [[ ",$STAGES," == *",llamaops,"* && ! -x $LLAMA_OPS_BIN && -f $CUDA_LIB/libggml-cuda.so ]]; then
+  # device_run.sh's CUDA build of llama-cpp-python is at hand: test-backend-ops needs ggml's
+  # public headers alone, so it compiles in seconds against that build's libraries.
+  mkdir -p "$(dirname $LLAMA_OPS_BIN)"
+  g++ -O2 -std=c++17 -pthread -I "$SRC/ggml/include" "$SRC/tests/test-backend-ops.cpp" -L "$CUDA_LIB" \
+    -lggml -lggml-base -Wl,-rpath,"$CUDA_LIB" -o $LLAMA_OPS_BIN > "$OUT/llamaops_build.log" 2>&1
+  echo "[$(date +%T)] test-backend-ops built against $CUDA_LIB rc=$?"
+elif [[ ",$STAGES," == *",llamaops,"* && ! -x $LLAMA_OPS_BIN ]]; then
   # Only test-backend-ops, linked to ggml alone (upstream's list also links llama and llama-common
   # and names ~60 other test sources); FlashAttention kernels off: the products do not use them
   # and they are most of the CUDA compile time.
