@@ -1,8 +1,9 @@
 """Times this engine on a token stream, in a process of its own.
 
 `python -m engine.bench.engine_runner MODEL TOKENS.json --device D [--budget-mib N] --cache C
--t THREADS --ctx N --load-mode M` prints one JSON line: prefill tok/s on the prompt, then
-teacher-forced decode tok/s on the stream, with the expert cache's hit shares.
+-t THREADS --ctx N --load-mode M` prints one JSON line: after the warm-up (the "warmup" tokens as
+a prompt, then one decode token), prefill tok/s on the prompt, then teacher-forced decode tok/s
+on the stream, with the expert cache's hit shares and the spread of the tokens' times.
 A process per configuration, as a user runs the engine: no run inherits another's state (the
 CPU pool's OpenMP team, pinned host memory, the CUDA and pinned caching allocators). On the
 H200, `bench scenarios` ran its configurations in one process and the 16 GiB hybrid run, the
@@ -20,7 +21,15 @@ from pathlib import Path
 from engine.config import FIELDS
 
 
-def time_engine(path: Path, prompt: list[int], stream: list[int], *, device: str, budget_mib: int | None,
+def token_times(seconds: list[float]) -> dict[str, float]:
+    """Milliseconds per decode token: the first eight after the prompt (the expert cache still
+    adapting to it), the median and the 90th percentile of all."""
+    ms = sorted(1e3 * s for s in seconds)
+    return {"first8_ms": round(1e3 * sum(seconds[:8]) / len(seconds[:8]), 3),
+            "median_ms": round(ms[len(ms) // 2], 3), "p90_ms": round(ms[int(0.9 * (len(ms) - 1))], 3)}
+
+
+def time_engine(path: Path, tokens: dict[str, list[int]], *, device: str, budget_mib: int | None,
                 cache: str, threads: int, n_ctx: int, load_mode: str = "auto") -> dict:
     import torch
 
@@ -34,9 +43,10 @@ def time_engine(path: Path, prompt: list[int], stream: list[int], *, device: str
                                             moe_expert_cache_size=cache, vram_budget_mib=budget_mib,
                                             load_mode=load_mode), attach_experts=attach_hybrid)
     model, kv = engine.model, engine.cache
+    warmup, prompt, stream = tokens["warmup"], tokens["prompt"], tokens["stream"]
     sync = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else (lambda: None)
-    model.forward(torch.tensor(prompt[:8]), kv, 0)  # warm-up: kernels, pools...
-    model.forward(torch.tensor(prompt[8:9]), kv, 8)  # ...and the decode graphs' capture
+    model.forward(torch.tensor(warmup), kv, 0)  # warm-up: the prompt's kernels, the CPU pool...
+    model.forward(torch.tensor(warmup[-1:]), kv, len(warmup))  # ...and the decode graph's capture
     sync()
     t0 = time.perf_counter()
     model.forward(torch.tensor(prompt), kv, 0)
@@ -44,15 +54,17 @@ def time_engine(path: Path, prompt: list[int], stream: list[int], *, device: str
     prefill_s = time.perf_counter() - t0
     c = engine.telemetry.cache
     before = None if c is None else (c.gpu_hit.sum(), c.uploaded.sum(), c.cpu_computed.sum(), c.bytes_uploaded)
-    t0 = time.perf_counter()
+    times = []
     pos = len(prompt)
-    for tok in stream:
+    for tok in stream:  # a step returns once its token is done (the graph's replay is waited for)
+        t0 = time.perf_counter()
         model.forward(torch.tensor([tok]), kv, pos)
+        sync()
+        times.append(time.perf_counter() - t0)
         pos += 1
-    sync()
-    decode_s = time.perf_counter() - t0
+    decode_s = sum(times)
     out = {"prefill_tokens_per_s": len(prompt) / prefill_s, "ttft_s": prefill_s,
-           "decode_tokens_per_s": len(stream) / decode_s,
+           "decode_tokens_per_s": len(stream) / decode_s, **token_times(times),
            "peak_vram_mib": torch.cuda.max_memory_allocated(dev) / 2**20 if dev.type == "cuda" else None}
     if c is not None:
         out["load_mode"] = c.load_mode
@@ -71,7 +83,7 @@ def time_engine(path: Path, prompt: list[int], stream: list[int], *, device: str
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="engine_runner")
     p.add_argument("model", type=Path)
-    p.add_argument("tokens", type=Path, help='JSON {"prompt": [...], "stream": [...]}')
+    p.add_argument("tokens", type=Path, help='JSON {"warmup": [...], "prompt": [...], "stream": [...]}')
     p.add_argument("--device", required=True)
     p.add_argument("--budget-mib", type=int, help="the VRAM budget to emulate (none: the whole device)")
     p.add_argument("--cache", default="auto", help=FIELDS["moe_expert_cache_size"].help)
@@ -80,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--load-mode", default="auto", help=FIELDS["load_mode"].help)
     args = p.parse_args(argv)
     toks = json.loads(args.tokens.read_text())
-    print(json.dumps(time_engine(args.model, toks["prompt"], toks["stream"], device=args.device,
+    print(json.dumps(time_engine(args.model, toks, device=args.device,
                                  budget_mib=args.budget_mib, cache=args.cache, threads=args.threads,
                                  n_ctx=args.ctx, load_mode=args.load_mode), default=float))
     return 0

@@ -1,7 +1,8 @@
 """Times llama.cpp on a token stream, in a process of its own, without torch.
 
 `python -m engine.bench.llama_runner MODEL TOKENS.json --n-cpu-moe N -t THREADS` prints one
-JSON line: prefill tok/s on the prompt, then teacher-forced decode tok/s on the stream.
+JSON line: after engine_runner's warm-up, prefill tok/s on the prompt, then teacher-forced
+decode tok/s on the stream, with the spread of the tokens' times.
 A separate process because a CUDA build of llama.cpp and torch's CUDA libraries crash when
 loaded together (engine/baseline/placement.py).
 """
@@ -14,35 +15,39 @@ import time
 from pathlib import Path
 
 
-def time_llama(model: Path, prompt: list[int], stream: list[int], n_cpu_moe: int, threads: int, n_ctx: int) -> dict:
+def time_llama(model: Path, tokens: dict[str, list[int]], n_cpu_moe: int, threads: int, n_ctx: int) -> dict:
     from engine.baseline.placement import cpu_moe_overrides, open_llama_with
+    from engine.bench.engine_runner import token_times
 
     llm = open_llama_with(model, overrides=cpu_moe_overrides(n_cpu_moe), n_gpu_layers=-1, flash_attn=True,
                           n_ctx=n_ctx, n_batch=512, n_ubatch=512, n_threads=threads,
                           n_threads_batch=threads)
-    llm.eval(prompt[:8])  # warm-up
+    warmup, prompt, stream = tokens["warmup"], tokens["prompt"], tokens["stream"]
+    llm.eval(warmup)  # the same warm-up as this engine's: a prompt, then one decode token
+    llm.eval(warmup[-1:])
     llm.reset()
     t0 = time.perf_counter()
     llm.eval(prompt)
     prefill_s = time.perf_counter() - t0
-    t0 = time.perf_counter()
+    times = []
     for tok in stream:
+        t0 = time.perf_counter()
         llm.eval([tok])
-    decode_s = time.perf_counter() - t0
+        times.append(time.perf_counter() - t0)
     return {"n_cpu_moe": n_cpu_moe, "prefill_tokens_per_s": len(prompt) / prefill_s, "ttft_s": prefill_s,
-            "decode_tokens_per_s": len(stream) / decode_s}
+            "decode_tokens_per_s": len(stream) / sum(times), **token_times(times)}
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="llama_runner")
     p.add_argument("model", type=Path)
-    p.add_argument("tokens", type=Path, help='JSON {"prompt": [...], "stream": [...]}')
+    p.add_argument("tokens", type=Path, help='JSON {"warmup": [...], "prompt": [...], "stream": [...]}')
     p.add_argument("--n-cpu-moe", type=int, default=0)
     p.add_argument("-t", "--threads", type=int, default=8)
     p.add_argument("--ctx", type=int, required=True, help="context length (the engine's, for a fair comparison)")
     args = p.parse_args(argv)
     toks = json.loads(args.tokens.read_text())
-    print(json.dumps(time_llama(args.model, toks["prompt"], toks["stream"], args.n_cpu_moe, args.threads, args.ctx)))
+    print(json.dumps(time_llama(args.model, toks, args.n_cpu_moe, args.threads, args.ctx)))
     return 0
 
 

@@ -1,7 +1,9 @@
 """`moestudio bench speed`: this engine against llama.cpp, side by side, in one run.
 
 Same GGUF, same token stream, same VRAM budget. Decode is teacher-forced on real text (every
-engine routes the same tokens), prefill runs a fixed prompt. Configurations, each timed in a
+engine routes the same tokens), prefill runs a fixed prompt. Each engine first runs the same
+warm-up, WARMUP_TOKENS of other text as one prompt and one decode token: the prompt's kernels
+(batched products, attention over many rows) load there, not inside the timed prompt. Configurations, each timed in a
 process of its own (engine/bench/engine_runner.py, llama_runner.py):
   hybrid        this engine with its defaults at the budget
   hybrid-mmap   the same with --load-mode mmap (experts read from the memory map, not pinned RAM)
@@ -33,6 +35,9 @@ if TYPE_CHECKING:
     import torch
 
 MiB = 2**20
+# The warm-up's prompt: long enough that every engine takes its many-row paths (this engine's
+# grouped expert GEMM starts above 64 token-expert pairs), short enough to cost little.
+WARMUP_TOKENS = 64
 
 
 def measure_bandwidths(device: torch.device, threads: int) -> dict[str, float]:
@@ -94,29 +99,30 @@ def _geometry(path: Path) -> dict[str, int]:
             "n_ctx_train": int(mf.arch_key("context_length"))}
 
 
-def run_engine(path: Path, prompt: list[int], stream: list[int], *, device: str, budget_mib: int | None,
+def run_engine(path: Path, tokens: dict[str, list[int]], *, device: str, budget_mib: int | None,
                cache: str, threads: int, n_ctx: int, load_mode: str = "auto") -> dict:
     """engine/bench/engine_runner.py in a process of its own, as a user runs the engine."""
     args = ["--device", device, "--cache", cache, "-t", str(threads), "--ctx", str(n_ctx), "--load-mode", load_mode]
     if budget_mib is not None:
         args += ["--budget-mib", str(budget_mib)]
-    return _run_timer("engine.bench.engine_runner", path, prompt, stream, args, dict(os.environ))
+    return _run_timer("engine.bench.engine_runner", path, tokens, args, dict(os.environ))
 
 
-def run_llama(path: Path, prompt: list[int], stream: list[int], *, n_cpu_moe: int, threads: int, n_ctx: int) -> dict:
+def run_llama(path: Path, tokens: dict[str, list[int]], *, n_cpu_moe: int, threads: int, n_ctx: int) -> dict:
     """engine/bench/llama_runner.py in a subprocess; MOESTUDIO_LLAMA_SITE names a site dir with a
     GPU build of llama-cpp-python to put first on its path."""
     env = dict(os.environ)
     if env.get("MOESTUDIO_LLAMA_SITE"):
         env["PYTHONPATH"] = os.pathsep.join([env["MOESTUDIO_LLAMA_SITE"], env.get("PYTHONPATH", "")])
-    return _run_timer("engine.bench.llama_runner", path, prompt, stream,
+    return _run_timer("engine.bench.llama_runner", path, tokens,
                       ["--n-cpu-moe", str(n_cpu_moe), "-t", str(threads), "--ctx", str(n_ctx)], env)
 
 
-def _run_timer(module: str, path: Path, prompt: list[int], stream: list[int], args: list[str], env: dict) -> dict:
-    """`python -m module MODEL TOKENS.json ARGS`, which prints its result as one JSON line last."""
+def _run_timer(module: str, path: Path, tokens: dict[str, list[int]], args: list[str], env: dict) -> dict:
+    """`python -m module MODEL TOKENS.json ARGS`, which prints its result as one JSON line last;
+    TOKENS.json holds `tokens` ({"warmup", "prompt", "stream"}: lists of token ids)."""
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
-        json.dump({"prompt": prompt, "stream": stream}, f)
+        json.dump(tokens, f)
     try:
         r = subprocess.run([sys.executable, "-m", module, str(path), f.name, *args],
                            capture_output=True, text=True, env=env, timeout=600)
@@ -147,12 +153,15 @@ def bench(path: Path, budget_mib: int, *, device: str, threads: int, n_prompt: i
     from engine.runtime.tokenizer import tokenize_text
     from engine.synth.corpus import stdlib_text
 
-    tokens = tokenize_text(path, stdlib_text(max_chars=(n_prompt + n_decode) * 8))
-    prompt, stream = tokens[:n_prompt], tokens[n_prompt:n_prompt + n_decode]
+    text = tokenize_text(path, stdlib_text(max_chars=(n_prompt + n_decode + WARMUP_TOKENS) * 8))
+    prompt, stream = text[:n_prompt], text[n_prompt:n_prompt + n_decode]
     geo = _geometry(path)
     # Both engines hold the context a user runs (the product's default unless told): its length is
     # what each decode token's attention and the KV cache's VRAM cost.
     n_ctx = max(resolve_ctx(ctx, geo["n_ctx_train"]), len(prompt) + len(stream) + 16)
+    # Other text than the prompt's: the warm-up must not teach the expert cache the prompt.
+    warmup = text[n_prompt + n_decode:n_prompt + n_decode + min(WARMUP_TOKENS, n_ctx - 1)]
+    tokens = {"warmup": warmup, "prompt": prompt, "stream": stream}
     dev = torch.device(device)
     if result is None:
         result = {"model": path.name, "budget_mib": budget_mib, "geometry": geo,
@@ -160,14 +169,14 @@ def bench(path: Path, budget_mib: int, *, device: str, threads: int, n_prompt: i
                   "tokens": {"prompt": len(prompt), "decode": len(stream), "ctx": n_ctx}, "runs": {}}
     split = fitting_split(geo, budget_mib, kv_mib=n_ctx * geo["kv_bytes_per_token_f16"] / MiB)
     todo = {
-        "hybrid": lambda: run_engine(path, prompt, stream, device=device, budget_mib=budget_mib, cache="auto",
+        "hybrid": lambda: run_engine(path, tokens, device=device, budget_mib=budget_mib, cache="auto",
                                      threads=threads, n_ctx=n_ctx),
-        "hybrid-mmap": lambda: run_engine(path, prompt, stream, device=device, budget_mib=budget_mib,
+        "hybrid-mmap": lambda: run_engine(path, tokens, device=device, budget_mib=budget_mib,
                                           cache="auto", threads=threads, n_ctx=n_ctx, load_mode="mmap"),
-        "resident": lambda: run_engine(path, prompt, stream, device=device, budget_mib=None, cache="all",
+        "resident": lambda: run_engine(path, tokens, device=device, budget_mib=None, cache="all",
                                        threads=threads, n_ctx=n_ctx),
-        "llama-split": lambda: run_llama(path, prompt, stream, n_cpu_moe=split, threads=threads, n_ctx=n_ctx),
-        "llama-gpu": lambda: run_llama(path, prompt, stream, n_cpu_moe=0, threads=threads, n_ctx=n_ctx),
+        "llama-split": lambda: run_llama(path, tokens, n_cpu_moe=split, threads=threads, n_ctx=n_ctx),
+        "llama-gpu": lambda: run_llama(path, tokens, n_cpu_moe=0, threads=threads, n_ctx=n_ctx),
     }
     for name in runs:
         if name.startswith("llama") and dev.type != "cuda":

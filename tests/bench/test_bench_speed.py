@@ -25,6 +25,7 @@ def test_bench_speed_times_each_configuration_in_its_own_process(tiny, tmp_path)
         assert "error" not in run, (name, run)
         assert run["prefill_tokens_per_s"] > 0 and run["decode_tokens_per_s"] > 0
         assert abs(run["gpu_hit"] + run["uploaded"] + run["cpu"] - 1.0) < 1e-9
+        assert 0 < run["median_ms"] <= run["p90_ms"] and run["first8_ms"] > 0
     assert runs["resident"]["gpu_hit"] == 1.0
     assert runs["hybrid-mmap"]["load_mode"] == "mmap"
 
@@ -34,4 +35,15 @@ def test_a_configuration_whose_process_fails_raises_with_its_error(tmp_path):
 
     missing = tmp_path / "gone.gguf"
     with pytest.raises(RuntimeError, match=r"(?s)engine\.bench\.engine_runner .*failed: .*gone\.gguf"):
-        run_engine(missing, [1, 2, 3], [4], device="cpu", budget_mib=64, cache="auto", threads=1, n_ctx=64)
+        run_engine(missing, {"warmup": [1, 2], "prompt": [1, 2, 3], "stream": [4]}, device="cpu", budget_mib=64, cache="auto", threads=1, n_ctx=64)
+
+
+def test_llama_runner_times_the_real_llama_cpp_after_the_same_warm_up(tiny):
+    """The baseline's runner on llama.cpp's CPU build (the bench's llama runs need a GPU build
+    only to be a fair baseline, not to run)."""
+    from engine.bench.speed import run_llama
+
+    r = run_llama(tiny, {"warmup": list(range(5, 21)), "prompt": list(range(30, 54)), "stream": [7, 8, 9, 10]},
+                  n_cpu_moe=0, threads=2, n_ctx=64)
+    assert r["n_cpu_moe"] == 0 and r["prefill_tokens_per_s"] > 0 and r["decode_tokens_per_s"] > 0
+    assert 0 < r["median_ms"] <= r["p90_ms"] and r["first8_ms"] > 0
