@@ -362,8 +362,8 @@ def _grouped_sweep() -> list:
     from engine.quant import grouped_gemm as gg
 
     return [gg.GroupedConfig(m, n, w, s) for m, n, w, s in
-            ((32, 64, 4, 2), (64, 32, 4, 1), (64, 64, 4, 2), (64, 64, 8, 1), (64, 64, 8, 2), (64, 128, 8, 2),
-             (128, 64, 8, 2))]
+            ((16, 64, 4, 2), (16, 128, 4, 2), (32, 64, 4, 2), (32, 64, 4, 3), (32, 128, 4, 2), (64, 32, 4, 1),
+             (64, 64, 4, 2), (64, 64, 8, 1), (64, 64, 8, 2), (64, 128, 8, 2), (128, 64, 8, 2))]
 
 
 def bench_grouped(name: str, sc: ExpertScenario, tokens: list[int], dev: torch.device, replays: int,
