@@ -333,6 +333,8 @@ def torch_many_rows(x: torch.Tensor, layer: ExpertLayer, ids: torch.Tensor, weig
                     out: torch.Tensor) -> None:
     """The many-row step as hybrid.HybridExperts._run_on_accelerator runs it, expert by expert:
     dequantize the slot's weights (slots.LayerSlots.weights), then expert_ffn (matmuls)."""
+    import torch
+
     from engine.layers.moe import expert_ffn
     from engine.quant.dequant import dequantize
 

@@ -248,13 +248,22 @@ class GroupedConfig:
 
 
 # Defaults per kernel and weight type (gate's for gate/up, down's for down; block_m alike, as
-# both kernels walk the same padded runs). Compiled for sm_90 (engine/quant/triton_aot.py,
-# tests/quant/test_grouped_gemm.py), these spill nothing; Q6_K's gate/up holds three gathered
-# byte tiles per chunk and needs the narrower tile. `moestudio bench kernels --only grouped
-# --sweep` times others on the GPU.
-GATE_UP_CONFIG: dict[QT, GroupedConfig] = {t: GroupedConfig(64, 64, 8) for t in GROUPED_TYPES}
-GATE_UP_CONFIG[QT.Q6_K] = GroupedConfig(64, 32, 4, 1)
-DOWN_CONFIG: dict[QT, GroupedConfig] = {t: GroupedConfig(64, 64, 8) for t in GROUPED_TYPES}
+# both kernels walk the same padded runs, whatever the gate and down types). A 512-token chunk
+# gives each of 128 experts ~32 rows (top-8), so 32-row tiles pad far fewer rows than 64-row
+# ones. Measured on the H200 (session 8; Qwen3-30B-A3B experts, all four launches, random
+# routing, one tile for both kernels), µs per layer step at 512 / 4,096 tokens:
+#   Q4_K  32x64 w4 s3   1,922 / 10,894  (64x64 w8 s2, the former default: 2,626 / 11,404;
+#         32x128 w4 s2 was faster, 1,718 / 9,195, but its gate/up spills registers)
+#   Q6_K  32x64 w4 s3   2,618 / 14,556  (64x64 w8 s2: 3,199 / 13,820)
+# Q6_K's and Q5_K's gate/up hold more gathered byte tiles per chunk and spill at four warps, so
+# they take eight (not yet timed); the other types take 32x64 w4 s2 (not yet timed on their own).
+# Compiled for sm_90 (engine/quant/triton_aot.py, tests/quant/test_grouped_gemm.py), these spill
+# nothing. `moestudio bench kernels --only grouped --sweep` times others.
+GATE_UP_CONFIG: dict[QT, GroupedConfig] = {t: GroupedConfig(32, 64, 4, 2) for t in GROUPED_TYPES}
+GATE_UP_CONFIG[QT.Q4_K] = GroupedConfig(32, 64, 4, 3)
+GATE_UP_CONFIG[QT.Q5_K] = GATE_UP_CONFIG[QT.Q6_K] = GroupedConfig(32, 64, 8, 2)
+DOWN_CONFIG: dict[QT, GroupedConfig] = {t: GroupedConfig(32, 64, 4, 2) for t in GROUPED_TYPES}
+DOWN_CONFIG[QT.Q4_K] = DOWN_CONFIG[QT.Q6_K] = GroupedConfig(32, 64, 4, 3)
 
 
 def supports(w) -> bool:

@@ -177,7 +177,13 @@ def _compiled_row(geometry: str, label: str, fn, const: dict, cfg, arch: int) ->
     compiled = compile_kernel(fn, const, cfg.num_warps, cfg.num_stages, arch)
     return {"geometry": geometry, "kernel": label, "block_n": cfg.block_n, "num_warps": cfg.num_warps,
             "convert_layout": compiled.asm["ttgir"].count("ttg.convert_layout"),
-            "wgmma": "wgmma" in compiled.asm["ptx"], **resource_usage(compiled)}
+            "mma": _tensor_core_instruction(compiled.asm["ptx"]), **resource_usage(compiled)}
+
+
+def _tensor_core_instruction(ptx: str) -> str | None:
+    """The tensor-core product a kernel compiled to: Hopper's wgmma (tiles of 64 rows and more
+    per warp group), else the warp-level mma.sync; None if it multiplies without them."""
+    return "wgmma" if "wgmma" in ptx else "mma.sync" if "mma.sync" in ptx else None
 
 
 def report(names: list[str], arch: int = 90) -> list[dict]:

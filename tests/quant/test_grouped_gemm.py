@@ -203,7 +203,8 @@ def test_tiles_of_gate_up_and_down_must_agree() -> None:
 @pytest.mark.slow
 def test_kernels_compile_for_hopper_on_tensor_cores_without_spills() -> None:
     """Every grouped launch of every standard geometry compiles for sm_90 (no GPU needed:
-    Triton ships ptxas), multiplies with wgmma and spills nothing at its default tile."""
+    Triton ships ptxas), multiplies on the tensor cores (32-row tiles: mma.sync, not wgmma) and
+    spills nothing at its default tile."""
     import json
     import subprocess
     import sys
@@ -220,7 +221,7 @@ def test_kernels_compile_for_hopper_on_tensor_cores_without_spills() -> None:
     assert {(r["geometry"], r["kernel"]) for r in rows} == {(g, f"grouped {k}") for g in STANDARD_GEOMETRIES
                                                              for k in ("gate_up", "down")}
     for r in rows:
-        assert r["wgmma"], f"{r['geometry']} {r['kernel']}: no tensor-core product"
+        assert r["mma"], f"{r['geometry']} {r['kernel']}: no tensor-core product"
         assert r["spill_ops"] == 0 and r["local"] == 0, f"{r['geometry']} {r['kernel']} spills: {r}"
 
 
