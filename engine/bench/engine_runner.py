@@ -2,8 +2,10 @@
 
 `python -m engine.bench.engine_runner MODEL TOKENS.json --device D [--budget-mib N] --cache C
 -t THREADS --ctx N --load-mode M` prints one JSON line: after the warm-up (the "warmup" tokens as
-a prompt, then one decode token), prefill tok/s on the prompt, then teacher-forced decode tok/s
-on the stream, with the expert cache's hit shares and the spread of the tokens' times.
+a prompt, then one decode token), prefill tok/s on the prompt (the engine's chunked prefill, as
+a request runs it, with the GB/s its expert uploads reached over PCIe), then teacher-forced
+decode tok/s on the stream, with the expert cache's hit shares and the spread of the tokens'
+times; then, when given, the same prefill figures for the "long" prompt (`long_*`).
 A process per configuration, as a user runs the engine: no run inherits another's state (the
 CPU pool's OpenMP team, pinned host memory, the CUDA and pinned caching allocators). On the
 H200, `bench scenarios` ran its configurations in one process and the 16 GiB hybrid run, the
@@ -29,6 +31,19 @@ def token_times(seconds: list[float]) -> dict[str, float]:
             "median_ms": round(ms[len(ms) // 2], 3), "p90_ms": round(ms[int(0.9 * (len(ms) - 1))], 3)}
 
 
+def _timed_prefill(engine, prompt: list[int], sync) -> tuple[float, float]:
+    """Seconds for the engine to prefill `prompt` from an empty cache, and the GB/s its expert
+    uploads (the staging slots' streamed misses, the refills) reached over PCIe meanwhile."""
+    c = engine.telemetry.cache
+    moved = c.bytes_uploaded if c is not None else 0
+    engine.forget()
+    t0 = time.perf_counter()
+    engine.prefill(prompt)
+    sync()
+    seconds = time.perf_counter() - t0
+    return seconds, ((c.bytes_uploaded if c is not None else 0) - moved) / seconds / 1e9
+
+
 def time_engine(path: Path, tokens: dict[str, list[int]], *, device: str, budget_mib: int | None,
                 cache: str, threads: int, n_ctx: int, load_mode: str = "auto") -> dict:
     import torch
@@ -48,10 +63,7 @@ def time_engine(path: Path, tokens: dict[str, list[int]], *, device: str, budget
     model.forward(torch.tensor(warmup), kv, 0)  # warm-up: the prompt's kernels, the CPU pool...
     model.forward(torch.tensor(warmup[-1:]), kv, len(warmup))  # ...and the decode graph's capture
     sync()
-    t0 = time.perf_counter()
-    model.forward(torch.tensor(prompt), kv, 0)
-    sync()
-    prefill_s = time.perf_counter() - t0
+    prefill_s, prefill_pcie = _timed_prefill(engine, prompt, sync)
     c = engine.telemetry.cache
     before = None if c is None else (c.gpu_hit.sum(), c.uploaded.sum(), c.cpu_computed.sum(), c.bytes_uploaded)
     times = []
@@ -64,8 +76,7 @@ def time_engine(path: Path, tokens: dict[str, list[int]], *, device: str, budget
         pos += 1
     decode_s = sum(times)
     out = {"prefill_tokens_per_s": len(prompt) / prefill_s, "ttft_s": prefill_s,
-           "decode_tokens_per_s": len(stream) / decode_s, **token_times(times),
-           "peak_vram_mib": torch.cuda.max_memory_allocated(dev) / 2**20 if dev.type == "cuda" else None}
+           "prefill_pcie_gb_per_s": prefill_pcie, "decode_tokens_per_s": len(stream) / decode_s, **token_times(times)}
     if c is not None:
         out["load_mode"] = c.load_mode
         out["miss_fraction"] = c.miss_fraction
@@ -75,6 +86,11 @@ def time_engine(path: Path, tokens: dict[str, list[int]], *, device: str, budget
         total = hit + up + cpu
         out.update(slots_per_layer=c.slots_per_layer, gpu_hit=hit / total, uploaded=up / total, cpu=cpu / total,
                    pcie_mb_per_s=moved / decode_s / 1e6, uploaded_bytes_per_token=moved / len(stream))
+    if tokens.get("long"):
+        long_s, long_pcie = _timed_prefill(engine, tokens["long"], sync)
+        out.update(long_prefill_tokens_per_s=len(tokens["long"]) / long_s, long_ttft_s=long_s,
+                   long_prefill_pcie_gb_per_s=long_pcie)
+    out["peak_vram_mib"] = torch.cuda.max_memory_allocated(dev) / 2**20 if dev.type == "cuda" else None
     if hasattr(model.experts, "close"):
         model.experts.close()  # the CPU pool's threads and the copier
     return out
@@ -83,7 +99,8 @@ def time_engine(path: Path, tokens: dict[str, list[int]], *, device: str, budget
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="engine_runner")
     p.add_argument("model", type=Path)
-    p.add_argument("tokens", type=Path, help='JSON {"warmup": [...], "prompt": [...], "stream": [...]}')
+    p.add_argument("tokens", type=Path, help='JSON {"warmup": [...], "prompt": [...], "stream": [...], '
+                   '"long": [...] (optional)}')
     p.add_argument("--device", required=True)
     p.add_argument("--budget-mib", type=int, help="the VRAM budget to emulate (none: the whole device)")
     p.add_argument("--cache", default="auto", help=FIELDS["moe_expert_cache_size"].help)

@@ -2,7 +2,8 @@
 
 `python -m engine.bench.llama_runner MODEL TOKENS.json --n-cpu-moe N -t THREADS` prints one
 JSON line: after engine_runner's warm-up, prefill tok/s on the prompt, then teacher-forced
-decode tok/s on the stream, with the spread of the tokens' times.
+decode tok/s on the stream, with the spread of the tokens' times; then, when given, prefill
+tok/s on the "long" prompt.
 A separate process because a CUDA build of llama.cpp and torch's CUDA libraries crash when
 loaded together (engine/baseline/placement.py).
 """
@@ -34,14 +35,22 @@ def time_llama(model: Path, tokens: dict[str, list[int]], n_cpu_moe: int, thread
         t0 = time.perf_counter()
         llm.eval([tok])
         times.append(time.perf_counter() - t0)
-    return {"n_cpu_moe": n_cpu_moe, "prefill_tokens_per_s": len(prompt) / prefill_s, "ttft_s": prefill_s,
-            "decode_tokens_per_s": len(stream) / sum(times), **token_times(times)}
+    out = {"n_cpu_moe": n_cpu_moe, "prefill_tokens_per_s": len(prompt) / prefill_s, "ttft_s": prefill_s,
+           "decode_tokens_per_s": len(stream) / sum(times), **token_times(times)}
+    if tokens.get("long"):
+        llm.reset()
+        t0 = time.perf_counter()
+        llm.eval(tokens["long"])
+        long_s = time.perf_counter() - t0
+        out.update(long_prefill_tokens_per_s=len(tokens["long"]) / long_s, long_ttft_s=long_s)
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="llama_runner")
     p.add_argument("model", type=Path)
-    p.add_argument("tokens", type=Path, help='JSON {"warmup": [...], "prompt": [...], "stream": [...]}')
+    p.add_argument("tokens", type=Path, help='JSON {"warmup": [...], "prompt": [...], "stream": [...], '
+                   '"long": [...] (optional)}')
     p.add_argument("--n-cpu-moe", type=int, default=0)
     p.add_argument("-t", "--threads", type=int, default=8)
     p.add_argument("--ctx", type=int, required=True, help="context length (the engine's, for a fair comparison)")

@@ -21,7 +21,7 @@ from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-from engine.bench.speed import add_ctx_argument
+from engine.bench.speed import add_ctx_argument, add_long_argument
 from engine.config import resolve_device
 
 MiB = 2**20
@@ -101,7 +101,8 @@ def run(args: argparse.Namespace) -> int:
                 if phase == "engine" and s is scenarios[0] and i == 0:
                     wanted += ("hybrid-mmap",)  # the memory map against the default's pinned copies, once
                 res = bench(path, budget, device=device, threads=args.threads, n_prompt=args.prompt_tokens,
-                            n_decode=args.decode_tokens, ctx=args.ctx, runs=wanted, result=results.get(key))
+                            n_decode=args.decode_tokens, ctx=args.ctx, n_long=args.long_prompt_tokens, runs=wanted,
+                            result=results.get(key))
                 res["scenario"] = {"label": s.label, "geometry": s.geometry, "routing": s.routing, "budget_gib": gib,
                                    "layers": s.layers}
                 results[key] = res
@@ -127,8 +128,10 @@ def _budget_free(results: dict, key: str, run: str) -> dict | None:
 def report(results: dict) -> str:
     """Markdown: one row per scenario and budget, ratios within that run's machine and stream."""
     head = ("| scenario | budget | hybrid decode tok/s | hit / upload / CPU | miss fraction | llama split (n_cpu_moe) "
-            "| hybrid / split | resident | llama all-GPU | hybrid / all-GPU | resident / all-GPU | prefill hybrid / split "
-            "| share of bound | peak VRAM MiB |\n|" + "---|" * 14 + "\n")
+            "| hybrid / split | resident | llama all-GPU | hybrid / all-GPU | resident / all-GPU "
+            "| prefill hybrid / split (long prompt) | prefill resident / all-GPU (long prompt) | share of bound "
+            "| peak VRAM MiB |\n|"
+            + "---|" * 15 + "\n")
     rows = []
     for key, r in results.items():
         runs = r["runs"]
@@ -143,12 +146,15 @@ def report(results: dict) -> str:
         def ratio(a: dict, b: dict, field: str = "decode_tokens_per_s") -> str:
             return f"{a[field] / b[field]:.2f}x" if field in a and field in b else "-"
 
+        def prefill(a: dict, b: dict) -> str:
+            return f"{ratio(a, b, 'prefill_tokens_per_s')} ({ratio(a, b, 'long_prefill_tokens_per_s')})"
+
         mix = (f"{h['gpu_hit']:.0%} / {h['uploaded']:.0%} / {h['cpu']:.0%}" if "gpu_hit" in h else "-")
         rows.append(f"| {r['scenario']['label']} | {r['scenario']['budget_gib']} GiB ({r['budget_mib']:.0f} MiB) "
                     f"| {f(h, 'decode_tokens_per_s')} | {mix} | {f(h, 'miss_fraction', '{:.3f}')} "
                     f"| {f(sp, 'decode_tokens_per_s')} ({sp.get('n_cpu_moe', '-')}) | {ratio(h, sp)} "
                     f"| {f(res, 'decode_tokens_per_s')} | {f(gpu, 'decode_tokens_per_s')} | {ratio(h, gpu)} "
-                    f"| {ratio(res, gpu)} | {ratio(h, sp, 'prefill_tokens_per_s')} "
+                    f"| {ratio(res, gpu)} | {prefill(h, sp)} | {prefill(res, gpu)} "
                     f"| {f(h, 'share_of_bound', '{:.0%}')} | {f(h, 'peak_vram_mib', '{:.0f}')} |")
     return head + "\n".join(rows) + "\n"
 
@@ -163,5 +169,6 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("-t", "--threads", type=int, default=16)
     p.add_argument("--prompt-tokens", type=int, default=512)
     p.add_argument("--decode-tokens", type=int, default=64)
+    add_long_argument(p, 4096)
     add_ctx_argument(p)
     p.set_defaults(run=run)

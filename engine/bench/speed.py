@@ -145,28 +145,36 @@ RUNS = ("hybrid", "hybrid-mmap", "resident", "llama-split", "llama-gpu")
 
 
 def bench(path: Path, budget_mib: int, *, device: str, threads: int, n_prompt: int, n_decode: int, ctx: int,
-          runs: tuple[str, ...] = RUNS, result: dict | None = None) -> dict:
+          n_long: int = 0, runs: tuple[str, ...] = RUNS, result: dict | None = None) -> dict:
     """Adds `runs` to `result` (a new one by default). A run that fails is recorded with its
-    error and the others go on: one broken configuration must not cost the whole sweep."""
+    error and the others go on: one broken configuration must not cost the whole sweep.
+    `n_long`: also time the prefill of a prompt of that many tokens (other text; the context
+    grows to hold it)."""
     import torch
 
     from engine.runtime.tokenizer import tokenize_text
     from engine.synth.corpus import stdlib_text
 
-    text = tokenize_text(path, stdlib_text(max_chars=(n_prompt + n_decode + WARMUP_TOKENS) * 8))
+    text = tokenize_text(path, stdlib_text(max_chars=(n_prompt + n_decode + WARMUP_TOKENS + n_long) * 8))
     prompt, stream = text[:n_prompt], text[n_prompt:n_prompt + n_decode]
+    # Other text than the prompt's: the warm-up must not teach the expert cache the prompt.
+    rest = text[n_prompt + n_decode:]
+    long = rest[WARMUP_TOKENS:WARMUP_TOKENS + n_long]
+    if len(long) < n_long:
+        raise ValueError(f"the text holds {len(text)} tokens, too few for a {n_long}-token prompt beside the others")
     geo = _geometry(path)
     # Both engines hold the context a user runs (the product's default unless told): its length is
     # what each decode token's attention and the KV cache's VRAM cost.
-    n_ctx = max(resolve_ctx(ctx, geo["n_ctx_train"]), len(prompt) + len(stream) + 16)
-    # Other text than the prompt's: the warm-up must not teach the expert cache the prompt.
-    warmup = text[n_prompt + n_decode:n_prompt + n_decode + min(WARMUP_TOKENS, n_ctx - 1)]
-    tokens = {"warmup": warmup, "prompt": prompt, "stream": stream}
+    n_ctx = max(resolve_ctx(ctx, geo["n_ctx_train"]), len(prompt) + len(stream) + 16, len(long) + 16)
+    tokens = {"warmup": rest[:min(WARMUP_TOKENS, n_ctx - 1)], "prompt": prompt, "stream": stream}
+    if long:
+        tokens["long"] = long
     dev = torch.device(device)
     if result is None:
         result = {"model": path.name, "budget_mib": budget_mib, "geometry": geo,
                   "bandwidth": measure_bandwidths(dev, threads),
-                  "tokens": {"prompt": len(prompt), "decode": len(stream), "ctx": n_ctx}, "runs": {}}
+                  "tokens": {"prompt": len(prompt), "decode": len(stream), "long": len(long), "ctx": n_ctx},
+                  "runs": {}}
     split = fitting_split(geo, budget_mib, kv_mib=n_ctx * geo["kv_bytes_per_token_f16"] / MiB)
     todo = {
         "hybrid": lambda: run_engine(path, tokens, device=device, budget_mib=budget_mib, cache="auto",
@@ -210,6 +218,11 @@ def _bounds(result: dict) -> None:
         run["share_of_bound"] = run["decode_tokens_per_s"] * bound_s
 
 
+def add_long_argument(p: argparse.ArgumentParser, default: int) -> None:
+    p.add_argument("--long-prompt-tokens", type=int, default=default,
+                   help=f"also time the prefill of a prompt this long, other text (0: none; default {default})")
+
+
 def add_ctx_argument(p: argparse.ArgumentParser) -> None:
     """The engines' context in a benchmark: the setting's own default and meaning (config.py)."""
     p.add_argument("-c", "--ctx", type=int, default=Config.ctx, help=FIELDS["ctx"].help)
@@ -223,6 +236,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("-t", "--threads", type=int, default=4)
     p.add_argument("--prompt-tokens", type=int, default=512)
     p.add_argument("--decode-tokens", type=int, default=64)
+    add_long_argument(p, 0)
     add_ctx_argument(p)
     p.add_argument("--out", type=Path, help="write the JSON result here too")
     p.set_defaults(run=_run)
@@ -230,7 +244,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def _run(args: argparse.Namespace) -> int:
     r = bench(args.model, args.vram_budget_mib, device=resolve_device(args.device), threads=args.threads,
-              n_prompt=args.prompt_tokens, n_decode=args.decode_tokens, ctx=args.ctx)
+              n_prompt=args.prompt_tokens, n_decode=args.decode_tokens, ctx=args.ctx, n_long=args.long_prompt_tokens)
     text = json.dumps(r, indent=2, default=float)
     if args.out:
         args.out.write_text(text)

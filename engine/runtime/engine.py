@@ -219,8 +219,14 @@ class Engine:
             return list(request.prompt)
         raise UserError("a request needs a prompt or messages")
 
-    def _prefill(self, tokens: list[int]) -> tuple[torch.Tensor, int]:
-        """Evaluates what the cache lacks of `tokens`; returns the last logits and tokens reused."""
+    def forget(self) -> None:
+        """Empties the cache: the next prefill evaluates its whole prompt."""
+        self.cache.truncate(0)
+        self._cached = []
+
+    def prefill(self, tokens: list[int]) -> tuple[torch.Tensor, int]:
+        """Evaluates what the cache lacks of `tokens`, in chunks of `prefill_chunk`; returns the
+        last logits and the tokens reused."""
         reuse = 0
         for a, b in zip(self._cached, tokens):
             if a != b:
@@ -263,7 +269,7 @@ class Engine:
         grammar = request_grammar(request, self.tokenizer, n_vocab)
         completion = Completion(request.stop)
         t0 = time.perf_counter()
-        logits, reused = self._prefill(prompt)
+        logits, reused = self.prefill(prompt)
         t_first = time.perf_counter()
         history = list(prompt)
         reason, n_gen = "length", 0

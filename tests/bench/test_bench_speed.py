@@ -15,10 +15,11 @@ def test_bench_speed_times_each_configuration_in_its_own_process(tiny, tmp_path)
     out = tmp_path / "speed.json"
     res = subprocess.run([sys.executable, "-m", "engine.cli", "bench", "speed", str(tiny), "--vram-budget-mib", "64",
                           "--device", "cpu", "-t", "2", "--prompt-tokens", "24", "--decode-tokens", "6", "--ctx", "64",
+                          "--long-prompt-tokens", "80",
                           "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-2000:]
     r = json.loads(out.read_text())
-    assert r["tokens"] == {"prompt": 24, "decode": 6, "ctx": 64}
+    assert r["tokens"] == {"prompt": 24, "decode": 6, "long": 80, "ctx": 96}  # the context grew for the long prompt
     runs = r["runs"]
     assert set(runs) == {"hybrid", "hybrid-mmap", "resident"}  # llama.cpp's runs need a GPU build
     for name, run in runs.items():
@@ -26,6 +27,8 @@ def test_bench_speed_times_each_configuration_in_its_own_process(tiny, tmp_path)
         assert run["prefill_tokens_per_s"] > 0 and run["decode_tokens_per_s"] > 0
         assert abs(run["gpu_hit"] + run["uploaded"] + run["cpu"] - 1.0) < 1e-9
         assert 0 < run["median_ms"] <= run["p90_ms"] and run["first8_ms"] > 0
+        assert run["long_prefill_tokens_per_s"] > 0 and run["long_ttft_s"] > 0
+        assert run["prefill_pcie_gb_per_s"] >= 0 and run["long_prefill_pcie_gb_per_s"] >= 0
     assert runs["resident"]["gpu_hit"] == 1.0
     assert runs["hybrid-mmap"]["load_mode"] == "mmap"
 
@@ -35,7 +38,8 @@ def test_a_configuration_whose_process_fails_raises_with_its_error(tmp_path):
 
     missing = tmp_path / "gone.gguf"
     with pytest.raises(RuntimeError, match=r"(?s)engine\.bench\.engine_runner .*failed: .*gone\.gguf"):
-        run_engine(missing, {"warmup": [1, 2], "prompt": [1, 2, 3], "stream": [4]}, device="cpu", budget_mib=64, cache="auto", threads=1, n_ctx=64)
+        run_engine(missing, {"warmup": [1, 2], "prompt": [1, 2, 3], "stream": [4]}, device="cpu", budget_mib=64,
+                   cache="auto", threads=1, n_ctx=64)
 
 
 def test_llama_runner_times_the_real_llama_cpp_after_the_same_warm_up(tiny):
@@ -43,7 +47,32 @@ def test_llama_runner_times_the_real_llama_cpp_after_the_same_warm_up(tiny):
     only to be a fair baseline, not to run)."""
     from engine.bench.speed import run_llama
 
-    r = run_llama(tiny, {"warmup": list(range(5, 21)), "prompt": list(range(30, 54)), "stream": [7, 8, 9, 10]},
-                  n_cpu_moe=0, threads=2, n_ctx=64)
+    r = run_llama(tiny, {"warmup": list(range(5, 21)), "prompt": list(range(30, 54)), "stream": [7, 8, 9, 10],
+                         "long": list(range(60, 100))}, n_cpu_moe=0, threads=2, n_ctx=64)
     assert r["n_cpu_moe"] == 0 and r["prefill_tokens_per_s"] > 0 and r["decode_tokens_per_s"] > 0
     assert 0 < r["median_ms"] <= r["p90_ms"] and r["first8_ms"] > 0
+    assert r["long_prefill_tokens_per_s"] > 0
+
+
+def test_the_scenario_table_puts_each_prefill_beside_its_baseline():
+    """`bench scenarios`' report: the short and long prompts' prefill ratios, hybrid against
+    the split at the budget and resident against llama.cpp on the GPU (measured once per
+    scenario, at its first budget)."""
+    from engine.bench.scenarios import report
+
+    def run(decode, prefill, long=None, **extra):
+        r = {"decode_tokens_per_s": decode, "prefill_tokens_per_s": prefill, **extra}
+        return r if long is None else {**r, "long_prefill_tokens_per_s": long}
+
+    scenario = {"label": "q", "geometry": "g", "routing": "r", "layers": 0}
+    results = {
+        "q@8GiB": {"budget_mib": 8192, "scenario": {**scenario, "budget_gib": 8}, "runs": {
+            "hybrid": run(90, 400, 300, gpu_hit=0.9, uploaded=0.0, cpu=0.1),
+            "llama-split": run(60, 200, 100, n_cpu_moe=31),
+            "resident": run(220, 1800, 1500), "llama-gpu": run(240, 3600, 3000)}},
+        "q@16GiB": {"budget_mib": 16384, "scenario": {**scenario, "budget_gib": 16}, "runs": {
+            "hybrid": run(160, 800), "llama-split": run(150, 1000)}}}
+    rows = report(results).splitlines()
+    assert "prefill resident / all-GPU (long prompt)" in rows[0]
+    assert "| 2.00x (3.00x) | 0.50x (0.50x) |" in rows[2]
+    assert "| 0.80x (-) | 0.50x (0.50x) |" in rows[3]  # no long prompt at 16 GiB; resident from 8 GiB
