@@ -82,6 +82,7 @@ class LayerSlots:
         self.resident = np.full(w.n_expert, -1, np.int32)  # expert -> slot, landed copies only
         self.slot_expert = np.full(n_slots, -1, np.int32)  # slot -> expert, landed or in flight
         self.pending: list[tuple[int, int, Copy]] = []  # (slot, expert, copy)
+        self.version = 0  # bumped whenever `resident` changes: readers skip comparing unchanged maps
         # Per-expert and per-slot views made once: indexing a tensor costs microseconds of host
         # time, and every decode step copies experts. Padded Q6_K: the GGUF blocks, and the
         # first 210 bytes of each padded block (layout.copy_views).
@@ -106,6 +107,7 @@ class LayerSlots:
             else:
                 still.append((slot, expert, handle))
         self.pending = still
+        self.version += landed > 0
         return landed
 
     def in_flight(self) -> set[int]:
@@ -119,6 +121,7 @@ class LayerSlots:
             old = self.slot_expert[slot]
             if old >= 0 and self.resident[old] == slot:
                 self.resident[old] = -1
+                self.version += 1
             self.slot_expert[slot] = expert
             pairs += self._copy_pairs(expert, slot)
         handle = self.copier.copy(pairs)

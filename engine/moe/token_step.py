@@ -39,7 +39,7 @@ class TokenExperts:
         all_resident = all(L.slots.n_slots >= L.w.n_expert and L.slots.resident.min() >= 0
                            for L in hybrid.layers.values())
         self.mailbox = Mailbox(layers, n_expert, k, n_embd, hybrid.device, with_mailbox=not all_resident)
-        self._pushed: np.ndarray | None = None  # the residency table the GPU map holds
+        self._pushed: int | None = None  # the layers' residency versions summed, as the GPU map holds them
         self._seen = np.zeros((len(layers), n_expert + 1), np.int64)  # counters learnt from so far
         self._refills: list = []  # (layer index, layer, refills) learnt, not yet started
         self._sync_copies: list = []  # occurrence-sync's refills, waited for before the next token
@@ -158,12 +158,14 @@ class TokenExperts:
                 h.copier.wait(handle)
             torch.cuda.current_stream(h.device).synchronize()
             self._sync_copies.clear()
+        version = 0
         for L in h.layers.values():
             if L.slots.pending:
                 L.slots.refresh()
-        table = np.stack([h.layers[layer].slots.resident for layer in self.mailbox.layers])
-        if self._pushed is not None and np.array_equal(table, self._pushed):
+            version += L.slots.version
+        if version == self._pushed:  # versions only grow: an equal sum is an unchanged map
             return
+        table = np.stack([h.layers[layer].slots.resident for layer in self.mailbox.layers])
         self.mailbox.map[:, :table.shape[1]].copy_(torch.from_numpy(table))
-        self._pushed = table
+        self._pushed = version
         h.counters.residency[:, :table.shape[1]] = table

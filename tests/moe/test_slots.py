@@ -41,3 +41,28 @@ def test_slots_decode_to_the_gguf_experts(make_model, arch: str, qtype: QT) -> N
     if qtype == QT.Q6_K:  # the padding after each block is never written
         for buf in slots.buffers + slots.staging.buffers:
             assert not buf.reshape(-1, Q6_K_PADDED_BLOCK)[:, Q6_K_BLOCK:].any()
+
+
+def test_the_residency_version_moves_whenever_the_map_does(make_model) -> None:
+    """The decode token's step re-sends the residency map to the GPU only when some layer's
+    version moved (token_step.TokenExperts._push_map): every change of `resident` must move it,
+    and a refresh that lands nothing must not."""
+    model = build_model(make_model("qwen3moe"))
+    w = next(iter(model.expert_weights.values()))
+    cpu = torch.device("cpu")
+    slots = LayerSlots(w, n_slots=2, staging=None, device=cpu, copier=Copier(cpu, delay_s=0.05))
+    seen = [slots.version]
+
+    def moved() -> bool:
+        seen.append(slots.version)
+        return seen[-1] != seen[-2]
+
+    handle = slots.load([(0, 3), (1, 5)])  # empty slots: nothing leaves the map yet
+    assert not moved()
+    assert slots.refresh() == 0 and not moved()  # in flight
+    slots.copier.wait(handle)
+    assert slots.refresh() == 2 and moved() and slots.resident[3] == 0
+    assert slots.refresh() == 0 and not moved()
+    slots.copier.wait(slots.load([(0, 6)]))  # expert 3 leaves the map at once
+    assert slots.resident[3] == -1 and moved()
+    assert slots.refresh() == 1 and moved() and slots.resident[6] == 0
