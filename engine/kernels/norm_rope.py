@@ -17,7 +17,10 @@ captured decode graph replays it at any position. It replaces the ~9 kernels per
 the torch path (engine/layers/rope._apply_rope_torch: two gathers of the table, slices, four
 products, two sums, cat/stack), i.e. ~18 for q and k together. With `norms` (qwen3moe's
 per-head q/k RMS norm weights) each head row is normalised in registers before it is rotated:
-qwen3moe's q/k norms and RoPE take 1 launch instead of 3 (~30 torch kernels).
+qwen3moe's q/k norms and RoPE take 1 launch instead of 3 (~30 torch kernels). With `store`
+(the GQA families, engine/layers/rope.rope_qk_store) the same launch writes k's rotated rows
+and v's rows into the layer's KV cache at the positions: the step's two stores (index_copy_ in
+a decode graph) are gone too.
 
 Exactness: the same formulas as the torch code, in float32. RMS norm:
 x * rsqrt(sum(x^2) / D + eps) * w, equal up to the order of the row's sum (and rsqrt's last
@@ -31,7 +34,7 @@ the order of the head row's sum.
 
 Inputs need a contiguous last dimension only (views like q.view(n, heads, hd) or
 deepseek2's strided slices q[..., nope:] and kv[:, None, kv_lora:] are read in place);
-outputs are new contiguous tensors, as the torch code returns.
+outputs are new contiguous tensors, as the torch code returns, or the cache rows with `store`.
 
 `TRITON_INTERPRET=1` (set before this module is imported) runs the kernels on CPU tensors
 through Triton's interpreter (the CPU tests); `python -m engine.kernels.norm_rope` compiles
@@ -129,27 +132,48 @@ if triton is not None:
         return r[:, None]
 
     @triton.jit
-    def _rope_kernel(q_ptr, k_ptr, qo_ptr, ko_ptr, pos_ptr, cos_ptr, sin_ptr, qn_ptr, kn_ptr,
-                     q_stride_t, q_stride_h, k_stride_t, k_stride_h, n_qh, n_kh, n_q_blocks, eps,
-                     HEAD_DIM: tl.constexpr, N_ROT: tl.constexpr, NEOX: tl.constexpr, BLOCK_H: tl.constexpr,
-                     BLOCK_HALF: tl.constexpr, BLOCK_REST: tl.constexpr, QK_NORM: tl.constexpr,
-                     INTERP: tl.constexpr):
-        """Token t, a block of BLOCK_H heads of q (program_id(1) < n_q_blocks) or of k; with
-        QK_NORM each head row is first RMS-normalised with q's or k's weight (qwen3moe)."""
+    def _rope_kernel(q_ptr, k_ptr, qo_ptr, ko_ptr, pos_ptr, cos_ptr, sin_ptr, qn_ptr, kn_ptr, v_ptr, vo_ptr,
+                     q_stride_t, q_stride_h, k_stride_t, k_stride_h, v_stride_t, v_stride_h, n_qh, n_kh, n_q_blocks,
+                     n_k_blocks, eps, HEAD_DIM: tl.constexpr, N_ROT: tl.constexpr, NEOX: tl.constexpr,
+                     BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_REST: tl.constexpr,
+                     QK_NORM: tl.constexpr, STORE_KV: tl.constexpr, BLOCK_D: tl.constexpr, INTERP: tl.constexpr):
+        """Token t, a block of BLOCK_H heads of q (program_id(1) < n_q_blocks), of k (the next
+        n_k_blocks) or, with STORE_KV, of v (the blocks after k's); with QK_NORM each q/k head row
+        is first RMS-normalised with q's or k's weight (qwen3moe). With STORE_KV, ko and vo are
+        the layer's KV cache [n_ctx, n_kh, HEAD_DIM]: k's rotated rows and v's rows land in the
+        cache rows at the token's position (the store of a decode step, in this launch)."""
         t = tl.program_id(0).to(tl.int64)
         hb = tl.program_id(1)
+        pos = tl.load(pos_ptr + t).to(tl.int64)
+        if hb >= n_q_blocks + n_k_blocks:  # STORE_KV: v's heads copied into the cache row
+            hv = ((hb - n_q_blocks - n_k_blocks) * BLOCK_H + tl.arange(0, BLOCK_H)).to(tl.int64)
+            d = tl.arange(0, BLOCK_D)
+            vmask = (hv < n_kh)[:, None] & (d < HEAD_DIM)[None, :]
+            rows = tl.load(v_ptr + t * v_stride_t + hv[:, None] * v_stride_h + d[None, :], mask=vmask, other=0.0)
+            tl.store(vo_ptr + (pos * n_kh + hv[:, None]) * HEAD_DIM + d[None, :], rows, mask=vmask)
+        else:
+            _rope_rows(q_ptr, k_ptr, qo_ptr, ko_ptr, cos_ptr, sin_ptr, qn_ptr, kn_ptr, q_stride_t, q_stride_h,
+                       k_stride_t, k_stride_h, n_qh, n_kh, n_q_blocks, eps, t, hb, pos, HEAD_DIM, N_ROT, NEOX,
+                       BLOCK_H, BLOCK_HALF, BLOCK_REST, QK_NORM, STORE_KV, INTERP)
+
+    @triton.jit
+    def _rope_rows(q_ptr, k_ptr, qo_ptr, ko_ptr, cos_ptr, sin_ptr, qn_ptr, kn_ptr, q_stride_t, q_stride_h,
+                   k_stride_t, k_stride_h, n_qh, n_kh, n_q_blocks, eps, t, hb, pos, HEAD_DIM: tl.constexpr,
+                   N_ROT: tl.constexpr, NEOX: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr,
+                   BLOCK_REST: tl.constexpr, QK_NORM: tl.constexpr, STORE_KV: tl.constexpr, INTERP: tl.constexpr):
+        """_rope_kernel's q and k blocks: the rotated (normalised) head rows, q's at row t of qo,
+        k's at row t of ko, or at the position's row of the cache with STORE_KV."""
         # Triton specialises an int argument of 1 as a constant (one k head: deepseek2's k_pe) and
         # multiples of 16 as aligned (so the loads vectorise); adding a zero tensor makes both
         # branches of the q/k choice int32 tensors while keeping that alignment.
         zero = hb * 0
         if hb < n_q_blocks:
-            src, dst, wn, h0 = q_ptr, qo_ptr, qn_ptr, hb * BLOCK_H
+            src, dst, wn, h0, row = q_ptr, qo_ptr, qn_ptr, hb * BLOCK_H, t
             st, sh, nh = q_stride_t + zero, q_stride_h + zero, n_qh + zero
         else:
-            src, dst, wn, h0 = k_ptr, ko_ptr, kn_ptr, (hb - n_q_blocks) * BLOCK_H
+            src, dst, wn, h0, row = k_ptr, ko_ptr, kn_ptr, (hb - n_q_blocks) * BLOCK_H, pos if STORE_KV else t
             st, sh, nh = k_stride_t + zero, k_stride_h + zero, n_kh + zero
         HALF: tl.constexpr = N_ROT // 2
-        pos = tl.load(pos_ptr + t).to(tl.int64)
         i = tl.arange(0, BLOCK_HALF)
         imask = i < HALF
         c = tl.load(cos_ptr + pos * HALF + i, mask=imask, other=0.0)[None, :]
@@ -157,7 +181,7 @@ if triton is not None:
         h = (h0 + tl.arange(0, BLOCK_H)).to(tl.int64)
         hmask = h < nh
         src_row = src + t * st + h[:, None] * sh
-        dst_row = dst + (t * nh + h[:, None]) * HEAD_DIM
+        dst_row = dst + (row * nh + h[:, None]) * HEAD_DIM
         jr = N_ROT + tl.arange(0, BLOCK_REST)  # dims past n_rot: they pass through (normalised)
         rmask = hmask[:, None] & (jr < HEAD_DIM)[None, :]
         if N_ROT < HEAD_DIM:
@@ -271,27 +295,43 @@ def rope_norm_supported(x: torch.Tensor, weight: torch.Tensor) -> bool:
             and weight.stride(0) == 1 and weight.device == x.device and x.shape[-1] <= MAX_ROPE_NORM_DIM)
 
 
+def store_supported(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
+    """Whether the RoPE launch can also store the step's k and v [T, heads, head_dim] into a
+    layer's KV cache [n_ctx, heads, head_dim] (float32, contiguous; v's head dim is k's)."""
+    return (v.dtype == torch.float32 and v.dim() == 3 and v.stride(-1) == 1 and v.shape == k.shape
+            and all(c.dtype == torch.float32 and c.is_contiguous() and c.shape[1:] == k.shape[1:]
+                    and c.device == k.device for c in (k_cache, v_cache)))
+
+
 def rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
          n_rot: int, neox: bool, norms: tuple[torch.Tensor, torch.Tensor | None] | None = None,
-         eps: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+         eps: float = 0.0,
+         store: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """q and k [T, heads, head_dim] rotated at `positions` [T] with the tables cos/sin
     [n_positions, n_rot/2] (contiguous, on q's device), in one launch. k must share q's
     T and head_dim. `norms` (q's and k's weights, [head_dim] each): each head row is
-    RMS-normalised with its weight and `eps` before it is rotated, in the same launch."""
+    RMS-normalised with its weight and `eps` before it is rotated, in the same launch.
+    `store` (k_cache, v, v_cache; store_supported): the rotated k rows and v's rows are written
+    into the caches' rows at `positions` instead, and k_cache comes back in k's place."""
     t, n_qh, head_dim = q.shape
     n_kh = k.shape[1]
     qo = torch.empty(q.shape, dtype=torch.float32, device=q.device)
-    ko = torch.empty(k.shape, dtype=torch.float32, device=q.device)
+    if store is None:
+        ko = torch.empty(k.shape, dtype=torch.float32, device=q.device)
+        v, vo = q, q  # unused without STORE_KV
+    else:
+        ko, v, vo = store
     block_h = min(_ROPE_BLOCK_H, triton.next_power_of_2(max(n_qh, n_kh)))
     n_q_blocks = triton.cdiv(n_qh, block_h)
     n_k_blocks = triton.cdiv(n_kh, block_h)
     qn, kn = norms if norms is not None else (q, q)  # unused without QK_NORM
     kn = kn if kn is not None else qn
-    _rope_kernel[(t, n_q_blocks + n_k_blocks)](
-        q, k, qo, ko, positions, cos, sin, qn, kn, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
-        n_qh, n_kh, n_q_blocks, float(eps), HEAD_DIM=head_dim, N_ROT=n_rot, NEOX=neox, BLOCK_H=block_h,
-        BLOCK_HALF=triton.next_power_of_2(n_rot // 2), BLOCK_REST=triton.next_power_of_2(max(1, head_dim - n_rot)),
-        QK_NORM=norms is not None, INTERP=INTERPRETED, num_warps=4)
+    _rope_kernel[(t, n_q_blocks + n_k_blocks * (1 if store is None else 2))](
+        q, k, qo, ko, positions, cos, sin, qn, kn, v, vo, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
+        v.stride(0), v.stride(1), n_qh, n_kh, n_q_blocks, n_k_blocks, float(eps), HEAD_DIM=head_dim, N_ROT=n_rot,
+        NEOX=neox, BLOCK_H=block_h, BLOCK_HALF=triton.next_power_of_2(n_rot // 2),
+        BLOCK_REST=triton.next_power_of_2(max(1, head_dim - n_rot)), QK_NORM=norms is not None,
+        STORE_KV=store is not None, BLOCK_D=triton.next_power_of_2(head_dim), INTERP=INTERPRETED, num_warps=4)
     return qo, ko
 
 
@@ -337,16 +377,21 @@ def aot_report(arch: int = 90) -> list[dict]:
                     ("D", "stride_h", "stride_d") if d % 16 == 0 else ())
     for label, head_dim, n_rot, neox, qk_norm in AOT_ROPE:
         sig = {"q_ptr": "*fp32", "k_ptr": "*fp32", "qo_ptr": "*fp32", "ko_ptr": "*fp32", "pos_ptr": "*i64",
-               "cos_ptr": "*fp32", "sin_ptr": "*fp32", "qn_ptr": "*fp32", "kn_ptr": "*fp32", "q_stride_t": "i32",
-               "q_stride_h": "i32", "k_stride_t": "i32", "k_stride_h": "i32", "n_qh": "i32", "n_kh": "i32",
-               "n_q_blocks": "i32", "eps": "fp32"}
+               "cos_ptr": "*fp32", "sin_ptr": "*fp32", "qn_ptr": "*fp32", "kn_ptr": "*fp32", "v_ptr": "*fp32",
+               "vo_ptr": "*fp32", "q_stride_t": "i32", "q_stride_h": "i32", "k_stride_t": "i32",
+               "k_stride_h": "i32", "v_stride_t": "i32", "v_stride_h": "i32", "n_qh": "i32", "n_kh": "i32",
+               "n_q_blocks": "i32", "n_k_blocks": "i32", "eps": "fp32"}
         # deepseek2's one k head arrives as the constant 1 (Triton's specialisation of 1)
         one_k_head = {"n_kh": 1} if label == "deepseek2" else {}
-        compile_one(f"rope {label}", _rope_kernel, sig,
-                    {"HEAD_DIM": head_dim, "N_ROT": n_rot, "NEOX": neox, "BLOCK_H": _ROPE_BLOCK_H,
-                     "BLOCK_HALF": triton.next_power_of_2(n_rot // 2), "BLOCK_REST": triton.next_power_of_2(max(1, head_dim - n_rot)),
-                     "QK_NORM": qk_norm, "INTERP": False, **one_k_head}, 4,
-                    ("q_stride_t", "q_stride_h", "k_stride_t", "k_stride_h"))
+        # the GQA families store k and v in the launch (head dims alike); MLA's rope part does not
+        for store in (False, True) if label != "deepseek2" else (False,):
+            compile_one(f"rope {label}{' +kv' if store else ''}", _rope_kernel, sig,
+                        {"HEAD_DIM": head_dim, "N_ROT": n_rot, "NEOX": neox, "BLOCK_H": _ROPE_BLOCK_H,
+                         "BLOCK_HALF": triton.next_power_of_2(n_rot // 2),
+                         "BLOCK_REST": triton.next_power_of_2(max(1, head_dim - n_rot)), "QK_NORM": qk_norm,
+                         "STORE_KV": store, "BLOCK_D": triton.next_power_of_2(head_dim), "INTERP": False,
+                         **one_k_head}, 4,
+                        ("q_stride_t", "q_stride_h", "k_stride_t", "k_stride_h", "v_stride_t", "v_stride_h"))
     return rows
 
 

@@ -34,11 +34,18 @@ class KVCache:
         if start is None:
             self.k[layer].index_copy_(0, positions, k)
             self.v[layer].index_copy_(0, positions, v)
+        else:
+            end = start + k.shape[0]  # DecoderModel.forward checked it against n_ctx
+            self.k[layer][start:end] = k
+            self.v[layer][start:end] = v
+        return self.filled(layer, start, k.shape[0])
+
+    def filled(self, layer: int, start: int | None, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The keys and values attention reads once a step's `n` rows from `start` are stored:
+        the filled prefix, or with start None the whole cache (see store)."""
+        if start is None:
             return self.k[layer], self.v[layer]
-        end = start + k.shape[0]  # DecoderModel.forward checked it against n_ctx
-        self.k[layer][start:end] = k
-        self.v[layer][start:end] = v
-        return self.k[layer][:end], self.v[layer][:end]
+        return self.k[layer][:start + n], self.v[layer][:start + n]
 
     def truncate(self, length: int) -> None:
         """Forgets positions from `length` on (the cache rows are simply overwritten later)."""

@@ -9,7 +9,8 @@ tensor there, so a decode step needs no host work (and can be replayed as a CUDA
 The torch code is the reference and the CPU path; where `engine.kernels.triton_applies` says
 so (CUDA) and the shapes fit, one fused Triton launch computes the same products
 (engine/kernels/norm_rope.py) for q and k together (`rope_qk`), with qwen3moe's per-head q/k
-RMS norms in that launch.
+RMS norms in that launch, and with the step's k and v stores into the KV cache
+(`rope_qk_store`, the GQA families).
 """
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ import numpy as np
 import torch
 
 from engine.kernels import triton_applies
+from engine.layers.attention import KVCache
 from engine.layers.norm import rms_norm
 
 
@@ -78,6 +80,28 @@ def rope_qk(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cfg: Rope
     their device, each < n_ctx), dims past n_rot passing through: one launch where the kernel
     applies. `norms` (q's and k's weights [head_dim]): each head row is first
     rms_norm'ed with its weight and `eps` (qwen3moe), in that same launch."""
+    return _rope_qk(q, k, positions, cfg, n_ctx, norms, eps, None)
+
+
+def rope_qk_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, cfg: RopeConfig,
+                  cache: KVCache, layer: int, start: int | None,
+                  norms: tuple[torch.Tensor, torch.Tensor] | None = None,
+                  eps: float = 0.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """rope_qk, then cache.store of the rotated k and of v: q rotated, and the keys and values
+    attention reads (as KVCache.store returns them). Where the kernel applies and the cache
+    takes v's head dim, the RoPE launch writes k's and v's rows into the cache itself (a decode
+    step's two stores fewer)."""
+    q, k = _rope_qk(q, k, positions, cfg, cache.n_ctx, norms, eps, (cache.k[layer], v, cache.v[layer]))
+    if k is None:
+        return (q, *cache.filled(layer, start, q.shape[0]))
+    return (q, *cache.store(layer, start, k, v, positions))
+
+
+def _rope_qk(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cfg: RopeConfig, n_ctx: int,
+             norms: tuple[torch.Tensor, torch.Tensor] | None, eps: float,
+             store: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """rope_qk; with `store` (k_cache, v, v_cache) k comes back None where the launch wrote k's
+    and v's rows into the caches at `positions`."""
     fused = (_kernel_applies(q, positions, cfg) and _kernel_applies(k, positions, cfg)
              and k.shape[-1] == q.shape[-1] and k.device == q.device)
     if norms is not None and not (fused and _norms_fit(q, k, norms)):
@@ -86,8 +110,11 @@ def rope_qk(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cfg: Rope
     if fused:
         from engine.kernels import norm_rope
 
-        return norm_rope.rope(q, k, positions, *rope_table(cfg, n_ctx, str(q.device)), cfg.n_rot, cfg.neox,
-                              norms, eps)
+        if store is not None and not norm_rope.store_supported(k, store[1], store[0], store[2]):
+            store = None
+        q, k = norm_rope.rope(q, k, positions, *rope_table(cfg, n_ctx, str(q.device)), cfg.n_rot, cfg.neox,
+                              norms, eps, store)
+        return q, (None if store is not None else k)
     return _apply_rope_torch(q, positions, cfg, n_ctx), _apply_rope_torch(k, positions, cfg, n_ctx)
 
 

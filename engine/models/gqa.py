@@ -8,7 +8,7 @@ from engine.gguf.reader import ModelFile
 from engine.layers.attention import KVCache, attend
 from engine.layers.linear import Linear, load_vector, optional_vector
 from engine.layers.norm import rms_norm
-from engine.layers.rope import RopeConfig, rope_qk
+from engine.layers.rope import RopeConfig, rope_qk_store
 
 QK_NORM_NONE, QK_NORM_HEAD, QK_NORM_FULL = "none", "head", "full"
 
@@ -43,6 +43,5 @@ class GQAttention:
         v = v.view(n, self.n_head_kv, self.head_dim)
         # per-head q/k norms: normalised in the RoPE launch where the kernel applies
         norms = (self.q_norm, self.k_norm) if self.qk_norm == QK_NORM_HEAD else None
-        q, k = rope_qk(q, k, positions, self.rope, cache.n_ctx, norms, self.eps)
-        keys, values = cache.store(layer, start, k, v, positions)
+        q, keys, values = rope_qk_store(q, k, v, positions, self.rope, cache, layer, start, norms, self.eps)
         return self.o(attend(q, keys, values, positions, self.scale, self.window, self.sinks))

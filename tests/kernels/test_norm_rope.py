@@ -258,6 +258,47 @@ def test_interpreter_rope_with_qk_norm_matches_the_two_steps(monkeypatch, label:
 
 
 @interp
+@pytest.mark.parametrize("label,cfg,head_dim", [ROPE_CASES[0], ROPE_CASES[3]], ids=["neox", "normal_partial"])
+@pytest.mark.parametrize("start", [None, 3], ids=["graph", "prompt"])
+def test_interpreter_rope_stores_k_and_v_into_the_cache(monkeypatch, label: str, cfg: RopeConfig, head_dim: int,
+                                                      start: int | None) -> None:
+    """rope_qk_store: the RoPE launch (with the per-head norms) also writes the rotated k rows and
+    v's rows into the cache rows at the positions, and returns what KVCache.store returns; the
+    same cache and results as rope_qk then store (the torch path), other rows untouched."""
+    from engine.layers.attention import KVCache
+
+    n_ctx, n_kh, eps = 16, 3, 1e-6
+    n_tok = 1 if start is None else 5
+    q, _, _ = _rope_cases_device("cpu", n_tok, 8, n_kh, head_dim, n_ctx, seed=n_tok)
+    g = torch.Generator().manual_seed(head_dim)
+    kv = _ints(g, n_tok, n_kh, 2 * head_dim)  # one projection's output: k and v are strided views of it
+    k, v = kv[..., :head_dim], kv[..., head_dim:]
+    positions = torch.tensor([11]) if start is None else torch.arange(start, start + n_tok)
+    qw, kw = torch.rand(head_dim, generator=g) + 0.5, torch.rand(head_dim, generator=g) + 0.5
+    rope_calls = []
+    monkeypatch.setattr(norm_rope, "_rope_kernel", _counting(norm_rope._rope_kernel, rope_calls))
+    caches, outs = [], []
+    for mode in ("force", "0"):
+        monkeypatch.setenv("MOESTUDIO_TRITON", mode)
+        cache = KVCache(1, n_ctx, n_kh, head_dim, head_dim)
+        for c in (cache.k[0], cache.v[0]):
+            c.fill_(-7.0)  # rows the step must not touch
+        outs.append(rope_layer.rope_qk_store(q, k, v, positions, cfg, cache, 0, start, (qw, kw), eps))
+        caches.append(cache)
+    assert len(rope_calls) == 1
+    (q1, k1, v1), (q0, k0, v0) = outs
+    _assert_norm_close(q1, q0)
+    _assert_norm_close(caches[0].k[0], caches[1].k[0])
+    assert torch.equal(caches[0].v[0], caches[1].v[0]) and torch.equal(caches[0].v[0][positions], v)
+    untouched = torch.ones(n_ctx, dtype=torch.bool)
+    untouched[positions] = False
+    assert (caches[0].k[0][untouched] == -7.0).all() and (caches[0].v[0][untouched] == -7.0).all()
+    rows = n_ctx if start is None else start + n_tok
+    assert k1.shape[0] == v1.shape[0] == k0.shape[0] == rows
+    assert k1.data_ptr() == caches[0].k[0].data_ptr() and v1.data_ptr() == caches[0].v[0].data_ptr()
+
+
+@interp
 def test_interpreter_rope_with_wide_qk_norm_takes_two_launches(monkeypatch) -> None:
     """Head rows wider than MAX_ROPE_NORM_DIM: the norm launch, then the plain RoPE launch."""
     cfg, n_ctx, hd = RopeConfig(n_rot=64, neox=True), 16, 2 * norm_rope.MAX_ROPE_NORM_DIM
@@ -348,6 +389,7 @@ def test_kernels_compile_for_hopper_without_spills() -> None:
     want = {f"rms_norm D={d} w={w}" for d in norm_rope.AOT_NORM_DIMS for w in (0, 1)}
     want |= {f"add_rms_norm D={d}" for d in norm_rope.AOT_ADD_NORM_DIMS}
     want |= {f"rope {label}" for label, *_ in norm_rope.AOT_ROPE}
+    want |= {f"rope {label} +kv" for label, *_ in norm_rope.AOT_ROPE if label != "deepseek2"}
     assert {r["kernel"] for r in rows} == want
     for r in rows:
         assert r["spill_ops"] == 0 and r["local"] == 0, r
@@ -422,6 +464,43 @@ def test_gpu_norm_and_rope_replay_in_a_cuda_graph(monkeypatch) -> None:
         graph.replay()
         want_q, want_k = step()
         assert torch.equal(out_q, want_q) and torch.equal(out_k, want_k)
+
+
+@gpu
+def test_gpu_rope_store_replays_in_a_cuda_graph(monkeypatch) -> None:
+    """qwen3moe's decode step: q/k norms, RoPE and the k/v stores in one launch, captured once and
+    replayed at other positions: the cache rows equal rope_qk then index_copy_ (bit for bit: the
+    same kernel rotates both)."""
+    from engine.layers.attention import KVCache
+
+    monkeypatch.setenv("MOESTUDIO_TRITON", "1")
+    cfg, n_ctx = GPU_ROPE[0][1], 4096
+    qkv = torch.randn(1, 32 * 128 + 2 * 4 * 128, device="cuda")
+    w = torch.randn(128, device="cuda")
+    positions = torch.zeros(1, dtype=torch.long, device="cuda")
+    cache = KVCache(1, n_ctx, 4, 128, 128, "cuda")
+
+    def views():
+        q, k, v = qkv.split([32 * 128, 4 * 128, 4 * 128], dim=-1)
+        return q.view(1, 32, 128), k.view(1, 4, 128), v.view(1, 4, 128)
+
+    def step():
+        q, k, v = views()
+        return rope_layer.rope_qk_store(q, k, v, positions, cfg, cache, 0, None, (w, w), 1e-6)
+
+    step()  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out_q, _, _ = step()
+    for pos in (7, 4095, 123):
+        qkv.copy_(torch.randn_like(qkv))
+        positions.fill_(pos)
+        graph.replay()
+        q, k, v = views()
+        want_q, want_k = rope_layer.rope_qk(q, k, positions, cfg, n_ctx, (w, w), 1e-6)
+        assert torch.equal(out_q, want_q)
+        assert torch.equal(cache.k[0][pos], want_k[0]) and torch.equal(cache.v[0][pos], v[0])
 
 
 @gpu
