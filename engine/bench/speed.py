@@ -1,10 +1,11 @@
 """`moestudio bench speed`: this engine against llama.cpp, side by side, in one run.
 
 Same GGUF, same token stream, same VRAM budget. Decode is teacher-forced on real text (every
-engine routes the same tokens), prefill runs a fixed prompt. Each engine first runs the same
-warm-up, WARMUP_TOKENS of other text as one prompt and one decode token: the prompt's kernels
-(batched products, attention over many rows) load there, not inside the timed prompt. Configurations, each timed in a
-process of its own (engine/bench/engine_runner.py, llama_runner.py):
+engine routes the same tokens), prefill runs a fixed prompt (and, with --long-prompt-tokens, a
+long one). Each engine first runs the same warm-up, WARMUP_TOKENS of other text as one prompt and
+one decode token: the prompt's kernels (batched products, attention over many rows) load there,
+not inside the timed prompt. Configurations, each timed in a process of its own
+(engine/bench/engine_runner.py, llama_runner.py):
   hybrid        this engine with its defaults at the budget
   hybrid-mmap   the same with --load-mode mmap (experts read from the memory map, not pinned RAM)
   resident      this engine with every expert on the GPU (budget ignored)
@@ -120,7 +121,7 @@ def run_llama(path: Path, tokens: dict[str, list[int]], *, n_cpu_moe: int, threa
 
 def _run_timer(module: str, path: Path, tokens: dict[str, list[int]], args: list[str], env: dict) -> dict:
     """`python -m module MODEL TOKENS.json ARGS`, which prints its result as one JSON line last;
-    TOKENS.json holds `tokens` ({"warmup", "prompt", "stream"}: lists of token ids)."""
+    TOKENS.json holds `tokens` ({"warmup", "prompt", "stream", optionally "long"}: token ids)."""
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump(tokens, f)
     try:
