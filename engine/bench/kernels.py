@@ -361,11 +361,14 @@ def _eager_us(fn, repeats: int) -> float:
 
 
 def _grouped_sweep() -> list:
+    """The tiles `--sweep` times beside the defaults. 16-row tiles are left out: on the H200 two
+    sweeps ended in an illegal memory access at a 16-row tile (session 8, not yet understood;
+    the same tile alone ran clean), which also ends every measurement after it."""
     from engine.quant import grouped_gemm as gg
 
     return [gg.GroupedConfig(m, n, w, s) for m, n, w, s in
-            ((16, 64, 4, 2), (16, 128, 4, 2), (32, 64, 4, 2), (32, 64, 4, 3), (32, 128, 4, 2), (64, 32, 4, 1),
-             (64, 64, 4, 2), (64, 64, 8, 1), (64, 64, 8, 2), (64, 128, 8, 2), (128, 64, 8, 2))]
+            ((32, 64, 4, 2), (32, 64, 4, 3), (32, 64, 8, 2), (32, 128, 4, 2), (64, 32, 4, 1), (64, 64, 4, 2),
+             (64, 64, 8, 1), (64, 64, 8, 2), (64, 128, 8, 2), (128, 64, 8, 2))]
 
 
 def bench_grouped(name: str, sc: ExpertScenario, tokens: list[int], dev: torch.device, replays: int,
