@@ -41,25 +41,24 @@ if [[ ",$STAGES," == *",llamaops,"* && ! -x $LLAMA_OPS_BIN ]]; then
     echo "llamaops: .src's sdist has no vendor/llama.cpp/tests/test-backend-ops.cpp; remake .src as this script's header says"
     exit 1
   fi
-fi
-if [[ ",$STAGES," == *",llamaops,"* && ! -x $LLAMA_OPS_BIN && -f $CUDA_LIB/libggml-cuda.so ]]; then
-  # device_run.sh's CUDA build of llama-cpp-python is at hand: test-backend-ops needs ggml's
-  # public headers alone, so it compiles in seconds against that build's libraries.
-  mkdir -p "$(dirname $LLAMA_OPS_BIN)"
-  g++ -O2 -std=c++17 -pthread -I "$SRC/ggml/include" "$SRC/tests/test-backend-ops.cpp" -L "$CUDA_LIB" \
-    -lggml -lggml-base -Wl,-rpath,"$CUDA_LIB" -o $LLAMA_OPS_BIN > "$OUT/llamaops_build.log" 2>&1
-  echo "[$(date +%T)] test-backend-ops built against $CUDA_LIB rc=$?"
-elif [[ ",$STAGES," == *",llamaops,"* && ! -x $LLAMA_OPS_BIN ]]; then
-  # Only test-backend-ops, linked to ggml alone (upstream's list also links llama and llama-common
-  # and names ~60 other test sources); FlashAttention kernels off: the products do not use them
-  # and they are most of the CUDA compile time.
-  printf '%s\n' 'add_executable(test-backend-ops test-backend-ops.cpp)' \
-    'target_link_libraries(test-backend-ops PRIVATE ggml)' > "$SRC/tests/CMakeLists.txt"
-  { cmake -S "$SRC" -B /tmp/llamaops -DCMAKE_BUILD_TYPE=Release -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 \
-      -DGGML_CUDA_FA=OFF -DLLAMA_BUILD_TESTS=ON -DLLAMA_BUILD_COMMON=ON -DLLAMA_BUILD_TOOLS=OFF \
-      -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_APP=OFF -DLLAMA_OPENSSL=OFF \
-    && timeout "${LLAMAOPS_TIMEOUT:-540}" cmake --build /tmp/llamaops --target test-backend-ops -j "$(nproc)"; } \
-    > "$OUT/llamaops_build.log" 2>&1
+  if [ -f "$CUDA_LIB/libggml-cuda.so" ]; then
+    # device_run.sh's CUDA build of llama-cpp-python is at hand: test-backend-ops needs ggml's
+    # public headers alone, so it compiles in seconds against that build's libraries.
+    mkdir -p "$(dirname $LLAMA_OPS_BIN)"
+    g++ -O2 -std=c++17 -pthread -I "$SRC/ggml/include" "$SRC/tests/test-backend-ops.cpp" -L "$CUDA_LIB" \
+      -lggml -lggml-base -Wl,-rpath,"$CUDA_LIB" -o $LLAMA_OPS_BIN > "$OUT/llamaops_build.log" 2>&1
+  else
+    # Only test-backend-ops, linked to ggml alone (upstream's list also links llama and llama-common
+    # and names ~60 other test sources); FlashAttention kernels off: the products do not use them
+    # and they are most of the CUDA compile time.
+    printf '%s\n' 'add_executable(test-backend-ops test-backend-ops.cpp)' \
+      'target_link_libraries(test-backend-ops PRIVATE ggml)' > "$SRC/tests/CMakeLists.txt"
+    { cmake -S "$SRC" -B /tmp/llamaops -DCMAKE_BUILD_TYPE=Release -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 \
+        -DGGML_CUDA_FA=OFF -DLLAMA_BUILD_TESTS=ON -DLLAMA_BUILD_COMMON=ON -DLLAMA_BUILD_TOOLS=OFF \
+        -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_APP=OFF -DLLAMA_OPENSSL=OFF \
+      && timeout "${LLAMAOPS_TIMEOUT:-540}" cmake --build /tmp/llamaops --target test-backend-ops -j "$(nproc)"; } \
+      > "$OUT/llamaops_build.log" 2>&1
+  fi
   echo "[$(date +%T)] test-backend-ops build rc=$? $(tail -1 "$OUT/llamaops_build.log")"
 fi
 if [ -z "${MOESTUDIO_LLAMA_OPS:-}" ] && [ -x $LLAMA_OPS_BIN ]; then

@@ -16,6 +16,14 @@ import time
 from pathlib import Path
 
 
+def _timed_prefill(llm, prompt: list[int]) -> float:
+    """Seconds for llama.cpp to evaluate `prompt` from an empty cache."""
+    llm.reset()
+    t0 = time.perf_counter()
+    llm.eval(prompt)
+    return time.perf_counter() - t0
+
+
 def time_llama(model: Path, tokens: dict[str, list[int]], n_cpu_moe: int, threads: int, n_ctx: int) -> dict:
     from engine.baseline.placement import cpu_moe_overrides, open_llama_with
     from engine.bench.engine_runner import token_times
@@ -26,10 +34,7 @@ def time_llama(model: Path, tokens: dict[str, list[int]], n_cpu_moe: int, thread
     warmup, prompt, stream = tokens["warmup"], tokens["prompt"], tokens["stream"]
     llm.eval(warmup)  # the same warm-up as this engine's: a prompt, then one decode token
     llm.eval(warmup[-1:])
-    llm.reset()
-    t0 = time.perf_counter()
-    llm.eval(prompt)
-    prefill_s = time.perf_counter() - t0
+    prefill_s = _timed_prefill(llm, prompt)
     times = []
     for tok in stream:
         t0 = time.perf_counter()
@@ -38,10 +43,7 @@ def time_llama(model: Path, tokens: dict[str, list[int]], n_cpu_moe: int, thread
     out = {"n_cpu_moe": n_cpu_moe, "prefill_tokens_per_s": len(prompt) / prefill_s, "ttft_s": prefill_s,
            "decode_tokens_per_s": len(stream) / sum(times), **token_times(times)}
     if tokens.get("long"):
-        llm.reset()
-        t0 = time.perf_counter()
-        llm.eval(tokens["long"])
-        long_s = time.perf_counter() - t0
+        long_s = _timed_prefill(llm, tokens["long"])
         out.update(long_prefill_tokens_per_s=len(tokens["long"]) / long_s, long_ttft_s=long_s)
     return out
 

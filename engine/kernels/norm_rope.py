@@ -295,9 +295,11 @@ def rope_norm_supported(x: torch.Tensor, weight: torch.Tensor) -> bool:
             and weight.stride(0) == 1 and weight.device == x.device and x.shape[-1] <= MAX_ROPE_NORM_DIM)
 
 
-def store_supported(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
+def store_supported(k: torch.Tensor, store: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> bool:
     """Whether the RoPE launch can also store the step's k and v [T, heads, head_dim] into a
-    layer's KV cache [n_ctx, heads, head_dim] (float32, contiguous; v's head dim is k's)."""
+    layer's KV cache [n_ctx, heads, head_dim] (`store`: rope's (k_cache, v, v_cache); float32,
+    contiguous caches; v's head dim is k's)."""
+    k_cache, v, v_cache = store
     return (v.dtype == torch.float32 and v.dim() == 3 and v.stride(-1) == 1 and v.shape == k.shape
             and all(c.dtype == torch.float32 and c.is_contiguous() and c.shape[1:] == k.shape[1:]
                     and c.device == k.device for c in (k_cache, v_cache)))

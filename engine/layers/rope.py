@@ -110,7 +110,7 @@ def _rope_qk(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cfg: Rop
     if fused:
         from engine.kernels import norm_rope
 
-        if store is not None and not norm_rope.store_supported(k, store[1], store[0], store[2]):
+        if store is not None and not norm_rope.store_supported(k, store):
             store = None
         q, k = norm_rope.rope(q, k, positions, *rope_table(cfg, n_ctx, str(q.device)), cfg.n_rot, cfg.neox,
                               norms, eps, store)

@@ -39,7 +39,7 @@ class TokenExperts:
         all_resident = all(L.slots.n_slots >= L.w.n_expert and L.slots.resident.min() >= 0
                            for L in hybrid.layers.values())
         self.mailbox = Mailbox(layers, n_expert, k, n_embd, hybrid.device, with_mailbox=not all_resident)
-        self._pushed: int | None = None  # the layers' residency versions summed, as the GPU map holds them
+        self._pushed_version: int | None = None  # the layers' residency versions summed, as the GPU map holds them
         self._seen = np.zeros((len(layers), n_expert + 1), np.int64)  # counters learnt from so far
         self._refills: list = []  # (layer index, layer, refills) learnt, not yet started
         self._sync_copies: list = []  # occurrence-sync's refills, waited for before the next token
@@ -163,9 +163,9 @@ class TokenExperts:
             if L.slots.pending:
                 L.slots.refresh()
             version += L.slots.version
-        if version == self._pushed:  # versions only grow: an equal sum is an unchanged map
+        if version == self._pushed_version:  # versions only grow: an equal sum is an unchanged map
             return
         table = np.stack([h.layers[layer].slots.resident for layer in self.mailbox.layers])
         self.mailbox.map[:, :table.shape[1]].copy_(torch.from_numpy(table))
-        self._pushed = version
+        self._pushed_version = version
         h.counters.residency[:, :table.shape[1]] = table

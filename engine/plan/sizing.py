@@ -52,8 +52,8 @@ def staging_slots(miss_fraction: float, n_expert: int, top_k: int, expert_bytes:
 
 
 # Rows of one expert per tile of the grouped expert GEMM (engine/quant/grouped_gemm.py's
-# configs; tests/quant/test_grouped_gemm.py holds them equal): each expert's run of rows is
-# padded to a multiple, so a step has at most chunk x top-k + experts x (block - 1) rows.
+# default configs take it): each expert's run of rows is padded to a multiple, so a step has at
+# most chunk x top-k + experts x (block - 1) rows.
 GROUPED_BLOCK_M = 32
 
 

@@ -44,6 +44,7 @@ import torch
 from gguf import GGMLQuantizationType as QT
 
 from engine.moe.copier import upload
+from engine.plan.sizing import GROUPED_BLOCK_M
 from engine.quant import triton_kernels as tk
 
 triton = tk.triton
@@ -259,11 +260,12 @@ class GroupedConfig:
 # they take eight (not yet timed); the other types take 32x64 w4 s2 (not yet timed on their own).
 # Compiled for sm_90 (engine/quant/triton_aot.py, tests/quant/test_grouped_gemm.py), these spill
 # nothing. `moestudio bench kernels --only grouped --sweep` times others.
-GATE_UP_CONFIG: dict[QT, GroupedConfig] = {t: GroupedConfig(32, 64, 4, 2) for t in GROUPED_TYPES}
-GATE_UP_CONFIG[QT.Q4_K] = GroupedConfig(32, 64, 4, 3)
-GATE_UP_CONFIG[QT.Q5_K] = GATE_UP_CONFIG[QT.Q6_K] = GroupedConfig(32, 64, 8, 2)
-DOWN_CONFIG: dict[QT, GroupedConfig] = {t: GroupedConfig(32, 64, 4, 2) for t in GROUPED_TYPES}
-DOWN_CONFIG[QT.Q4_K] = DOWN_CONFIG[QT.Q6_K] = GroupedConfig(32, 64, 4, 3)
+# block_m is the planner's GROUPED_BLOCK_M, which reserves the padded rows.
+GATE_UP_CONFIG: dict[QT, GroupedConfig] = {t: GroupedConfig(GROUPED_BLOCK_M, 64, 4, 2) for t in GROUPED_TYPES}
+GATE_UP_CONFIG[QT.Q4_K] = GroupedConfig(GROUPED_BLOCK_M, 64, 4, 3)
+GATE_UP_CONFIG[QT.Q5_K] = GATE_UP_CONFIG[QT.Q6_K] = GroupedConfig(GROUPED_BLOCK_M, 64, 8, 2)
+DOWN_CONFIG: dict[QT, GroupedConfig] = {t: GroupedConfig(GROUPED_BLOCK_M, 64, 4, 2) for t in GROUPED_TYPES}
+DOWN_CONFIG[QT.Q4_K] = DOWN_CONFIG[QT.Q6_K] = GroupedConfig(GROUPED_BLOCK_M, 64, 4, 3)
 
 
 def supports(w) -> bool:
