@@ -6,8 +6,9 @@ expert sees dozens of rows. Here the pairs are sorted by slot (expert) and each 
 rows is padded to the tile height BLOCK_M; a program takes one M tile (rows of one expert) and
 one N tile of the output, walks K, decodes the weight tile from the GGUF bytes in the slot
 buffers in registers, and multiplies it with the tile's activation rows on the tensor cores
-(`tl.dot`, fp16 or bf16 operands, fp32 accumulate). Three launches of the grouped kernels and
-two roundings per layer step, whatever the number of experts:
+(`tl.dot`: int8 operands and int32 sums for the quantized types, fp16/bf16 for 16-bit ones).
+Three launches of the grouped kernels and two roundings per layer step, whatever the number of
+experts:
 
 0. x rounded for the gate/up type (triton_kernels.round_rows, the decode path's kernel);
 1. `_gate_up_kernel`, grid (M tiles, n_ff / BLOCK_N): gate and up of the tile's expert against
@@ -18,20 +19,20 @@ two roundings per layer step, whatever the number of experts:
 
 Exactness: as llama.cpp, the activation is rounded to the weight type's vec-dot type first
 (round_activation: Q8_K for K-quants, Q8_0 for Q8_0 and MXFP4, f16/bf16 for 16-bit weights).
-The tensor-core operands are then *exact*: the activation's int8 quants (or its f16/bf16 values)
-and small integers decoded from the weight blocks, with the scales applied in float32 outside
-the products, as ggml's integer dot products do:
-- Q4_K, Q5_K: per 64 values, dot(qx, sc * q) and dot(qx, m) (sc * q < 2048: exact in fp16);
-  per 256, acc += dx * (d * S - dmin * M);
-- Q6_K: sc * (q - 32) reaches 4064, not exact in fp16, so it is split into an even part (exact)
-  and its low bit, two products; per 256, acc += dx * d * S;
+The integer types then multiply on the int8 tensor cores as ggml's integer dot products do:
+the activation's int8 quants times small integers decoded from the weight blocks, one product
+per 32 values, exact in int32, the scales applied outside the products:
+- Q4_K, Q5_K: per chunk of 64 values (two sub-blocks j), sum_j sc_j * dot(qx_j, q_j) and
+  sum_j m_j * sum(qx_j) (the rounding's block sums, Rounded.sums), both int32;
+  acc += dx * (d * S - dmin * M);
+- Q6_K: q - 32 in [-32, 31]; its scales change every 16 values, so each 32-value product is
+  taken twice with the activation's other half zeroed; acc += dx * d * sum(sc * dot);
 - Q8_0, MXFP4: per block of 32, acc += dx * dw * dot(qx, q) (MXFP4's q: the doubled e2m1
   values, triton_kernels._e2m1_words; dw its halved e8m0 scale);
-- F16, BF16: the rounded activation and the weights in their own 16-bit type.
-Integer products and sums stay below 2^24 in practice, so each partial sum is the integer
-ggml forms; the result equals the torch path (round_activation(x) @ dequantize(W).T in
-float32) up to float32 summation order: the decode kernels' tolerance, 2e-5 of the output's
-largest magnitude per kernel (tests/quant/test_grouped_gemm.py).
+- F16, BF16: the rounded activation and the weights in their own 16-bit type (fp32 accumulate).
+The integer sums are ggml's; the result equals the torch path (round_activation(x) @
+dequantize(W).T in float32) up to float32 summation order: the decode kernels' tolerance, 2e-5
+of the output's largest magnitude per kernel (tests/quant/test_grouped_gemm.py).
 
 `TRITON_INTERPRET=1` (before triton_kernels is imported) runs these kernels on CPU tensors.
 """
@@ -78,19 +79,24 @@ if triton is not None:
         return sc, m
 
     @triton.jit
-    def _a_tile(a_ptr, a_rows, live_m, k0, KP: tl.constexpr, WIDTH: tl.constexpr, DT: tl.constexpr):
+    def _a_tile(a_ptr, a_rows, live_m, k0, KP: tl.constexpr, WIDTH: tl.constexpr):
         """Activation columns k0 .. k0 + WIDTH of the tile's rows (a_rows [BLOCK_M, 1] row
-        indices into a [rows, KP] tensor; dead rows read 0) as tensor-core operand type DT."""
+        indices into a [rows, KP] tensor; dead rows read 0), in the tensor's own type."""
         k = tl.arange(0, WIDTH)[None, :]
-        return tl.load(a_ptr + a_rows * KP + k0 + k, mask=live_m, other=0).to(DT)
+        return tl.load(a_ptr + a_rows * KP + k0 + k, mask=live_m, other=0)
 
     @triton.jit
-    def _k_step(acc, w, ks, xq_ptr, xd_ptr, xv_ptr, a_rows, live_m, K: tl.constexpr, QW: tl.constexpr,
+    def _idot(a, q):
+        """Exact int32 [BLOCK_M, BLOCK_N] = a (int8 [BLOCK_M, 32]) . q (small ints [32, BLOCK_N])."""
+        return tl.dot(a, q.to(tl.int8), out_dtype=tl.int32)
+
+    @triton.jit
+    def _k_step(acc, w, ks, xq_ptr, xd_ptr, xs_ptr, xv_ptr, a_rows, live_m, K: tl.constexpr, QW: tl.constexpr,
                 INTERP: tl.constexpr):
         """acc [BLOCK_M, BLOCK_N] += K step ks (256 values) of the rounded activation rows
         times the weight rows at byte pointers w [1, BLOCK_N] (one GGUF row each)."""
         KP: tl.constexpr = (K + 255) // 256 * 256
-        t = tl.arange(0, 64)[:, None]  # 64 values of a chunk, along K
+        i = tl.arange(0, 32)[:, None]  # 32 values of a sub-block, along K
         if QW == _Q4_K or QW == _Q5_K:
             if QW == _Q4_K:
                 blk = w + ks * 144
@@ -98,82 +104,87 @@ if triton is not None:
             else:
                 blk = w + ks * 176
                 qs = blk + 48
-            s_acc = tl.zeros_like(acc)
-            m_acc = tl.zeros_like(acc)
-            for c in range(4):  # a loop, not unrolled: one chunk's tiles live at a time
-                # values 64c + t: sub-blocks 2c (low nibbles of qs[32c ...]) and 2c + 1 (high)
-                q = (tl.load(qs + 32 * c + t % 32).to(tl.int32) >> (4 * (t // 32))) & 15
-                if QW == _Q5_K:  # the fifth bit: bit 2c + t // 32 of qh[t % 32]
-                    q = q | (((tl.load(blk + 16 + t % 32).to(tl.int32) >> (2 * c + t // 32)) & 1) << 4)
-                sc0, m0 = _k4_sc_m(blk + 4, 2 * c)
-                sc1, m1 = _k4_sc_m(blk + 4, 2 * c + 1)
-                sc = tl.where(t < 32, sc0, sc1)
-                m = tl.where(t < 32, m0, m1)
-                a = _a_tile(xq_ptr, a_rows, live_m, ks * 256 + 64 * c, KP, 64, tl.float16)
-                s_acc = tl.dot(a, (q * sc).to(tl.float16), s_acc)
-                m_acc = tl.dot(a, m.to(tl.float16), m_acc)
             d = _u16(blk)
             dmin = _u16(blk + 2)
             dx = tl.load(xd_ptr + a_rows * (KP // 32) + ks * 8, mask=live_m, other=0.0)
-            acc += dx * (d * s_acc - dmin * m_acc)
+            sums = xs_ptr + a_rows * (KP // 32) + ks * 8
+            for c in range(4):  # a loop, not unrolled: one chunk's tiles live at a time
+                # values 64c + i: sub-block 2c, the low nibbles of qs[32c + i]; 64c + 32 + i:
+                # sub-block 2c + 1, the high nibbles
+                byte = tl.load(qs + 32 * c + i).to(tl.int32)
+                lo = byte & 15
+                hi = byte >> 4
+                if QW == _Q5_K:  # the fifth bits: bits 2c and 2c + 1 of qh[i]
+                    qh = tl.load(blk + 16 + i).to(tl.int32)
+                    lo = lo | (((qh >> (2 * c)) & 1) << 4)
+                    hi = hi | (((qh >> (2 * c + 1)) & 1) << 4)
+                a_lo = _a_tile(xq_ptr, a_rows, live_m, ks * 256 + 64 * c, KP, 32)
+                a_hi = _a_tile(xq_ptr, a_rows, live_m, ks * 256 + 64 * c + 32, KP, 32)
+                sc0, m0 = _k4_sc_m(blk + 4, 2 * c)
+                sc1, m1 = _k4_sc_m(blk + 4, 2 * c + 1)
+                # the chunk's two sub-blocks: sum_j sc_j * dot(qx_j, q_j) and sum_j m_j * sum(qx_j),
+                # exact in int32
+                s = _idot(a_lo, lo) * sc0 + _idot(a_hi, hi) * sc1
+                m = tl.load(sums + 2 * c, mask=live_m, other=0) * m0 + tl.load(sums + 2 * c + 1, mask=live_m, other=0) * m1
+                acc += dx * (d * s.to(tl.float32) - dmin * m.to(tl.float32))
         elif QW == _Q6_K:
             blk = w + ks * 210
-            s_acc = tl.zeros_like(acc)
-            for c in range(4):  # a loop, not unrolled: one chunk's tiles live at a time
-                # values 64c + t: ql[64(c // 2) + t] nibble c % 2; qh[128 + 32(c // 2) + t % 32]
-                # bits 2(2(c % 2) + t // 32); scale int8 at 192 + 4c + t // 16
-                lo = (tl.load(blk + 64 * (c // 2) + t).to(tl.int32) >> (4 * (c % 2))) & 15
-                hb = (tl.load(blk + 128 + 32 * (c // 2) + t % 32).to(tl.int32) >> (2 * (2 * (c % 2) + t // 32))) & 3
-                sc = tl.load((blk + 192 + 4 * c + t // 16).to(tl.pointer_type(tl.int8))).to(tl.int32)
-                v = sc * ((lo | (hb << 4)) - 32)
-                even = (v >> 1) << 1  # |v| <= 4096: even integers are exact in fp16, the low bit too
-                a = _a_tile(xq_ptr, a_rows, live_m, ks * 256 + 64 * c, KP, 64, tl.float16)
-                s_acc = tl.dot(a, even.to(tl.float16), s_acc)
-                s_acc = tl.dot(a, (v - even).to(tl.float16), s_acc)
             d = _u16(blk + 208)
             dx = tl.load(xd_ptr + a_rows * (KP // 32) + ks * 8, mask=live_m, other=0.0)
-            acc += dx * (d * s_acc)
+            first = tl.arange(0, 32)[None, :] < 16  # the activation's half under a sub-block's first scale
+            for c in range(4):  # a loop, not unrolled: one chunk's tiles live at a time
+                # values 64c + 32h + i: ql[64(c // 2) + 32h + i] nibble c % 2, qh[128 + 32(c // 2) + i]
+                # bits 2(2(c % 2) + h); int8 scales at 192 + 4c + 2h (i < 16) and + 1 (i >= 16)
+                qh = tl.load(blk + 128 + 32 * (c // 2) + i).to(tl.int32)
+                s = tl.zeros(acc.shape, tl.int32)
+                for h in tl.static_range(2):
+                    lo = (tl.load(blk + 64 * (c // 2) + 32 * h + i).to(tl.int32) >> (4 * (c % 2))) & 15
+                    q = (lo | (((qh >> (2 * (2 * (c % 2) + h))) & 3) << 4)) - 32
+                    a = _a_tile(xq_ptr, a_rows, live_m, ks * 256 + 64 * c + 32 * h, KP, 32)
+                    sc_a = tl.load((blk + 192 + 4 * c + 2 * h).to(tl.pointer_type(tl.int8))).to(tl.int32)
+                    sc_b = tl.load((blk + 193 + 4 * c + 2 * h).to(tl.pointer_type(tl.int8))).to(tl.int32)
+                    s += _idot(tl.where(first, a, 0), q) * sc_a + _idot(tl.where(first, 0, a), q) * sc_b
+                acc += dx * (d * s.to(tl.float32))
         elif QW == _Q8_0 or QW == _MXFP4:
             NB: tl.constexpr = K // 32
-            t32 = tl.arange(0, 32)[:, None]
             for b in range(8):  # a loop, not unrolled: one block's tiles live at a time
                 # Blocks past the row's end read its last block again: the activation there is 0.
                 bi = tl.minimum(ks * 8 + b, NB - 1)
                 if QW == _Q8_0:
                     bp = w + bi * 34
-                    q = tl.load((bp + 2 + t32).to(tl.pointer_type(tl.int8))).to(tl.int32)
+                    q = tl.load((bp + 2 + i).to(tl.pointer_type(tl.int8))).to(tl.int32)
                     dw = _u16(bp)
                 else:
                     bp = w + bi * 17
-                    byte = tl.load(bp + 1 + t32 % 16).to(tl.int32) >> (4 * (t32 // 16))
+                    byte = tl.load(bp + 1 + i % 16).to(tl.int32) >> (4 * (i // 16))
                     q = _e2m1_words(byte, INTERP) & 255  # byte 0: the value, int8
                     q = q - ((q & 128) << 1)
                     e = tl.load(bp).to(tl.int32)
                     # ggml_e8m0_to_fp32_half: 2^(e - 128), subnormal for e < 2
                     dw = tl.where(e < 2, 0x00200000 << e, (e - 1) << 23).to(tl.float32, bitcast=True)
-                a = _a_tile(xq_ptr, a_rows, live_m, ks * 256 + 32 * b, KP, 32, tl.float16)
-                s = tl.dot(a, q.to(tl.float16))
+                a = _a_tile(xq_ptr, a_rows, live_m, ks * 256 + 32 * b, KP, 32)
+                s = _idot(a, q).to(tl.float32)
                 dx = tl.load(xd_ptr + a_rows * (KP // 32) + ks * 8 + b, mask=live_m, other=0.0)
                 acc += s * (dx * dw)
         else:  # F16, BF16: the rounded activation is a 16-bit value already
+            t = tl.arange(0, 64)[:, None]
             for c in range(4):  # a loop, not unrolled: one chunk's tiles live at a time
                 k = ks * 256 + 64 * c + t
+                a = _a_tile(xv_ptr, a_rows, live_m, ks * 256 + 64 * c, KP, 64)
                 if QW == _F16:
                     wv = tl.load(w.to(tl.pointer_type(tl.float16)) + k, mask=k < K, other=0.0)
-                    a = _a_tile(xv_ptr, a_rows, live_m, ks * 256 + 64 * c, KP, 64, tl.float16)
+                    a = a.to(tl.float16)
                 else:
                     bits = tl.load(w.to(tl.pointer_type(tl.uint16)) + k, mask=k < K, other=0).to(tl.int32)
                     wv = (bits << 16).to(tl.float32, bitcast=True)
-                    if INTERP:  # the interpreter's dot would multiply bf16 bit patterns: float32 (exact)
-                        a = _a_tile(xv_ptr, a_rows, live_m, ks * 256 + 64 * c, KP, 64, tl.float32)
-                    else:
+                    if not INTERP:  # the interpreter's dot would multiply bf16 bit patterns: float32 (exact)
                         wv = wv.to(tl.bfloat16)
-                        a = _a_tile(xv_ptr, a_rows, live_m, ks * 256 + 64 * c, KP, 64, tl.bfloat16)
+                        a = a.to(tl.bfloat16)
                 acc = tl.dot(a, wv, acc)
         return acc
 
     @triton.jit
-    def _gate_up_kernel(xgq_ptr, xgd_ptr, xgv_ptr, xuq_ptr, xud_ptr, xuv_ptr, g_ptr, g_slot_bytes, g_row_bytes,
+    def _gate_up_kernel(xgq_ptr, xgd_ptr, xgs_ptr, xgv_ptr, xuq_ptr, xud_ptr, xus_ptr, xuv_ptr, g_ptr, g_slot_bytes, g_row_bytes,
                         u_ptr, u_slot_bytes, u_row_bytes, gb_ptr, ub_ptr, h_ptr, tok_ptr, tslot_ptr, texp_ptr,
                         N: tl.constexpr, K: tl.constexpr, QG: tl.constexpr, QU: tl.constexpr, ACT: tl.constexpr,
                         HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -196,8 +207,8 @@ if triton is not None:
         acc_u = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
         NS: tl.constexpr = (K + 255) // 256
         for ks in range(0, NS):
-            acc_g = _k_step(acc_g, g_w, ks, xgq_ptr, xgd_ptr, xgv_ptr, a_rows, live_m, K, QG, INTERP)
-            acc_u = _k_step(acc_u, u_w, ks, xuq_ptr, xud_ptr, xuv_ptr, a_rows, live_m, K, QU, INTERP)
+            acc_g = _k_step(acc_g, g_w, ks, xgq_ptr, xgd_ptr, xgs_ptr, xgv_ptr, a_rows, live_m, K, QG, INTERP)
+            acc_u = _k_step(acc_u, u_w, ks, xuq_ptr, xud_ptr, xus_ptr, xuv_ptr, a_rows, live_m, K, QU, INTERP)
         if HAS_BIAS:
             e = tl.load(texp_ptr + mt).to(tl.int64)
             acc_g += tl.load(gb_ptr + e * N + n, mask=live_n, other=0.0)[None, :]
@@ -206,7 +217,7 @@ if triton is not None:
         tl.store(h_ptr + rows_m.to(tl.int64)[:, None] * N + n[None, :], h, mask=live_n[None, :])
 
     @triton.jit
-    def _down_kernel(hq_ptr, hd_ptr, hv_ptr, d_ptr, d_slot_bytes, d_row_bytes, db_ptr, wt_ptr, wt_stride_tok,
+    def _down_kernel(hq_ptr, hd_ptr, hs_ptr, hv_ptr, d_ptr, d_slot_bytes, d_row_bytes, db_ptr, wt_ptr, wt_stride_tok,
                      out_ptr, out_stride_pos, out_stride_tok, tok_ptr, pos_ptr, tslot_ptr, texp_ptr, N,
                      K: tl.constexpr, QD: tl.constexpr, HAS_BIAS: tl.constexpr, WEIGHTED: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, INTERP: tl.constexpr):
@@ -226,7 +237,7 @@ if triton is not None:
         acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
         NS: tl.constexpr = (K + 255) // 256
         for ks in range(0, NS):
-            acc = _k_step(acc, d_w, ks, hq_ptr, hd_ptr, hv_ptr, a_rows, live[:, None], K, QD, INTERP)
+            acc = _k_step(acc, d_w, ks, hq_ptr, hd_ptr, hs_ptr, hv_ptr, a_rows, live[:, None], K, QD, INTERP)
         if HAS_BIAS:
             e = tl.load(texp_ptr + mt).to(tl.int64)
             acc += tl.load(db_ptr + e * N + n, mask=live_n, other=0.0)[None, :]
@@ -251,21 +262,19 @@ class GroupedConfig:
 # Defaults per kernel and weight type (gate's for gate/up, down's for down; block_m alike, as
 # both kernels walk the same padded runs, whatever the gate and down types). A 512-token chunk
 # gives each of 128 experts ~32 rows (top-8), so 32-row tiles pad far fewer rows than 64-row
-# ones. Measured on the H200 (session 8; Qwen3-30B-A3B experts, all four launches, random
-# routing, one tile for both kernels), µs per layer step at 512 / 4,096 tokens:
-#   Q4_K  32x64 w4 s3   1,922 / 10,894  (64x64 w8 s2, the former default: 2,626 / 11,404;
-#         32x128 w4 s2 was faster, 1,718 / 9,195, but its gate/up spills registers)
-#   Q6_K  32x64 w4 s3   2,618 / 14,556  (64x64 w8 s2: 3,199 / 13,820)
-# Q6_K's and Q5_K's gate/up hold more gathered byte tiles per chunk and spill at four warps, so
-# they take eight (not yet timed); the other types take 32x64 w4 s2 (not yet timed on their own).
-# Compiled for sm_90 (engine/quant/triton_aot.py, tests/quant/test_grouped_gemm.py), these spill
-# nothing. `moestudio bench kernels --only grouped --sweep` times others.
-# block_m is the planner's GROUPED_BLOCK_M, which reserves the padded rows.
-GATE_UP_CONFIG: dict[QT, GroupedConfig] = {t: GroupedConfig(GROUPED_BLOCK_M, 64, 4, 2) for t in GROUPED_TYPES}
-GATE_UP_CONFIG[QT.Q4_K] = GroupedConfig(GROUPED_BLOCK_M, 64, 4, 3)
-GATE_UP_CONFIG[QT.Q5_K] = GATE_UP_CONFIG[QT.Q6_K] = GroupedConfig(GROUPED_BLOCK_M, 64, 8, 2)
-DOWN_CONFIG: dict[QT, GroupedConfig] = {t: GroupedConfig(GROUPED_BLOCK_M, 64, 4, 2) for t in GROUPED_TYPES}
-DOWN_CONFIG[QT.Q4_K] = DOWN_CONFIG[QT.Q6_K] = GroupedConfig(GROUPED_BLOCK_M, 64, 4, 3)
+# ones. Measured on the H200 (session 9; Qwen3-30B-A3B experts, all four launches, random
+# routing, one tile for both kernels; .runs-style sweep, docs/BENCHMARKS.md), µs per layer
+# step at 512 / 4,096 tokens:
+#   Q4_K  32x64 w4 s3   1,059 / 6,039   (32x64 w4 s2: 1,166 / 6,414; 64x64 w4 s2: 2,224 / 9,603)
+#   Q6_K  32x64 w4 s3   1,635 / 8,676   (32x64 w4 s2: 1,605 / 9,048; 32x64 w8 s2: 1,623 / 9,216)
+#   Q8_0  32x64 w4 s2     929 / 4,841   (64x64 w4 s2: 1,064 / 4,404)
+# Q5_K takes Q4_K's tile (not timed on its own). Compiled for sm_90 (engine/quant/triton_aot.py,
+# tests/quant/test_grouped_gemm.py), these spill nothing. `moestudio bench kernels --only grouped
+# --sweep` times others. block_m is the planner's GROUPED_BLOCK_M, which reserves the padded rows.
+_K_QUANTS = (QT.Q4_K, QT.Q5_K, QT.Q6_K)
+GATE_UP_CONFIG: dict[QT, GroupedConfig] = {t: GroupedConfig(GROUPED_BLOCK_M, 64, 4, 3 if t in _K_QUANTS else 2)
+                                           for t in GROUPED_TYPES}
+DOWN_CONFIG: dict[QT, GroupedConfig] = dict(GATE_UP_CONFIG)
 
 
 def supports(w) -> bool:
@@ -334,7 +343,7 @@ def gate_up(xg: tk.Rounded, xu: tk.Rounded, gate_buf: torch.Tensor, up_buf: torc
     gb = w.gate.bias if has_bias else h
     ub = w.up.bias if w.up.bias is not None else gb
     _gate_up_kernel[(groups.tiles, triton.cdiv(n_ff, cfg.block_n))](
-        xg.quants, xg.scales, xg.padded, xu.quants, xu.scales, xu.padded,
+        xg.quants, xg.scales, xg.sums, xg.padded, xu.quants, xu.scales, xu.sums, xu.padded,
         gate_buf, gate_buf.stride(0), gate_buf.stride(1), up_buf, up_buf.stride(0), up_buf.stride(1),
         gb, ub, h, groups.row_tok, groups.tile_slot, groups.tile_exp,
         N=n_ff, K=d_in, QG=int(w.gate.qtype), QU=int(w.up.qtype), ACT=tk._ACT[w.activation], HAS_BIAS=has_bias,
@@ -355,7 +364,7 @@ def down(hr: tk.Rounded, down_buf: torch.Tensor, w, groups: Groups, weights: tor
     db = w.down.bias if has_bias else hr.padded
     wt = weights if weights is not None else hr.padded
     _down_kernel[(groups.tiles, triton.cdiv(d_out, cfg.block_n))](
-        hr.quants, hr.scales, hr.padded, down_buf, down_buf.stride(0), down_buf.stride(1), db, wt, wt.stride(0),
+        hr.quants, hr.scales, hr.sums, hr.padded, down_buf, down_buf.stride(0), down_buf.stride(1), db, wt, wt.stride(0),
         out, out.stride(0), out.stride(1), groups.row_tok, groups.row_pos, groups.tile_slot, groups.tile_exp, d_out,
         K=n_ff, QD=int(w.down.qtype), HAS_BIAS=has_bias, WEIGHTED=weights is not None,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, INTERP=tk.INTERPRETED, **_opts(cfg))

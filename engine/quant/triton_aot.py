@@ -23,7 +23,7 @@ _PTR = {"x": "*fp32", "xg": "*fp32", "xu": "*fp32", "out": "*fp32", "gb": "*fp32
         "xr": "*fp32", "xq": "*i8", "xd": "*fp32", "w": "*u8", "part": "*fp32",
         # the grouped GEMM (grouped_gemm.py): rounded rows as int8 quants, scales and values
         "xgq": "*i8", "xuq": "*i8", "hq": "*i8", "xgd": "*fp32", "xud": "*fp32", "hd": "*fp32",
-        "xgv": "*fp32", "xuv": "*fp32", "hv": "*fp32"}
+        "xgv": "*fp32", "xuv": "*fp32", "hv": "*fp32", "s": "*i32", "xgs": "*i32", "xus": "*i32", "hs": "*i32"}
 _ALIGNED_INTS = {"g_slot_bytes", "g_row_bytes", "u_slot_bytes", "u_row_bytes", "d_slot_bytes", "d_row_bytes",
                  "x_stride", "out_stride_pos", "out_stride_tok", "w_row_bytes"}
 

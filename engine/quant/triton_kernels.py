@@ -128,18 +128,22 @@ if triton is not None:
         return ((bits >> 16) << 16).to(tl.float32, bitcast=True)
 
     @triton.jit
-    def _round_chunk(src, dst, dst_q, dst_d, c, K: tl.constexpr, VT: tl.constexpr, INTERP: tl.constexpr):
+    def _round_chunk(src, dst, dst_q, dst_d, dst_s, c, K: tl.constexpr, VT: tl.constexpr, INTERP: tl.constexpr,
+                     SUMS: tl.constexpr):
         """dst[256c : 256c + 256] = round_activation(src[...]) for vec-dot type VT (a GGUF
         type id: Q8_K, Q8_0, F16, BF16; anything else copies). For Q8_K and Q8_0 also the int8
         quants (dst_q, same positions) and the scales: Q8_K's at dst_d[8c] (0 for an all-zero
-        block), Q8_0's at dst_d[8c + b] for its blocks b. dst rows are padded to whole K
-        steps: positions from K on receive zeros."""
+        block), Q8_0's at dst_d[8c + b] for its blocks b; with SUMS, Q8_K's quants summed per 32
+        at dst_s[8c + b] (int32: the grouped GEMM's K-quant min terms). dst rows are padded to
+        whole K steps: positions from K on receive zeros."""
         if VT == _Q8_K:
             i = c * 256 + tl.arange(0, 256)
             q, d, zero = _q8_k(tl.load(src + i, cache_modifier=".cg"), INTERP)
             tl.store(dst + i, tl.where(zero, 0.0, d * q))
             tl.store(dst_q + i, q.to(tl.int8))
             tl.store(dst_d + c * 8, tl.where(zero, 0.0, d))
+            if SUMS:
+                tl.store(dst_s + c * 8 + tl.arange(0, 8), tl.sum(tl.reshape(q, (8, 32)), axis=1).to(tl.int32))
         elif VT == _Q8_0:
             i = c * 256 + tl.arange(0, 8)[:, None] * 32 + tl.arange(0, 32)[None, :]
             v = tl.load(src + i, mask=i < K, other=0.0, cache_modifier=".cg")
@@ -157,14 +161,15 @@ if triton is not None:
             tl.store(dst + i, v)
 
     @triton.jit
-    def _round_rows_kernel(x_ptr, x_stride, out_ptr, q_ptr, d_ptr, K: tl.constexpr, VT: tl.constexpr,
+    def _round_rows_kernel(x_ptr, x_stride, out_ptr, q_ptr, d_ptr, s_ptr, K: tl.constexpr, VT: tl.constexpr,
                            INTERP: tl.constexpr):
         """Grid (rows, KP / 256): out[row] = round_activation(x[row]), zero-padded to KP, the
-        next multiple of 256 (for Q8_K and Q8_0 also q [rows, KP] int8 and d [rows, KP / 32])."""
+        next multiple of 256 (for Q8_K and Q8_0 also q [rows, KP] int8 and d [rows, KP / 32];
+        for Q8_K also s [rows, KP / 32], the quants' sums per 32)."""
         r = tl.program_id(0).to(tl.int64)
         KP: tl.constexpr = (K + 255) // 256 * 256
         _round_chunk(x_ptr + r * x_stride, out_ptr + r * KP, q_ptr + r * KP, d_ptr + r * (KP // 32),
-                     tl.program_id(1), K, VT, INTERP)
+                     s_ptr + r * (KP // 32), tl.program_id(1), K, VT, INTERP, True)
 
     # ---------------------------------------------------------------- weight tiles
     # A K step (256 activation values) of one program is a tile [2 (p), BLOCK_N (r), C, S, E]:
@@ -704,7 +709,7 @@ if triton is not None:
             NSH: tl.constexpr = (N + 255) // 256
             for c in tl.static_range(0, NSH):
                 _round_chunk(h_row, hr_ptr + p64 * (NSH * 256), hq_ptr + p64 * (NSH * 256), hd_ptr + p64 * (NSH * 8),
-                             c, N, VT_DOWN, INTERP)
+                             hd_ptr, c, N, VT_DOWN, INTERP, False)
 
     @triton.jit
     def _down_kernel(hr_ptr, hq_ptr, hd_ptr, d_ptr, d_slot_bytes, d_row_bytes, db_ptr, wt_ptr, wt_stride_tok,
@@ -944,11 +949,14 @@ class Rounded:
     """Rows rounded for one weight type, zero-padded to whole K steps (KP = 256 * ceil(K/256)):
     `padded` [rows, KP] = round_activation(rows, type) then zeros; for Q8_K and Q8_0 (K-quant,
     Q8_0 and MXFP4 weights) also `quants` (int8 [rows, KP]) and `scales` ([rows, KP / 32]:
-    Q8_0's per block of 32, Q8_K's at every eighth place)."""
+    Q8_0's per block of 32, Q8_K's at every eighth place); for Q8_K rounded by round_rows also
+    `sums` (int32 [rows, KP / 32]: the quants summed per 32, which the grouped GEMM's K-quant
+    min terms take; the decode gate/up kernel's in-kernel rounding of h leaves them unset)."""
 
     padded: torch.Tensor
     quants: torch.Tensor
     scales: torch.Tensor
+    sums: torch.Tensor
     K: int
 
     @property
@@ -960,7 +968,8 @@ class Rounded:
         kp = -(-K // KSTEP) * KSTEP
         return cls(torch.empty((rows, kp), dtype=torch.float32, device=device),
                    torch.empty((rows, kp), dtype=torch.int8, device=device),
-                   torch.empty((rows, kp // 32), dtype=torch.float32, device=device), K)
+                   torch.empty((rows, kp // 32), dtype=torch.float32, device=device),
+                   torch.empty((rows, kp // 32), dtype=torch.int32, device=device), K)
 
 
 def round_rows(x: torch.Tensor, weight_qtype: QT) -> Rounded:
@@ -968,7 +977,7 @@ def round_rows(x: torch.Tensor, weight_qtype: QT) -> Rounded:
     T, K = x.shape
     out = Rounded.empty(T, K, x.device)
     if T:
-        _round_rows_kernel[(T, triton.cdiv(K, KSTEP))](x, x.stride(0), out.padded, out.quants, out.scales, K=K,
+        _round_rows_kernel[(T, triton.cdiv(K, KSTEP))](x, x.stride(0), out.padded, out.quants, out.scales, out.sums, K=K,
                                                       VT=_vt(weight_qtype), INTERP=INTERPRETED,
                                                       **_launch_opts(TileConfig(0, 4)))
     return out
