@@ -60,7 +60,7 @@ def time_engine(path: Path, tokens: dict[str, list[int]], *, device: str, budget
     model, kv = engine.model, engine.cache
     warmup, prompt, stream = tokens["warmup"], tokens["prompt"], tokens["stream"]
     sync = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else (lambda: None)
-    model.forward(torch.tensor(warmup), kv, 0)  # warm-up: the prompt's kernels, the CPU pool...
+    model.forward(torch.tensor(warmup), kv, 0, last_only=True)  # warm-up: the prompt's kernels, the CPU pool...
     model.forward(torch.tensor(warmup[-1:]), kv, len(warmup))  # ...and the decode graph's capture
     sync()
     prefill_s, prefill_pcie = _timed_prefill(engine, prompt, sync)

@@ -111,8 +111,12 @@ class DecoderModel:
         return KVCache(c.n_layer, n_ctx, c.n_head_kv, c.head_dim_k, c.head_dim_v, self.device)
 
     @torch.inference_mode()
-    def forward(self, tokens: torch.Tensor, cache: KVCache, start: int | None = None) -> torch.Tensor:
-        """Logits [T, n_vocab] for `tokens` [T] placed at positions start.. (default: cache end)."""
+    def forward(self, tokens: torch.Tensor, cache: KVCache, start: int | None = None, *,
+                last_only: bool = False) -> torch.Tensor:
+        """Logits [T, n_vocab] for `tokens` [T] placed at positions start.. (default: cache end);
+        with `last_only` [1, n_vocab], the last token's: all a prompt needs (the output head
+        over every row of a chunk of a 150k-token vocabulary is a product as large as the rest
+        of the chunk's, and its float32 weights a transient of 4 bytes a parameter)."""
         start = cache.length if start is None else start
         end = start + tokens.numel()
         if end > cache.n_ctx:
@@ -120,12 +124,12 @@ class DecoderModel:
         if tokens.numel() == 1 and decode_graphs_enabled(self.device):
             return self._decode_runner(cache).step(tokens, start)
         positions = torch.arange(start, end, device=self.device)
-        logits = self.run(self.embed(tokens), positions, cache, start, self.experts)
+        logits = self.run(self.embed(tokens), positions, cache, start, self.experts, last_only)
         cache.length = end
         return logits
 
     def run(self, h: torch.Tensor, positions: torch.Tensor, cache: KVCache, start: int | None,
-            experts: Experts) -> torch.Tensor:
+            experts: Experts, last_only: bool = False) -> torch.Tensor:
         """The forward from the embedded rows h [T, D] to the logits, written once: eagerly for
         prompts, and captured as the decode token's CUDA graph (start None: attention is given
         the whole cache and reads up to the device-side position; nothing here may wait for the
@@ -138,7 +142,7 @@ class DecoderModel:
         for i, (block, next_norm) in enumerate(zip(self.blocks, next_norms)):
             h, x = add_rms_norm(h, block.attention(x, positions, cache, i, start), block.ffn_norm, eps)
             h, x = add_rms_norm(h, block.ffn(x, experts) if block.is_moe else block.ffn(x), next_norm, eps)
-        return self.output(x)
+        return self.output(x[-1:] if last_only else x)
 
     def settle(self) -> None:
         """Brings the expert counters up to date after decoding (the decode graph's trail by

@@ -241,7 +241,7 @@ class Engine:
                 # /v1/stats shows the progress of a long prompt (the app: "processing prompt 1,536 / 4,000")
                 self.telemetry.prefill_progress(start, len(tokens))
                 chunk = tokens[start:start + self.config.prefill_chunk]
-                logits = self.model.forward(torch.tensor(chunk), self.cache, start)
+                logits = self.model.forward(torch.tensor(chunk), self.cache, start, last_only=True)
                 self._cached.extend(chunk)
         finally:
             self.telemetry.prefill_done()
