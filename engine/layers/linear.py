@@ -8,9 +8,9 @@ experts all agree with llama.cpp up to float32 summation order.
 On CUDA a quantized weight stays in its GGUF bytes (a VRAM budget is not spent on float32
 copies, 3.8x the size of Q8_0), in the layout the kernels read fastest
 (engine/quant/layout.kernel_layout: Q6_K blocks padded to 224 bytes, 6.7% more bytes, the
-other types as the file has them); one copy serves both paths: a few rows (decode) go through
-the Triton kernel that reads the blocks directly, more rows (prefill) decode the weight for the
-one product (layout.dequantize_layout, bit-identical to decoding the GGUF bytes).
+other types as the file has them); one copy serves both paths, both reading the blocks
+directly: a few rows (decode) through the split-K dense kernel (quant/triton_kernels.dense),
+more rows (prompts) through the grouped GEMM's int8 tensor-core product (quant/grouped_gemm.dense).
 """
 from __future__ import annotations
 
@@ -73,13 +73,16 @@ class Linear:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.raw is None:
             y = matmul(round_activation(x, self.qtype), self.weight.T)
+        elif x.dtype != torch.float32:  # a float64 reference run (layers/precision)
+            y = matmul(round_activation(x, self.qtype), dequantize_layout(self.raw[0], self.qtype, self.shape).T)
         else:
-            from engine.quant import triton_kernels as tk  # loaded already: _kernel_applies imported it
+            from engine.quant import grouped_gemm as gg, triton_kernels as tk  # loaded: _kernel_applies imported tk
 
-            if x.shape[0] <= tk.DENSE_MAX_ROWS and x.dtype == torch.float32:
-                y = tk.dense(x if x.stride(-1) == 1 else x.contiguous(), self.raw, self.qtype, self.shape[0])
+            x = x if x.stride(-1) == 1 else x.contiguous()
+            if x.shape[0] <= tk.DENSE_MAX_ROWS:
+                y = tk.dense(x, self.raw, self.qtype, self.shape[0])
             else:
-                y = matmul(round_activation(x, self.qtype), dequantize_layout(self.raw[0], self.qtype, self.shape).T)
+                y = gg.dense(x, self.raw, self.qtype)
         return y + self.bias if self.bias is not None else y
 
 

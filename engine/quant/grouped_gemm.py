@@ -38,6 +38,7 @@ of the output's largest magnitude per kernel (tests/quant/test_grouped_gemm.py).
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -54,7 +55,7 @@ if triton is not None:
 
     # The decode kernels' type ids, block decoders and activation (jit helpers), shared, not copied.
     from engine.quant.triton_kernels import (  # noqa: F401 (constexpr globals the kernels read)
-        _BF16, _F16, _MXFP4, _Q4_K, _Q5_K, _Q6_K, _Q8_0, _activate, _e2m1_words, _f16_bits)
+        _BF16, _F16, _MXFP4, _Q4_K, _Q5_K, _Q6_K, _Q6_K_PADDED, _Q8_0, _activate, _e2m1_words, _f16_bits)
 
 # Weight types the grouped kernels decode: every type the decode kernels take.
 GROUPED_TYPES: frozenset[QT] = tk.KERNEL_TYPES
@@ -127,8 +128,9 @@ if triton is not None:
                 s = _idot(a_lo, lo) * sc0 + _idot(a_hi, hi) * sc1
                 m = tl.load(sums + 2 * c, mask=live_m, other=0) * m0 + tl.load(sums + 2 * c + 1, mask=live_m, other=0) * m1
                 acc += dx * (d * s.to(tl.float32) - dmin * m.to(tl.float32))
-        elif QW == _Q6_K:
-            blk = w + ks * 210
+        elif QW == _Q6_K or QW == _Q6_K_PADDED:
+            # 210-byte blocks, or the slots' 224-byte ones (layout.pad_q6_k: the same fields)
+            blk = w + ks * (224 if QW == _Q6_K_PADDED else 210)
             d = _u16(blk + 208)
             dx = tl.load(xd_ptr + a_rows * (KP // 32) + ks * 8, mask=live_m, other=0.0)
             first = tl.arange(0, 32)[None, :] < 16  # the activation's half under a sub-block's first scale
@@ -346,7 +348,8 @@ def gate_up(xg: tk.Rounded, xu: tk.Rounded, gate_buf: torch.Tensor, up_buf: torc
         xg.quants, xg.scales, xg.sums, xg.padded, xu.quants, xu.scales, xu.sums, xu.padded,
         gate_buf, gate_buf.stride(0), gate_buf.stride(1), up_buf, up_buf.stride(0), up_buf.stride(1),
         gb, ub, h, groups.row_tok, groups.tile_slot, groups.tile_exp,
-        N=n_ff, K=d_in, QG=int(w.gate.qtype), QU=int(w.up.qtype), ACT=tk._ACT[w.activation], HAS_BIAS=has_bias,
+        N=n_ff, K=d_in, QG=tk.kernel_type(w.gate.qtype, gate_buf, d_in), QU=tk.kernel_type(w.up.qtype, up_buf, d_in),
+        ACT=tk._ACT[w.activation], HAS_BIAS=has_bias,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, INTERP=tk.INTERPRETED, **_opts(cfg))
     return h
 
@@ -355,19 +358,47 @@ def down(hr: tk.Rounded, down_buf: torch.Tensor, w, groups: Groups, weights: tor
          out: torch.Tensor, cfg: GroupedConfig | None = None) -> None:
     """out[pos, tok, :] = (hr[row] . down[slot] (+bias)) * weights[tok, pos] for every live row;
     `out` [k, T, D] (the executor's per_slot, last axis contiguous); weights None: unweighted."""
-    cfg = cfg or DOWN_CONFIG[w.down.qtype]
-    d_out, n_ff = w.down.shape[1], w.down.shape[2]
+    assert hr.K == w.down.shape[2]
+    _down_launch(hr, down_buf, w.down.qtype, w.down.bias, groups, weights, out, cfg or DOWN_CONFIG[w.down.qtype])
+
+
+def _down_launch(hr: tk.Rounded, buf: torch.Tensor, qtype: QT, bias: torch.Tensor | None, groups: Groups,
+                 weights: torch.Tensor | None, out: torch.Tensor, cfg: GroupedConfig) -> None:
+    """The down kernel over slot rows buf [slots, n_out, row_bytes] of `qtype` (down's launch,
+    and dense's with the whole weight as slot 0)."""
     if groups.tiles == 0:
         return
-    assert out.stride(2) == 1 and cfg.block_m == groups.block_m and hr.K == n_ff
-    has_bias = w.down.bias is not None
-    db = w.down.bias if has_bias else hr.padded
+    assert out.stride(2) == 1 and cfg.block_m == groups.block_m
+    n_out = buf.shape[1]
+    db = bias if bias is not None else hr.padded
     wt = weights if weights is not None else hr.padded
-    _down_kernel[(groups.tiles, triton.cdiv(d_out, cfg.block_n))](
-        hr.quants, hr.scales, hr.sums, hr.padded, down_buf, down_buf.stride(0), down_buf.stride(1), db, wt, wt.stride(0),
-        out, out.stride(0), out.stride(1), groups.row_tok, groups.row_pos, groups.tile_slot, groups.tile_exp, d_out,
-        K=n_ff, QD=int(w.down.qtype), HAS_BIAS=has_bias, WEIGHTED=weights is not None,
+    _down_kernel[(groups.tiles, triton.cdiv(n_out, cfg.block_n))](
+        hr.quants, hr.scales, hr.sums, hr.padded, buf, buf.stride(0), buf.stride(1), db, wt, wt.stride(0),
+        out, out.stride(0), out.stride(1), groups.row_tok, groups.row_pos, groups.tile_slot, groups.tile_exp, n_out,
+        K=hr.K, QD=tk.kernel_type(qtype, buf, hr.K), HAS_BIAS=bias is not None, WEIGHTED=weights is not None,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, INTERP=tk.INTERPRETED, **_opts(cfg))
+
+
+@functools.lru_cache(maxsize=8)
+def _all_rows(n_rows: int, block_m: int, device: str) -> Groups:
+    """Groups of n_rows rows that all go to slot 0, in order (a prompt chunk's rows through a
+    dense weight); kept, as a prompt's chunks repeat one size."""
+    return Groups.build(np.zeros((n_rows, 1), np.int64), np.zeros(1, np.int32), block_m, device)
+
+
+def dense(x: torch.Tensor, raw: torch.Tensor, qtype: QT, cfg: GroupedConfig | None = None) -> torch.Tensor:
+    """round(x) @ W.T for x [T, K] float32 (any T; last axis contiguous) and a dense weight kept as
+    its GGUF rows raw [1, n_out, row_bytes] (layers/linear.Linear's copy, Q6_K in either layout):
+    the down kernel with the whole weight as one expert that every row goes to. Two launches
+    (round x; the product) and no float copy of W: prompts' dense products on the int8 tensor
+    cores, exact as the experts' are (the decode sizes, up to triton_kernels.DENSE_MAX_ROWS
+    rows, take triton_kernels.dense)."""
+    cfg = cfg or DOWN_CONFIG[qtype]
+    out = torch.empty((1, x.shape[0], raw.shape[1]), dtype=torch.float32, device=x.device)
+    if x.shape[0]:
+        _down_launch(tk.round_rows(x, qtype), raw, qtype, None, _all_rows(x.shape[0], cfg.block_m, str(x.device)),
+                     None, out, cfg)
+    return out[0]
 
 
 def experts_forward(x: torch.Tensor, buffers, w, ids_host: np.ndarray, slot_of: np.ndarray,

@@ -109,16 +109,17 @@ def _target(arch: int = 90):
     return GPUTarget("cuda", arch, 32)
 
 
+def slot_type(q: QT) -> int:
+    """The kernels' type id of expert rows as engine/moe/slots.LayerSlots holds them (Q6_K padded)."""
+    return tk.Q6_K_PADDED if q == QT.Q6_K else int(q)
+
+
 def decode_variants(gate: QT, up: QT, down: QT, n_embd: int, n_ff: int, activation: int = 0, bias: bool = False,
                     gate_up_cfg: tk.TileConfig | None = None, down_cfg: tk.TileConfig | None = None,
                     arch: int = 90):
     """(label, kernel, constexprs, config) of every launch experts_forward makes for this geometry,
     over slot buffers as engine/moe/slots.LayerSlots lays them out (Q6_K padded)."""
     vt = tk._vt
-
-    def slot_type(q: QT) -> int:
-        return tk.Q6_K_PADDED if q == QT.Q6_K else int(q)
-
     rev = tk.reversed_ties(_target(arch))
     gu = gate_up_cfg or tk.GATE_UP_CONFIG[gate]
     dn = down_cfg or tk.DOWN_CONFIG[down]
@@ -161,15 +162,16 @@ def dense_variants(qtype: QT, n_out: int, K: int, rows: int, cfg: tk.TileConfig 
 
 def grouped_variants(gate: QT, up: QT, down: QT, n_embd: int, n_ff: int, activation: int = 0, bias: bool = False):
     """(label, kernel, constexprs, config) of the two grouped-GEMM launches (grouped_gemm.py) of
-    a geometry at their default tiles (its roundings are round_x's kernel)."""
+    a geometry at their default tiles over slot buffers as LayerSlots lays them out (its roundings
+    are round_x's kernel)."""
     from engine.quant import grouped_gemm as gg
 
     gu, dn = gg.GATE_UP_CONFIG[gate], gg.DOWN_CONFIG[down]
     return [("grouped gate_up", gg._gate_up_kernel,
-             {"N": n_ff, "K": n_embd, "QG": int(gate), "QU": int(up), "ACT": activation, "HAS_BIAS": bias,
+             {"N": n_ff, "K": n_embd, "QG": slot_type(gate), "QU": slot_type(up), "ACT": activation, "HAS_BIAS": bias,
               "BLOCK_M": gu.block_m, "BLOCK_N": gu.block_n, "INTERP": False}, gu),
             ("grouped down", gg._down_kernel,
-             {"K": n_ff, "QD": int(down), "HAS_BIAS": bias, "WEIGHTED": True, "BLOCK_M": dn.block_m,
+             {"K": n_ff, "QD": slot_type(down), "HAS_BIAS": bias, "WEIGHTED": True, "BLOCK_M": dn.block_m,
               "BLOCK_N": dn.block_n, "INTERP": False}, dn)]
 
 

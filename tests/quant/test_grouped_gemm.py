@@ -24,8 +24,8 @@ from engine.layers.moe import SILU, SWIGLU_OAI, activate, expert_ffn  # noqa: E4
 from engine.quant import grouped_gemm as gg  # noqa: E402
 from engine.quant import triton_kernels as tk  # noqa: E402
 from engine.quant.activation import round_activation  # noqa: E402
-from engine.quant.dequant import dequantize  # noqa: E402
-from tests.quant.test_triton_kernels import make_weights, rel_err, weights_to  # noqa: E402
+from engine.quant.layout import dequantize_layout, kernel_layout  # noqa: E402
+from tests.quant.test_triton_kernels import _random_raw, make_weights, rel_err, weights_to  # noqa: E402
 
 interp = pytest.mark.skipif(not tk.INTERPRETED, reason="interpreter tests run where there is no GPU")
 gpu = pytest.mark.gpu
@@ -43,7 +43,8 @@ class Step:
         self.ids = torch.stack([torch.randperm(n_expert, generator=g)[:k] for _ in range(n_tok)])
         self.weights = torch.rand(n_tok, k, generator=g).to(device)
         perm = torch.randperm(n_expert, generator=g)  # slot -> expert
-        self.buffers = [t.raw[perm].contiguous().to(device) for t in (w.gate, w.up, w.down)]
+        # laid out as LayerSlots holds them (Q6_K padded to 224-byte blocks)
+        self.buffers = [kernel_layout(t.raw[perm].contiguous(), t.qtype).to(device) for t in (w.gate, w.up, w.down)]
         self.slot_of = np.argsort(perm.numpy()).astype(np.int32)
         self.slot_of[:skip] = -1  # experts 0 .. skip - 1: not in this batch (their pairs stay zero)
         self.device = device
@@ -53,7 +54,7 @@ class Step:
         """Expert e's float32 gate, up and down, dequantized from its slot (once)."""
         if e not in self._mats:
             s = int(self.slot_of[e])
-            self._mats[e] = tuple(dequantize(b[s], t.qtype, t.shape[1:])
+            self._mats[e] = tuple(dequantize_layout(b[s], t.qtype, t.shape[1:])
                                   for b, t in zip(self.buffers, (self.w.gate, self.w.up, self.w.down)))
         return self._mats[e]
 
@@ -144,15 +145,16 @@ def test_groups_pad_each_slot_run_to_the_tile() -> None:
 
 SMALL = gg.GroupedConfig(16, 64)
 # (gate, up, down) types, (n_embd, n_ff): K tails for the block types whose rows need not fill
-# a 256-value step (Q8_0, MXFP4, F16, BF16), partial N tiles everywhere but Q5_K.
+# a 256-value step (Q8_0, MXFP4, F16, BF16), partial N tiles everywhere but Q5_K, Q6_K rows of
+# two padded blocks (gate/up in "Q6_K", down in "Q4_K-Q4_K-Q6_K").
 INTERP_CASES = {
     "Q4_K": ((QT.Q4_K,) * 3, 256, 256),
     "Q5_K": ((QT.Q5_K,) * 3, 256, 256),
-    "Q6_K": ((QT.Q6_K,) * 3, 256, 256),
+    "Q6_K": ((QT.Q6_K,) * 3, 512, 256),
     "Q8_0": ((QT.Q8_0,) * 3, 288, 96),
     "F16": ((QT.F16,) * 3, 288, 80),
     "BF16": ((QT.BF16,) * 3, 288, 80),
-    "Q4_K-Q4_K-Q6_K": ((QT.Q4_K, QT.Q4_K, QT.Q6_K), 256, 256),
+    "Q4_K-Q4_K-Q6_K": ((QT.Q4_K, QT.Q4_K, QT.Q6_K), 256, 512),
     "Q8_0-Q6_K-F16": ((QT.Q8_0, QT.Q6_K, QT.F16), 256, 256),
 }
 
@@ -178,6 +180,29 @@ def test_interpreter_runs_longer_than_a_tile() -> None:
     # 40 tokens x top-2 of 3 experts: runs of ~27 rows, two M tiles each, the second partial
     w = make_weights((QT.Q8_0,) * 3, n_expert=3, n_embd=64, n_ff=64, seed=5)
     check_step(Step(w, n_tok=40, k=2, device="cpu", seed=6), gg.GroupedConfig(16, 64), per_kernel=False)
+
+
+def check_dense(qtype: QT, n_out: int, K: int, rows: int, device: str, cfg: gg.GroupedConfig | None = None) -> float:
+    """gg.dense over a dense weight in the kernels' layout (Linear's copy: Q6_K padded) against
+    round_activation(x) @ dequantize(W).T."""
+    rng = np.random.default_rng(int(qtype) + n_out + rows)
+    raw = _random_raw(rng, qtype, (1, n_out, K), K ** -0.5)
+    x = torch.from_numpy(rng.standard_normal((rows, K)).astype(np.float32) * 2.0).to(device)
+    want = round_activation(x, qtype) @ dequantize_layout(raw[0], qtype, (n_out, K)).to(device).T
+    got = gg.dense(x, kernel_layout(raw, qtype).to(device), qtype, cfg)
+    assert got.shape == want.shape
+    err = rel_err(got, want)
+    assert err < REL_TOL, (qtype.name, rows, err)
+    return err
+
+
+@interp
+@pytest.mark.parametrize("qtype", [QT.Q4_K, QT.Q5_K, QT.Q6_K, QT.Q8_0, QT.BF16], ids=lambda t: t.name)
+def test_interpreter_dense_matches_reference(qtype: QT) -> None:
+    # 40 rows: three tiles of 16, the last partial; 80 output rows: a partial N tile; K-quants
+    # two K steps (Q6_K's blocks padded), the others a partial last step
+    K = 512 if qtype in (QT.Q4_K, QT.Q5_K, QT.Q6_K) else 352
+    check_dense(qtype, n_out=80, K=K, rows=40, device="cpu", cfg=SMALL)
 
 
 def test_supports_what_the_decode_kernels_support() -> None:
@@ -270,14 +295,18 @@ def test_interpreter_hybrid_many_rows_match_torch_path(make_model, monkeypatch) 
 
 
 @interp
-@pytest.mark.slow  # five interpreted launches of 512 rows: minutes
+@pytest.mark.slow  # five interpreted launches of 128 rows
 def test_interpreter_routing_costs_time_the_grouped_gemm(make_model, monkeypatch) -> None:
     """measure_costs (engine/moe/tune.py) times the accelerator's side of a many-row step through
     the path that step takes: with the grouped GEMM on, GROUPED_EXPERTS experts of MANY_ROWS rows
-    in one launch."""
+    in one launch (two experts here, still beyond the decode kernels' pairs: the interpreter is slow)."""
     from engine.models import build_model
+    from engine.moe import tune
     from engine.moe.cpu_pool import CpuExpertPool
-    from engine.moe.tune import GROUPED_EXPERTS, MANY_ROWS, measure_costs
+    from engine.moe.tune import MANY_ROWS, measure_costs
+
+    GROUPED_EXPERTS = 2
+    monkeypatch.setattr(tune, "GROUPED_EXPERTS", GROUPED_EXPERTS)
 
     calls = []
     forward = gg.experts_forward
@@ -321,6 +350,17 @@ def test_gpu_matches_torch_path(name: str) -> None:
     # the per-row references of h and down loop in Python: 64 tokens for them, 512 for the whole step
     check_step(Step(w, n_tok=64, k=k, device="cuda", seed=1, skip=1), None)
     print(name, f"{check_step(Step(w, 512, k, 'cuda', seed=2), None, per_kernel=False):.1e}")
+
+
+@gpu
+@pytest.mark.parametrize("qtype", GPU_TYPES, ids=lambda t: t.name)
+def test_gpu_dense_matches_reference(qtype: QT) -> None:
+    """A prompt chunk's dense products at Qwen3-30B-A3B shapes: the fused q/k/v (2048 -> 5120)
+    and the output projection (4096 -> 2048), 512 rows and a partial tile's 77."""
+    _needs_compiled()
+    for n_out, K in ((5120, 2048), (2048, 4096)):
+        for rows in (512, 77):
+            check_dense(qtype, n_out, K, rows, "cuda")
 
 
 @gpu
