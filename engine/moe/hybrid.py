@@ -62,6 +62,8 @@ class _Layer:
     def __init__(self, w: ExpertWeights, slots: LayerSlots, policy: Policy):
         self.w, self.slots, self.policy = w, slots, policy
         self.upload_credit = 0.0
+        self.device_map: tuple[int, torch.Tensor, torch.Tensor] | None = None  # (slots' version, slot_of, exp_of_slot)
+        self.counts_host: torch.Tensor | None = None  # a step's expert counts, read back without waiting
 
 
 class HybridExperts:
@@ -77,6 +79,7 @@ class HybridExperts:
         self._triton_broken = False  # set when a kernel fails to build: torch from then on
         self._grouped_broken = False  # the same for the grouped GEMM of many-row steps
         self._pinned: dict[torch.dtype, torch.Tensor] = {}  # read-back buffers (CUDA), grown as needed
+        self._unlearnt: list[tuple[int, int, torch.cuda.Event | None]] = []  # (layer, tokens, counts landed)
         self.copier = Copier(self.device, options.copy_delay_s)
         self.pool = pool if pool is not None else CpuExpertPool(expert_weights, options.threads)
         self.layer_ids = sorted(expert_weights)
@@ -171,9 +174,14 @@ class HybridExperts:
 
     def __call__(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         L = self.layers[layer]
+        if self._all_on_gpu(L, x, ids):
+            out = self._resident_step(layer, L, x, ids, weights)
+            if out is not None:
+                return out
         slots = L.slots
         # With every expert resident (landed) no CPU miss can need the input.
         ids_host, x_host = self._read_back(ids, x.float() if L.slots.resident.min() < 0 else None)
+        self._learn_unlearnt()  # the read-back waited for the GPU: the earlier steps' counts have landed
         rows_of, experts, hits, uploads, cpu = self._split(L, ids_host)
         k = ids_host.shape[1]
         per_slot = torch.zeros(k, *x.shape, dtype=x.dtype, device=x.device)
@@ -195,12 +203,76 @@ class HybridExperts:
             self.counters.cpu_busy_s = self.pool.busy_seconds
             tok_t, pos_t = upload(tok, x.device), upload(pos, x.device)
             per_slot[pos_t, tok_t] = out * weights[tok_t, pos_t, None]
-        total = per_slot[0]
-        for j in range(1, k):
-            total = total + per_slot[j]
-
         self._account(layer, L, rows_of, experts, hits, uploads, cpu, len(ids_host))
-        return total
+        return _combine(per_slot)
+
+    # --- a many-row step with every expert resident: no wait for the GPU -------------------------
+    def _all_on_gpu(self, L: _Layer, x: torch.Tensor, ids: torch.Tensor) -> bool:
+        """Whether this step runs without reading its routing back: every expert of the layer
+        landed in a slot (no pair can miss), the grouped GEMM takes the step, and the policy
+        does not wait for its refills."""
+        return (not self._grouped_broken and not L.policy.synchronous and not L.slots.pending
+                and L.slots.resident.min() >= 0 and _use_grouped(L.w, x, ids.numel()))
+
+    def _resident_step(self, layer: int, L: _Layer, x: torch.Tensor, ids: torch.Tensor,
+                       weights: torch.Tensor) -> torch.Tensor | None:
+        """The step laid out on the GPU (grouped_gemm.Groups.on_device) through the residency map,
+        so the host goes on launching the next layers while the GPU computes; the step's expert
+        counts come back without a wait and are learnt from later (_learn_unlearnt). None where
+        the kernels do not build here (the ordinary path then runs the step)."""
+        from engine.quant import grouped_gemm as gg
+
+        if L.device_map is None or L.device_map[0] != L.slots.version:
+            L.device_map = (L.slots.version, upload(L.slots.resident.astype(np.int32), self.device),
+                            upload(L.slots.slot_expert.astype(np.int32), self.device))
+        per_slot = torch.zeros(ids.shape[1], *x.shape, dtype=x.dtype, device=x.device)
+        try:
+            groups = gg.Groups.on_device(ids, L.device_map[1], L.device_map[2],
+                                         gg.GATE_UP_CONFIG[L.w.gate.qtype].block_m)
+            gg.groups_forward(x.float().contiguous(), L.slots.buffers, L.w, groups, weights.float().contiguous(),
+                              per_slot)
+        except Exception as e:  # a kernel that does not build here: say so once, keep running on torch
+            self._grouped_unavailable(e)
+            return None
+        self._read_counts_back(layer, L, gg.counts(ids.reshape(-1), L.w.n_expert), ids.shape[0])
+        if layer == self.layer_ids[-1]:  # the forward's last MoE layer: learn the whole forward's steps
+            if self.device.type == "cuda":
+                torch.cuda.current_stream(self.device).synchronize()
+            self._learn_unlearnt()
+        return _combine(per_slot)
+
+    def _read_counts_back(self, layer: int, L: _Layer, counts: torch.Tensor, tokens: int) -> None:
+        """A step's rows per expert (`counts`, on the device) into the layer's host buffer without
+        waiting (CUDA: an asynchronous copy to pinned memory and an event); a step's counts of this
+        layer not yet learnt are learnt first, as the buffer is reused."""
+        if any(entry[0] == layer for entry in self._unlearnt):
+            self._learn_unlearnt(wait=True)
+        if L.counts_host is None:
+            L.counts_host = torch.empty(L.w.n_expert, dtype=counts.dtype, pin_memory=self.device.type == "cuda")
+        L.counts_host.copy_(counts, non_blocking=True)
+        event = None
+        if self.device.type == "cuda":
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(self.device))
+        self._unlearnt.append((layer, tokens, event))
+
+    def _learn_unlearnt(self, wait: bool = False) -> None:
+        """The deferred steps' counts into the telemetry and the policies, in step order: all of
+        them once their copies have landed (waiting for them with `wait`), else none."""
+        if not self._unlearnt:
+            return
+        last = self._unlearnt[-1][2]
+        if last is not None and not wait and not last.query():
+            return
+        if last is not None:
+            last.synchronize()
+        for layer, tokens, _ in self._unlearnt:
+            L = self.layers[layer]
+            rows_of = L.counts_host.numpy().astype(np.int64)
+            experts = rows_of.nonzero()[0]
+            none = experts[:0]
+            self._account(layer, L, rows_of, experts, experts, none, none, tokens)
+        self._unlearnt.clear()
 
     def _read_back(self, ids: torch.Tensor, x: torch.Tensor | None) -> tuple[np.ndarray, np.ndarray | None]:
         """The router's ids and the layer input (when given) on the host, behind the layer step's
@@ -276,10 +348,7 @@ class HybridExperts:
                                    weights.float().contiguous(), per_slot)
                 return
             except Exception as e:  # a kernel that does not build here: say so once, keep running on torch
-                warnings.warn(f"Triton grouped expert GEMM unavailable ({type(e).__name__}: {e}); using the torch "
-                              f"path for steps of many rows (MOESTUDIO_TRITON=0 silences this)", RuntimeWarning,
-                              stacklevel=2)
-                self._grouped_broken = True
+                self._grouped_unavailable(e)
         if not self._triton_broken and _use_triton(L.w, x, n_pairs):
             from engine.quant import triton_kernels as tk
 
@@ -301,6 +370,11 @@ class HybridExperts:
                 self._triton_broken = True
         for e, slot in zip(experts, slots):
             self._run_on_accelerator(L, slot, staged, e, x, ids, weights, per_slot)
+
+    def _grouped_unavailable(self, e: Exception) -> None:
+        warnings.warn(f"Triton grouped expert GEMM unavailable ({type(e).__name__}: {e}); using the torch path "
+                      f"for steps of many rows (MOESTUDIO_TRITON=0 silences this)", RuntimeWarning, stacklevel=3)
+        self._grouped_broken = True
 
     def _account(self, layer: int, L: _Layer, rows_of: np.ndarray, experts: np.ndarray, hits: np.ndarray,
                  uploads: np.ndarray, cpu: np.ndarray, tokens: int) -> None:
@@ -328,6 +402,14 @@ class HybridExperts:
     def close(self) -> None:
         self.copier.close()
         self.pool.close()
+
+
+def _combine(per_slot: torch.Tensor) -> torch.Tensor:
+    """The weighted experts of each token summed slot by slot, as llama.cpp adds them."""
+    total = per_slot[0]
+    for j in range(1, per_slot.shape[0]):
+        total = total + per_slot[j]
+    return total
 
 
 def _member(n_expert: int, experts: np.ndarray) -> np.ndarray:

@@ -126,7 +126,8 @@ if triton is not None:
                 # the chunk's two sub-blocks: sum_j sc_j * dot(qx_j, q_j) and sum_j m_j * sum(qx_j),
                 # exact in int32
                 s = _idot(a_lo, lo) * sc0 + _idot(a_hi, hi) * sc1
-                m = tl.load(sums + 2 * c, mask=live_m, other=0) * m0 + tl.load(sums + 2 * c + 1, mask=live_m, other=0) * m1
+                m = (tl.load(sums + 2 * c, mask=live_m, other=0) * m0
+                     + tl.load(sums + 2 * c + 1, mask=live_m, other=0) * m1)
                 acc += dx * (d * s.to(tl.float32) - dmin * m.to(tl.float32))
         elif QW == _Q6_K or QW == _Q6_K_PADDED:
             # 210-byte blocks, or the slots' 224-byte ones (layout.pad_q6_k: the same fields)
@@ -186,8 +187,9 @@ if triton is not None:
         return acc
 
     @triton.jit
-    def _gate_up_kernel(xgq_ptr, xgd_ptr, xgs_ptr, xgv_ptr, xuq_ptr, xud_ptr, xus_ptr, xuv_ptr, g_ptr, g_slot_bytes, g_row_bytes,
-                        u_ptr, u_slot_bytes, u_row_bytes, gb_ptr, ub_ptr, h_ptr, tok_ptr, tslot_ptr, texp_ptr,
+    def _gate_up_kernel(xgq_ptr, xgd_ptr, xgs_ptr, xgv_ptr, xuq_ptr, xud_ptr, xus_ptr, xuv_ptr,
+                        g_ptr, g_slot_bytes, g_row_bytes, u_ptr, u_slot_bytes, u_row_bytes,
+                        gb_ptr, ub_ptr, h_ptr, tok_ptr, tslot_ptr, texp_ptr,
                         N: tl.constexpr, K: tl.constexpr, QG: tl.constexpr, QU: tl.constexpr, ACT: tl.constexpr,
                         HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                         INTERP: tl.constexpr):
@@ -196,6 +198,8 @@ if triton is not None:
         mt = tl.program_id(0)
         nb = tl.program_id(1)
         slot = tl.load(tslot_ptr + mt).to(tl.int64)
+        if slot < 0:  # a tile past the step's last (Groups.on_device sizes the grid for the most there can be)
+            return
         rows_m = mt * BLOCK_M + tl.arange(0, BLOCK_M)
         tok = tl.load(tok_ptr + rows_m)
         live_m = (tok >= 0)[:, None]
@@ -228,6 +232,8 @@ if triton is not None:
         mt = tl.program_id(0)
         nb = tl.program_id(1)
         slot = tl.load(tslot_ptr + mt).to(tl.int64)
+        if slot < 0:  # a tile past the step's last (Groups.on_device sizes the grid for the most there can be)
+            return
         rows_m = mt * BLOCK_M + tl.arange(0, BLOCK_M)
         tok = tl.load(tok_ptr + rows_m)
         live = tok >= 0
@@ -327,6 +333,43 @@ class Groups:
                    packed[2 * n_rows + len(tile_slot):], block_m)
 
 
+    @classmethod
+    def on_device(cls, ids: torch.Tensor, slot_of: torch.Tensor, exp_of_slot: torch.Tensor,
+                  block_m: int) -> "Groups":
+        """`build` on the device, without reading the routing back: ids [T, k] expert ids;
+        slot_of [n_expert] -> slot of every expert (all resident); exp_of_slot [slots] -> expert.
+        The tile count depends on the routing, so the tables are sized for the most a step can
+        have, P + min(slots, P) x (block_m - 1) rows for P pairs (as the planner reserves them),
+        and the tiles past the last have slot -1 (the kernels return at once)."""
+        T, k = ids.shape
+        n_pairs, n_slots = T * k, exp_of_slot.numel()
+        dev = ids.device
+        pair_slot = slot_of[ids.reshape(-1)].long()
+        order = torch.argsort(pair_slot, stable=True)  # pairs by slot, then token: build's order
+        sorted_slot = pair_slot[order]
+        count = counts(pair_slot, n_slots)
+        tiles = (count + block_m - 1) // block_m
+        tile_end = torch.cumsum(tiles, 0)
+        pair_start = torch.cumsum(count, 0) - count
+        row = (tile_end - tiles)[sorted_slot] * block_m + torch.arange(n_pairs, device=dev) - pair_start[sorted_slot]
+        n_tiles = (n_pairs + min(n_slots, n_pairs) * (block_m - 1)) // block_m
+        meta = torch.full((2, n_tiles * block_m), -1, dtype=torch.int32, device=dev)
+        meta[0, row] = (order // k).int()
+        meta[1, row] = (order % k).int()
+        t = torch.arange(n_tiles, device=dev)
+        slot = torch.searchsorted(tile_end, t, right=True).clamp(max=n_slots - 1)
+        live = t < tile_end[-1]
+        tile_slot = torch.where(live, slot, -1).int()
+        tile_exp = torch.where(live, exp_of_slot[slot].long(), -1).int()
+        return cls(meta[0], meta[1], tile_slot, tile_exp, block_m)
+
+
+def counts(values: torch.Tensor, n: int) -> torch.Tensor:
+    """torch.bincount(values, minlength=n) for values < n, without its wait for the device
+    (on CUDA bincount reads the largest value back to size its result)."""
+    return torch.zeros(n, dtype=torch.int64, device=values.device).index_add_(0, values, torch.ones_like(values))
+
+
 def _opts(cfg: GroupedConfig) -> dict:
     return {} if tk.INTERPRETED else {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
 
@@ -407,11 +450,18 @@ def experts_forward(x: torch.Tensor, buffers, w, ids_host: np.ndarray, slot_of: 
     """Every (token, top-k) pair whose expert has a slot in `slot_of` ([n_expert] -> slot or -1),
     weighted, into out[pos, tok, :]; other pairs are not touched. x [T, D] float32 (rows
     contiguous), buffers = [gate, up, down] slot buffers (engine/moe/slots.LayerSlots)."""
+    cfg = gate_up_cfg or GATE_UP_CONFIG[w.gate.qtype]
+    groups_forward(x, buffers, w, Groups.build(ids_host, slot_of, cfg.block_m, x.device), weights, out,
+                   gate_up_cfg, down_cfg)
+
+
+def groups_forward(x: torch.Tensor, buffers, w, groups: Groups, weights: torch.Tensor | None, out: torch.Tensor,
+                   gate_up_cfg: GroupedConfig | None = None, down_cfg: GroupedConfig | None = None) -> None:
+    """experts_forward over pairs already laid out (Groups.build, or Groups.on_device)."""
     gate_up_cfg = gate_up_cfg or GATE_UP_CONFIG[w.gate.qtype]
     down_cfg = down_cfg or DOWN_CONFIG[w.down.qtype]
-    if gate_up_cfg.block_m != down_cfg.block_m:
+    if gate_up_cfg.block_m != down_cfg.block_m or groups.block_m != gate_up_cfg.block_m:
         raise ValueError("gate/up and down tiles must pad the expert runs alike (block_m)")
-    groups = Groups.build(ids_host, slot_of, gate_up_cfg.block_m, x.device)
     if groups.tiles == 0:
         return
     xg = tk.round_rows(x, w.gate.qtype)

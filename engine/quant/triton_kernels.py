@@ -977,8 +977,8 @@ def round_rows(x: torch.Tensor, weight_qtype: QT) -> Rounded:
     T, K = x.shape
     out = Rounded.empty(T, K, x.device)
     if T:
-        _round_rows_kernel[(T, triton.cdiv(K, KSTEP))](x, x.stride(0), out.padded, out.quants, out.scales, out.sums, K=K,
-                                                      VT=_vt(weight_qtype), INTERP=INTERPRETED,
+        _round_rows_kernel[(T, triton.cdiv(K, KSTEP))](x, x.stride(0), out.padded, out.quants, out.scales, out.sums,
+                                                      K=K, VT=_vt(weight_qtype), INTERP=INTERPRETED,
                                                       **_launch_opts(TileConfig(0, 4)))
     return out
 

@@ -205,6 +205,40 @@ def test_interpreter_dense_matches_reference(qtype: QT) -> None:
     check_dense(qtype, n_out=80, K=K, rows=40, device="cpu", cfg=SMALL)
 
 
+def test_groups_laid_out_on_the_device_as_on_the_host() -> None:
+    """Groups.on_device (no read-back of the routing) gives build's tables, then dead tiles up to
+    the most a step of these pairs can have."""
+    g = torch.Generator().manual_seed(3)
+    n_expert, n_tok, k, bm = 12, 37, 4, 8
+    ids = torch.stack([torch.randperm(n_expert, generator=g)[:k] for _ in range(n_tok)])
+    ids[ids == 5] = 6  # an expert no pair goes to: its slot has no tile
+    ids = torch.where(ids == 6, 6, ids)
+    exp_of_slot = torch.randperm(n_expert, generator=g).int()
+    slot_of = torch.argsort(exp_of_slot).int()
+    host = gg.Groups.build(ids.numpy(), slot_of.numpy(), bm, "cpu")
+    dev = gg.Groups.on_device(ids, slot_of, exp_of_slot, bm)
+    n, rows = host.tiles, host.tiles * bm
+    assert dev.tiles == (n_tok * k + n_expert * (bm - 1)) // bm >= n
+    assert torch.equal(dev.tile_slot[:n], host.tile_slot) and torch.equal(dev.tile_exp[:n], host.tile_exp)
+    assert (dev.tile_slot[n:] == -1).all() and (dev.tile_exp[n:] == -1).all()
+    assert torch.equal(dev.row_tok[:rows], host.row_tok) and torch.equal(dev.row_pos[:rows], host.row_pos)
+    assert (dev.row_tok[rows:] == -1).all() and (dev.row_pos[rows:] == -1).all()
+
+
+@interp
+def test_interpreter_groups_on_the_device_compute_the_same() -> None:
+    w = make_weights((QT.Q8_0,) * 3, n_expert=4, n_embd=64, n_ff=64, seed=7)
+    step = Step(w, n_tok=21, k=2, device="cpu", seed=3)
+    cfg = gg.GroupedConfig(16, 64)
+    want, got = torch.zeros(2, 21, 64), torch.zeros(2, 21, 64)
+    gg.experts_forward(step.x, step.buffers, step.w, step.ids.numpy(), step.slot_of, step.weights, want, cfg, cfg)
+    groups = gg.Groups.on_device(step.ids, torch.from_numpy(step.slot_of), torch.from_numpy(np.argsort(step.slot_of)),
+                                 cfg.block_m)
+    assert groups.tiles > gg.Groups.build(step.ids.numpy(), step.slot_of, 16, "cpu").tiles  # dead tiles return at once
+    gg.groups_forward(step.x, step.buffers, step.w, groups, step.weights, got, cfg, cfg)
+    assert torch.equal(got, want)
+
+
 def test_supports_what_the_decode_kernels_support() -> None:
     w = make_weights((QT.Q4_K,) * 3, 2, 256, 256)
     assert gg.supports(w) == tk.available()
@@ -292,6 +326,48 @@ def test_interpreter_hybrid_many_rows_match_torch_path(make_model, monkeypatch) 
     monkeypatch.setitem(gg.DOWN_CONFIG, QT.Q8_0, gg.GroupedConfig(16, 64))
     got, want = _hook(make_model, "qwen3moe", QT.Q8_0, "cpu", monkeypatch, "force", n_tok=48)
     assert rel_err(got, want) < 1e-3, rel_err(got, want)
+
+
+@interp
+@pytest.mark.slow
+def test_interpreter_hybrid_all_resident_steps_do_not_read_the_routing_back(make_model, monkeypatch) -> None:
+    """With every expert of a layer resident a many-row step is laid out on the device and its
+    counts are learnt after the fact, by the forward's last MoE layer: the same output as the
+    torch path, the same counters, and no read-back of the routing."""
+    from engine.models import build_model
+    from engine.moe.hybrid import TRITON_MAX_PAIRS, HybridExperts, HybridOptions
+
+    monkeypatch.setitem(gg.GATE_UP_CONFIG, QT.Q8_0, gg.GroupedConfig(16, 64))
+    monkeypatch.setitem(gg.DOWN_CONFIG, QT.Q8_0, gg.GroupedConfig(16, 64))
+    model = build_model(make_model("qwen3moe", QT.Q8_0))
+    cfg = model.config
+    n_tok = 2 * TRITON_MAX_PAIRS // cfg.n_expert_used
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(n_tok, cfg.n_embd, generator=g)
+    ids = torch.stack([torch.randperm(cfg.n_expert, generator=g)[:cfg.n_expert_used] for _ in range(n_tok)])
+    weights = torch.rand(n_tok, cfg.n_expert_used, generator=g)
+    outs = []
+    for mode in ("force", "0"):
+        monkeypatch.setenv("MOESTUDIO_TRITON", mode)
+        hybrid = HybridExperts(model.expert_weights, "cpu",
+                               HybridOptions(slots_per_layer=cfg.n_expert, miss_fraction=1.0, policy="lru"))
+        read_backs = []
+        read_back = hybrid._read_back
+        monkeypatch.setattr(hybrid, "_read_back", lambda *a: (read_backs.append(1), read_back(*a))[1])
+        try:
+            hybrid.prefill_residency([(layer, e) for layer in hybrid.layer_ids for e in range(cfg.n_expert)])
+            first, last = hybrid.layer_ids[0], hybrid.layer_ids[-1]
+            outs.append(hybrid(first, x, ids, weights))
+            c = hybrid.counters
+            if mode == "force":
+                assert not read_backs and c.gpu_hit.sum() == 0  # learnt later, by the last MoE layer
+            hybrid(last, x, ids, weights)
+            assert c.gpu_hit.tolist()[:1] + c.gpu_hit.tolist()[-1:] == [n_tok * cfg.n_expert_used] * 2
+            assert c.cpu_computed.sum() == 0 and c.uploaded.sum() == 0
+            assert bool(read_backs) == (mode == "0")
+        finally:
+            hybrid.close()
+    assert rel_err(outs[0], outs[1]) < 1e-3, rel_err(outs[0], outs[1])
 
 
 @interp
