@@ -332,7 +332,6 @@ class Groups:
         return cls(packed[:n_rows], packed[n_rows:2 * n_rows], packed[2 * n_rows:2 * n_rows + len(tile_slot)],
                    packed[2 * n_rows + len(tile_slot):], block_m)
 
-
     @classmethod
     def on_device(cls, ids: torch.Tensor, slot_of: torch.Tensor, exp_of_slot: torch.Tensor,
                   block_m: int) -> "Groups":
