@@ -376,7 +376,6 @@ def bench_grouped(name: str, sc: ExpertScenario, tokens: list[int], dev: torch.d
     import torch
 
     from engine.quant import grouped_gemm as gg
-    from engine.quant import triton_kernels as tk
 
     layer = ExpertLayer(sc, dev, 0, n_slots=GROUPED_EXPERTS)
     w, out = layer.w, []
@@ -396,10 +395,7 @@ def bench_grouped(name: str, sc: ExpertScenario, tokens: list[int], dev: torch.d
             groups = gg.Groups.build(ids_host, slot_of, gu_cfg.block_m, dev)
 
             def call() -> None:  # the four launches (grouping done): what a graph replays
-                xg = tk.round_rows(x, w.gate.qtype)
-                xu = xg if tk._vt(w.up.qtype) == tk._vt(w.gate.qtype) else tk.round_rows(x, w.up.qtype)
-                h = gg.gate_up(xg, xu, layer.buffers[0], layer.buffers[1], w, groups, gu_cfg)
-                gg.down(tk.round_rows(h, w.down.qtype), layer.buffers[2], w, groups, weights, per_slot, dn_cfg)
+                gg.groups_forward(x, layer.buffers, w, groups, weights, per_slot, gu_cfg, dn_cfg)
             return call
 
         def tflops(us: float) -> float:

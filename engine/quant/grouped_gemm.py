@@ -369,6 +369,13 @@ def counts(values: torch.Tensor, n: int) -> torch.Tensor:
     return torch.zeros(n, dtype=torch.int64, device=values.device).index_add_(0, values, torch.ones_like(values))
 
 
+def _sums(r: tk.Rounded) -> torch.Tensor:
+    """The block sums the K-quant min terms read: rows must be rounded by round_rows(..., sums=True)."""
+    if r.sums is None:
+        raise ValueError("the grouped GEMM takes rows rounded with round_rows(..., sums=True)")
+    return r.sums
+
+
 def _opts(cfg: GroupedConfig) -> dict:
     return {} if tk.INTERPRETED else {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
 
@@ -387,7 +394,7 @@ def gate_up(xg: tk.Rounded, xu: tk.Rounded, gate_buf: torch.Tensor, up_buf: torc
     gb = w.gate.bias if has_bias else h
     ub = w.up.bias if w.up.bias is not None else gb
     _gate_up_kernel[(groups.tiles, triton.cdiv(n_ff, cfg.block_n))](
-        xg.quants, xg.scales, xg.sums, xg.padded, xu.quants, xu.scales, xu.sums, xu.padded,
+        xg.quants, xg.scales, _sums(xg), xg.padded, xu.quants, xu.scales, _sums(xu), xu.padded,
         gate_buf, gate_buf.stride(0), gate_buf.stride(1), up_buf, up_buf.stride(0), up_buf.stride(1),
         gb, ub, h, groups.row_tok, groups.tile_slot, groups.tile_exp,
         N=n_ff, K=d_in, QG=tk.kernel_type(w.gate.qtype, gate_buf, d_in), QU=tk.kernel_type(w.up.qtype, up_buf, d_in),
@@ -415,7 +422,7 @@ def _down_launch(hr: tk.Rounded, buf: torch.Tensor, qtype: QT, bias: torch.Tenso
     db = bias if bias is not None else hr.padded
     wt = weights if weights is not None else hr.padded
     _down_kernel[(groups.tiles, triton.cdiv(n_out, cfg.block_n))](
-        hr.quants, hr.scales, hr.sums, hr.padded, buf, buf.stride(0), buf.stride(1), db, wt, wt.stride(0),
+        hr.quants, hr.scales, _sums(hr), hr.padded, buf, buf.stride(0), buf.stride(1), db, wt, wt.stride(0),
         out, out.stride(0), out.stride(1), groups.row_tok, groups.row_pos, groups.tile_slot, groups.tile_exp, n_out,
         K=hr.K, QD=tk.kernel_type(qtype, buf, hr.K), HAS_BIAS=bias is not None, WEIGHTED=weights is not None,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, INTERP=tk.INTERPRETED, **_opts(cfg))
@@ -438,7 +445,7 @@ def dense(x: torch.Tensor, raw: torch.Tensor, qtype: QT, cfg: GroupedConfig | No
     cfg = cfg or DOWN_CONFIG[qtype]
     out = torch.empty((1, x.shape[0], raw.shape[1]), dtype=torch.float32, device=x.device)
     if x.shape[0]:
-        _down_launch(tk.round_rows(x, qtype), raw, qtype, None, _all_rows(x.shape[0], cfg.block_m, str(x.device)),
+        _down_launch(tk.round_rows(x, qtype, sums=True), raw, qtype, None, _all_rows(x.shape[0], cfg.block_m, str(x.device)),
                      None, out, cfg)
     return out[0]
 
@@ -463,7 +470,7 @@ def groups_forward(x: torch.Tensor, buffers, w, groups: Groups, weights: torch.T
         raise ValueError("gate/up and down tiles must pad the expert runs alike (block_m)")
     if groups.tiles == 0:
         return
-    xg = tk.round_rows(x, w.gate.qtype)
-    xu = xg if tk._vt(w.up.qtype) == tk._vt(w.gate.qtype) else tk.round_rows(x, w.up.qtype)
+    xg = tk.round_rows(x, w.gate.qtype, sums=True)
+    xu = xg if tk._vt(w.up.qtype) == tk._vt(w.gate.qtype) else tk.round_rows(x, w.up.qtype, sums=True)
     h = gate_up(xg, xu, buffers[0], buffers[1], w, groups, gate_up_cfg)
-    down(tk.round_rows(h, w.down.qtype), buffers[2], w, groups, weights, out, down_cfg)
+    down(tk.round_rows(h, w.down.qtype, sums=True), buffers[2], w, groups, weights, out, down_cfg)

@@ -123,7 +123,7 @@ def decode_variants(gate: QT, up: QT, down: QT, n_embd: int, n_ff: int, activati
     rev = tk.reversed_ties(_target(arch))
     gu = gate_up_cfg or tk.GATE_UP_CONFIG[gate]
     dn = down_cfg or tk.DOWN_CONFIG[down]
-    out = [("round_x", tk._round_rows_kernel, {"K": n_embd, "VT": vt(gate), "INTERP": False}, tk.TileConfig(0, 4))]
+    out = [("round_x", tk._round_rows_kernel, {"K": n_embd, "VT": vt(gate), "INTERP": False, "SUMS": False}, tk.TileConfig(0, 4))]
     out.append(("gate_up", tk._gate_up_kernel,
                 {"N": n_ff, "K": n_embd, "QG": slot_type(gate), "QU": slot_type(up), "SAME_X": vt(gate) == vt(up),
                  "VT_DOWN": vt(down), "ACT": activation, "HAS_BIAS": bias, "BLOCK_N": gu.block_n, "UNROLL": gu.unroll,

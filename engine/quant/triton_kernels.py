@@ -162,14 +162,14 @@ if triton is not None:
 
     @triton.jit
     def _round_rows_kernel(x_ptr, x_stride, out_ptr, q_ptr, d_ptr, s_ptr, K: tl.constexpr, VT: tl.constexpr,
-                           INTERP: tl.constexpr):
+                           INTERP: tl.constexpr, SUMS: tl.constexpr):
         """Grid (rows, KP / 256): out[row] = round_activation(x[row]), zero-padded to KP, the
         next multiple of 256 (for Q8_K and Q8_0 also q [rows, KP] int8 and d [rows, KP / 32];
-        for Q8_K also s [rows, KP / 32], the quants' sums per 32)."""
+        for Q8_K with SUMS also s [rows, KP / 32], the quants' sums per 32)."""
         r = tl.program_id(0).to(tl.int64)
         KP: tl.constexpr = (K + 255) // 256 * 256
         _round_chunk(x_ptr + r * x_stride, out_ptr + r * KP, q_ptr + r * KP, d_ptr + r * (KP // 32),
-                     s_ptr + r * (KP // 32), tl.program_id(1), K, VT, INTERP, True)
+                     s_ptr + r * (KP // 32), tl.program_id(1), K, VT, INTERP, SUMS)
 
     # ---------------------------------------------------------------- weight tiles
     # A K step (256 activation values) of one program is a tile [2 (p), BLOCK_N (r), C, S, E]:
@@ -949,14 +949,14 @@ class Rounded:
     """Rows rounded for one weight type, zero-padded to whole K steps (KP = 256 * ceil(K/256)):
     `padded` [rows, KP] = round_activation(rows, type) then zeros; for Q8_K and Q8_0 (K-quant,
     Q8_0 and MXFP4 weights) also `quants` (int8 [rows, KP]) and `scales` ([rows, KP / 32]:
-    Q8_0's per block of 32, Q8_K's at every eighth place); for Q8_K rounded by round_rows also
-    `sums` (int32 [rows, KP / 32]: the quants summed per 32, which the grouped GEMM's K-quant
-    min terms take; the decode gate/up kernel's in-kernel rounding of h leaves them unset)."""
+    Q8_0's per block of 32, Q8_K's at every eighth place); `sums` where round_rows was asked
+    for them (int32 [rows, KP / 32]: Q8_K's quants summed per 32, which the grouped GEMM's
+    K-quant min terms take), else None."""
 
     padded: torch.Tensor
     quants: torch.Tensor
     scales: torch.Tensor
-    sums: torch.Tensor
+    sums: torch.Tensor | None
     K: int
 
     @property
@@ -964,21 +964,23 @@ class Rounded:
         return self.padded[:, :self.K]
 
     @classmethod
-    def empty(cls, rows: int, K: int, device) -> "Rounded":
+    def empty(cls, rows: int, K: int, device, sums: bool = False) -> "Rounded":
         kp = -(-K // KSTEP) * KSTEP
         return cls(torch.empty((rows, kp), dtype=torch.float32, device=device),
                    torch.empty((rows, kp), dtype=torch.int8, device=device),
                    torch.empty((rows, kp // 32), dtype=torch.float32, device=device),
-                   torch.empty((rows, kp // 32), dtype=torch.int32, device=device), K)
+                   torch.empty((rows, kp // 32), dtype=torch.int32, device=device) if sums else None, K)
 
 
-def round_rows(x: torch.Tensor, weight_qtype: QT) -> Rounded:
-    """round_activation(x, weight_qtype) for x [T, K] float32 (any row stride), one launch."""
+def round_rows(x: torch.Tensor, weight_qtype: QT, sums: bool = False) -> Rounded:
+    """round_activation(x, weight_qtype) for x [T, K] float32 (any row stride), one launch; with
+    `sums` (the grouped GEMM's roundings) also Q8_K's per-32 sums of quants (Rounded.sums)."""
     T, K = x.shape
-    out = Rounded.empty(T, K, x.device)
+    out = Rounded.empty(T, K, x.device, sums)
     if T:
-        _round_rows_kernel[(T, triton.cdiv(K, KSTEP))](x, x.stride(0), out.padded, out.quants, out.scales, out.sums,
-                                                      K=K, VT=_vt(weight_qtype), INTERP=INTERPRETED,
+        _round_rows_kernel[(T, triton.cdiv(K, KSTEP))](x, x.stride(0), out.padded, out.quants, out.scales,
+                                                      out.sums if sums else out.scales, K=K,
+                                                      VT=_vt(weight_qtype), INTERP=INTERPRETED, SUMS=sums,
                                                       **_launch_opts(TileConfig(0, 4)))
     return out
 

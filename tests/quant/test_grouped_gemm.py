@@ -112,14 +112,14 @@ def check_step(step: Step, cfg: gg.GroupedConfig | None, per_kernel: bool = True
     if per_kernel:
         block_m = cfg.block_m if cfg else gg.GATE_UP_CONFIG[w.gate.qtype].block_m
         groups = gg.Groups.build(step.ids.numpy(), step.slot_of, block_m, step.device)
-        xg = tk.round_rows(step.x, w.gate.qtype)
-        xu = tk.round_rows(step.x, w.up.qtype)
+        xg = tk.round_rows(step.x, w.gate.qtype, sums=True)
+        xu = tk.round_rows(step.x, w.up.qtype, sums=True)
         h = gg.gate_up(xg, xu, step.buffers[0], step.buffers[1], w, groups, cfg)
         live = groups.row_tok >= 0
         err_h = rel_err(h[live], step.h_reference(groups)[live])
         assert err_h < REL_TOL, f"gate/up + activation: relative error {err_h:.2e}"
         out2 = torch.zeros_like(out)
-        gg.down(tk.round_rows(h, w.down.qtype), step.buffers[2], w, groups, step.weights, out2, cfg)
+        gg.down(tk.round_rows(h, w.down.qtype, sums=True), step.buffers[2], w, groups, step.weights, out2, cfg)
         assert torch.equal(out, out2), "experts_forward differs from its parts"
         err_d = rel_err(out2, step.down_reference(groups, h))
         assert err_d < REL_TOL, f"down: relative error {err_d:.2e}"
@@ -212,7 +212,6 @@ def test_groups_laid_out_on_the_device_as_on_the_host() -> None:
     n_expert, n_tok, k, bm = 12, 37, 4, 8
     ids = torch.stack([torch.randperm(n_expert, generator=g)[:k] for _ in range(n_tok)])
     ids[ids == 5] = 6  # an expert no pair goes to: its slot has no tile
-    ids = torch.where(ids == 6, 6, ids)
     exp_of_slot = torch.randperm(n_expert, generator=g).int()
     slot_of = torch.argsort(exp_of_slot).int()
     host = gg.Groups.build(ids.numpy(), slot_of.numpy(), bm, "cpu")
@@ -237,6 +236,15 @@ def test_interpreter_groups_on_the_device_compute_the_same() -> None:
     assert groups.tiles > gg.Groups.build(step.ids.numpy(), step.slot_of, 16, "cpu").tiles  # dead tiles return at once
     gg.groups_forward(step.x, step.buffers, step.w, groups, step.weights, got, cfg, cfg)
     assert torch.equal(got, want)
+
+
+def test_grouped_kernels_refuse_rows_rounded_without_block_sums() -> None:
+    w = make_weights((QT.Q4_K,) * 3, 2, 256, 256)
+    step = Step(w, 2, 1, "cpu")
+    groups = gg.Groups.build(step.ids.numpy(), step.slot_of, 16, "cpu")
+    x = tk.round_rows(step.x, QT.Q4_K)  # the decode kernels' rounding: no sums
+    with pytest.raises(ValueError, match="sums=True"):
+        gg.gate_up(x, x, step.buffers[0], step.buffers[1], step.w, groups, SMALL)
 
 
 def test_supports_what_the_decode_kernels_support() -> None:
