@@ -17,6 +17,7 @@ the next overlaps the compute of this one).
 from __future__ import annotations
 
 import time
+from typing import Callable
 
 import numpy as np
 import torch
@@ -65,8 +66,8 @@ def measure_costs(layer: int, w: ExpertWeights, device: torch.device, pool: CpuE
     pinned copies of --load-mode none), the CPU pool's FFN at one row and at MANY_ROWS, and the
     accelerator's FFN on a staged expert at MANY_ROWS rows, through the path a many-row step
     takes (the grouped GEMM where it applies, per expert of a launch of GROUPED_EXPERTS; else
-    dequantize + matmul); returns the times (RouteCosts' fields) and the one-token miss
-    fraction they imply."""
+    dequantize + matmul), its device time (`accelerator_seconds`); returns the times (RouteCosts'
+    fields) and the one-token miss fraction they imply."""
     tensors = [t.raw for t in (w.gate, w.up, w.down)]
     experts = np.linspace(0, w.n_expert - 1, 3 * SAMPLES).astype(np.int64)  # distinct per timing
     dst = [torch.empty(t.shape[1:], dtype=torch.uint8, device=device) for t in tensors]
@@ -98,18 +99,20 @@ def measure_costs(layer: int, w: ExpertWeights, device: torch.device, pool: CpuE
 
     if _use_grouped(w, x_dev, max(TRITON_MAX_PAIRS + 1, GROUPED_EXPERTS * MANY_ROWS)):
         # The executor's many-row path on CUDA: the grouped GEMM, timed on GROUPED_EXPERTS experts
-        # of MANY_ROWS rows each (all read from the staged copy: one slot) per launch.
+        # of MANY_ROWS rows each (all read from the staged copy: one slot) per launch, laid out
+        # once: a step lays its pairs out once for all its experts.
         from engine.quant import grouped_gemm as gg
 
         rows = np.arange(GROUPED_EXPERTS * MANY_ROWS)
         x_many = x_dev[rows % MANY_ROWS]
         ids = (rows // MANY_ROWS).reshape(-1, 1) % w.n_expert
         slot_of = np.where(np.arange(w.n_expert) < GROUPED_EXPERTS, 0, -1).astype(np.int32)
+        groups = gg.Groups.build(ids, slot_of, gg.GATE_UP_CONFIG[w.gate.qtype].block_m, device)
         slot_buffers = [d.unsqueeze(0) for d in dst]
         out = torch.empty((1, len(rows), x.shape[1]), device=device)
 
         def staged_ffn() -> None:
-            gg.experts_forward(x_many, slot_buffers, w, ids, slot_of, None, out)
+            gg.groups_forward(x_many, slot_buffers, w, groups, None, out)
         per_call = GROUPED_EXPERTS
     else:
         def staged_ffn() -> None:
@@ -118,11 +121,31 @@ def measure_costs(layer: int, w: ExpertWeights, device: torch.device, pool: CpuE
         per_call = 1
 
     staged_ffn()
-    sync(device)
-    start = time.perf_counter()
-    for _ in range(SAMPLES):
-        staged_ffn()
-    sync(device)
-    t_gpu = (time.perf_counter() - start) / SAMPLES / per_call
+    t_gpu = accelerator_seconds(staged_ffn, SAMPLES, device) / SAMPLES / per_call
     return {"upload_s": t_upload, "cpu_s": t_cpu, "cpu_row_s": t_row, "gpu_s": t_gpu,
             "fraction": balanced_fraction(t_upload, t_cpu)}
+
+
+HOLD_CYCLES = 40_000_000  # the sleep that holds the GPU while a timed loop is queued: 20 ms at 2 GHz
+
+
+def accelerator_seconds(fn: Callable[[], None], calls: int, device: torch.device) -> float:
+    """The device time of `calls` calls of `fn`. On CUDA the stream is first held by a sleep
+    kernel, so all the calls are queued before the first runs and the events between them time
+    the GPU's work alone: a prompt step's host work runs while the GPU computes the layers
+    before it, so what an extra expert costs the step is its kernels' time, not its launches'.
+    Elsewhere the wall time."""
+    if device.type != "cuda":
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        return time.perf_counter() - start
+    torch.cuda.synchronize(device)
+    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda._sleep(HOLD_CYCLES)
+    begin.record()
+    for _ in range(calls):
+        fn()
+    end.record()
+    end.synchronize()
+    return begin.elapsed_time(end) / 1e3

@@ -1,12 +1,15 @@
 """Routing misses by measured cost: the split of a many-row step, and the timings it starts from."""
 from __future__ import annotations
 
+import time
+
 import numpy as np
+import pytest
 import torch
 
 from engine.models import build_model
 from engine.moe.cpu_pool import CpuExpertPool
-from engine.moe.tune import RouteCosts, balanced_uploads, measure_costs
+from engine.moe.tune import RouteCosts, accelerator_seconds, balanced_uploads, measure_costs
 
 
 def test_equal_costs_split_the_misses_in_half():
@@ -43,3 +46,20 @@ def test_measured_on_the_model_the_times_are_positive_and_the_fraction_between(t
         pool.close()
     assert t["upload_s"] > 0 and t["cpu_s"] > 0 and t["cpu_row_s"] >= 0 and t["gpu_s"] > 0
     assert 0 < t["fraction"] < 1
+
+
+def test_off_cuda_the_device_time_is_the_wall_time():
+    assert accelerator_seconds(lambda: time.sleep(0.01), 3, torch.device("cpu")) >= 0.03
+
+
+@pytest.mark.gpu
+def test_the_device_time_leaves_the_launching_host_out():
+    """A step's host work overlaps the layers before it: what an expert costs a prompt step is
+    its kernels' time. Host sleeps between tiny kernels do not count; the kernels all ran."""
+    x = torch.zeros(1024, device="cuda")
+
+    def step() -> None:
+        time.sleep(0.002)
+        x.add_(1)
+    assert accelerator_seconds(step, 4, torch.device("cuda")) < 0.002
+    assert x[0].item() == 4
