@@ -32,7 +32,7 @@ from engine.moe.copier import Copier, upload
 from engine.moe.cpu_pool import CpuExpertPool
 from engine.moe.policy import AdaptParams, Policy
 from engine.moe.slots import LayerSlots, StagingSlots, layout_key, resident_copies, resolve_load_mode
-from engine.moe.tune import RouteCosts, balanced_uploads, measure_costs
+from engine.moe.tune import RouteCosts, balanced_uploads, measure_costs, route_costs
 from engine.plan.sizing import FRACTION_STEPS, STAGING_TURN_BYTES, staging_slots
 from engine.quant.layout import layout_bytes
 from engine.runtime.progress import ByteProgress, Progress
@@ -472,7 +472,7 @@ def attach_hybrid(model, config, progress: Progress | None = None) -> HybridExpe
     if gpu_free is not None:
         layer = min(ws)
         measured = measure_costs(layer, ws[layer], device, pool)
-        costs = RouteCosts(measured["upload_s"], measured["cpu_s"], measured["cpu_row_s"], measured["gpu_s"])
+        costs = route_costs(measured)
         if config.moe_gpu_miss_fraction == "auto":
             tuning, fraction = measured, measured["fraction"]
         else:

@@ -30,14 +30,15 @@ from engine.plan.sizing import balanced_fraction
 from engine.quant.dequant import dequantize
 
 SAMPLES = 4  # experts timed each way (distinct ones: first-touch costs included, as in decode)
+TIMINGS = 4  # uploads one by one and streamed, the CPU pool at one row and at MANY_ROWS: SAMPLES experts each
 MANY_ROWS = 64  # rows of one expert in the CPU pool's second timing: its cost per extra row
 GROUPED_EXPERTS = 8  # experts of MANY_ROWS rows in the timed grouped launch (its fixed costs shared)
 
 
 @dataclass(frozen=True)
 class RouteCosts:
-    """Seconds per expert: one upload; the CPU pool's FFN at one row, plus each extra row; the
-    accelerator's FFN on a staged expert in a many-row step."""
+    """Seconds per expert: one upload among a many-row step's stream of them; the CPU pool's FFN
+    at one row, plus each extra row; the accelerator's FFN on a staged expert in a many-row step."""
     upload_s: float
     cpu_s: float
     cpu_row_s: float
@@ -63,36 +64,45 @@ def balanced_uploads(rows: np.ndarray, n_hits: int, costs: RouteCosts) -> int:
 
 def measure_costs(layer: int, w: ExpertWeights, device: torch.device, pool: CpuExpertPool) -> dict[str, float]:
     """Times single experts of `w`: uploads (from the memory the engine reads: the map, or the
-    pinned copies of --load-mode none), the CPU pool's FFN at one row and at MANY_ROWS, and the
-    accelerator's FFN on a staged expert at MANY_ROWS rows, through the path a many-row step
-    takes (the grouped GEMM where it applies, per expert of a launch of GROUPED_EXPERTS; else
-    dequantize + matmul), its device time (`accelerator_seconds`); returns the times (RouteCosts'
-    fields) and the one-token miss fraction they imply."""
+    pinned copies of --load-mode none) one by one as decode waits for them (`upload_s`, behind
+    the one-token miss fraction) and back to back as a prompt's turn streams them (`stream_s`:
+    their device time, the copy engine's and not the host's waits), the CPU pool's FFN at one
+    row and at MANY_ROWS (medians: one call stalled by another process must not set the
+    routing for the session), and the accelerator's FFN on a staged expert at MANY_ROWS rows,
+    through the path a many-row step takes (the grouped GEMM where it applies, per expert of a
+    launch of GROUPED_EXPERTS; else dequantize + matmul), its device time
+    (`accelerator_seconds`); returns the times and the one-token miss fraction they imply
+    (`route_costs` makes the RouteCosts of them)."""
     tensors = [t.raw for t in (w.gate, w.up, w.down)]
-    experts = np.linspace(0, w.n_expert - 1, 3 * SAMPLES).astype(np.int64)  # distinct per timing
+    experts = np.linspace(0, w.n_expert - 1, TIMINGS * SAMPLES).astype(np.int64).reshape(TIMINGS, SAMPLES)
     dst = [torch.empty(t.shape[1:], dtype=torch.uint8, device=device) for t in tensors]
-    sources = [[t[e] for t in tensors] for e in experts[:SAMPLES]]
+
+    def upload(sample: np.ndarray) -> None:
+        for e in sample:
+            for t, d in zip(tensors, dst):
+                d.copy_(t[e], non_blocking=True)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda _: None)
     sync(device)
     start = time.perf_counter()
-    for src in sources:
-        for s, d in zip(src, dst):
-            d.copy_(s, non_blocking=True)
+    upload(experts[0])
     sync(device)
     t_upload = (time.perf_counter() - start) / SAMPLES
-    staged = int(experts[SAMPLES - 1])  # what dst holds now
+    t_stream = accelerator_seconds(lambda: upload(experts[1]), 1, device) / SAMPLES
+    staged = int(experts[1, -1])  # what dst holds now
 
     x = np.random.default_rng(0).standard_normal((MANY_ROWS, w.gate.shape[2])).astype(np.float32)
 
     def cpu_seconds(rows: int, sample: np.ndarray) -> float:
         pool.compute(layer, x, np.arange(rows, dtype=np.int32), np.zeros(rows, np.int32))  # builds the graph
-        start = time.perf_counter()
+        times = []
         for e in sample:
+            start = time.perf_counter()
             pool.compute(layer, x, np.arange(rows, dtype=np.int32), np.full(rows, e, np.int32))
-        return (time.perf_counter() - start) / SAMPLES
+            times.append(time.perf_counter() - start)
+        return float(np.median(times))
 
-    t_cpu = cpu_seconds(1, experts[SAMPLES:2 * SAMPLES])
-    t_row = max(0.0, (cpu_seconds(MANY_ROWS, experts[2 * SAMPLES:]) - t_cpu) / (MANY_ROWS - 1))
+    t_cpu = cpu_seconds(1, experts[2])
+    t_row = max(0.0, (cpu_seconds(MANY_ROWS, experts[3]) - t_cpu) / (MANY_ROWS - 1))
 
     x_dev = torch.from_numpy(x).to(device)
     from engine.moe.hybrid import TRITON_MAX_PAIRS, _use_grouped  # hybrid imports this module
@@ -122,8 +132,13 @@ def measure_costs(layer: int, w: ExpertWeights, device: torch.device, pool: CpuE
 
     staged_ffn()
     t_gpu = accelerator_seconds(staged_ffn, SAMPLES, device) / SAMPLES / per_call
-    return {"upload_s": t_upload, "cpu_s": t_cpu, "cpu_row_s": t_row, "gpu_s": t_gpu,
+    return {"upload_s": t_upload, "stream_s": t_stream, "cpu_s": t_cpu, "cpu_row_s": t_row, "gpu_s": t_gpu,
             "fraction": balanced_fraction(t_upload, t_cpu)}
+
+
+def route_costs(measured: dict[str, float]) -> RouteCosts:
+    """The costs a many-row step routes its misses by, from measure_costs' times."""
+    return RouteCosts(measured["stream_s"], measured["cpu_s"], measured["cpu_row_s"], measured["gpu_s"])
 
 
 HOLD_CYCLES = 40_000_000  # the sleep that holds the GPU while a timed loop is queued: 20 ms at 2 GHz

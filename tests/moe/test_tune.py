@@ -9,7 +9,7 @@ import torch
 
 from engine.models import build_model
 from engine.moe.cpu_pool import CpuExpertPool
-from engine.moe.tune import RouteCosts, accelerator_seconds, balanced_uploads, measure_costs
+from engine.moe.tune import RouteCosts, accelerator_seconds, balanced_uploads, measure_costs, route_costs
 
 
 def test_equal_costs_split_the_misses_in_half():
@@ -44,8 +44,10 @@ def test_measured_on_the_model_the_times_are_positive_and_the_fraction_between(t
         t = measure_costs(layer, model.expert_weights[layer], torch.device("cpu"), pool)
     finally:
         pool.close()
-    assert t["upload_s"] > 0 and t["cpu_s"] > 0 and t["cpu_row_s"] >= 0 and t["gpu_s"] > 0
+    assert t["upload_s"] > 0 and t["stream_s"] > 0 and t["cpu_s"] > 0 and t["cpu_row_s"] >= 0 and t["gpu_s"] > 0
     assert 0 < t["fraction"] < 1
+    costs = route_costs(t)  # a prompt streams its uploads: their back-to-back cost routes it
+    assert (costs.upload_s, costs.cpu_s, costs.gpu_s) == (t["stream_s"], t["cpu_s"], t["gpu_s"])
 
 
 def test_off_cuda_the_device_time_is_the_wall_time():
