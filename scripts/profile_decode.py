@@ -24,6 +24,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from engine.moe.tune import accelerator_seconds
+
 
 def _timed(obj, name: str, into: dict, count_experts: bool = False) -> None:
     fn = getattr(obj, name)
@@ -70,8 +72,9 @@ def _gpu_timeline(pr, n_tokens: int) -> dict:
 
 
 def _prefill(m, kv, ids: list[int], profile: bool, t0: float) -> dict:
-    """The 512-token prompt again, warm: wall time, the CPU pool's share, and with the profiler
-    the GPU's busy time over the step (how much of a prompt the GPU spends waiting)."""
+    """The 512-token prompt again, warm: wall time, the GPU's time alone, the CPU pool's share,
+    and with the profiler the GPU's busy time over the step (how much of a prompt the GPU
+    spends waiting)."""
     phases: dict = defaultdict(float)
     pool = m.experts.pool
     pool.__dict__.pop("compute", None)  # the decode figures' timer stays out of the prompt's
@@ -83,6 +86,12 @@ def _prefill(m, kv, ids: list[int], profile: bool, t0: float) -> dict:
     torch.cuda.synchronize()
     r = {"wall_s": time.perf_counter() - t, "pool_s": phases["compute"], "pool_calls": phases["compute_calls"],
          "pool_pairs": phases["experts"]}
+    # The same prompt with the GPU held until the host has launched it (all but what follows
+    # the last MoE layer's wait): the GPU's time alone. Far below the wall time, the prompt is
+    # bound by the host's launches.
+    r["gpu_only_s"] = accelerator_seconds(lambda: m.forward(prompt, kv, 0), 1, torch.device("cuda"),
+                                          hold_cycles=2_000_000_000)
+    r["host_bound_share"] = 1 - r["gpu_only_s"] / r["wall_s"]
     if profile:
         from torch.profiler import ProfilerActivity, profile as prof
 

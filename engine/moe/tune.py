@@ -144,12 +144,13 @@ def route_costs(measured: dict[str, float]) -> RouteCosts:
 HOLD_CYCLES = 40_000_000  # the sleep that holds the GPU while a timed loop is queued: 20 ms at 2 GHz
 
 
-def accelerator_seconds(fn: Callable[[], None], calls: int, device: torch.device) -> float:
+def accelerator_seconds(fn: Callable[[], None], calls: int, device: torch.device,
+                        hold_cycles: int = HOLD_CYCLES) -> float:
     """The device time of `calls` calls of `fn`. On CUDA the stream is first held by a sleep
-    kernel, so all the calls are queued before the first runs and the events between them time
-    the GPU's work alone: a prompt step's host work runs while the GPU computes the layers
-    before it, so what an extra expert costs the step is its kernels' time, not its launches'.
-    Elsewhere the wall time."""
+    kernel of `hold_cycles` (longer than the host takes to launch the calls), so all the calls
+    are queued before the first runs and the events between them time the GPU's work alone: a
+    prompt step's host work runs while the GPU computes the layers before it, so what an extra
+    expert costs the step is its kernels' time, not its launches'. Elsewhere the wall time."""
     if device.type != "cuda":
         start = time.perf_counter()
         for _ in range(calls):
@@ -157,7 +158,7 @@ def accelerator_seconds(fn: Callable[[], None], calls: int, device: torch.device
         return time.perf_counter() - start
     torch.cuda.synchronize(device)
     begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    torch.cuda._sleep(HOLD_CYCLES)
+    torch.cuda._sleep(hold_cycles)
     begin.record()
     for _ in range(calls):
         fn()
