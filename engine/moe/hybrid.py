@@ -227,14 +227,14 @@ class HybridExperts:
                             upload(L.slots.slot_expert.astype(np.int32), self.device))
         per_slot = torch.zeros(ids.shape[1], *x.shape, dtype=x.dtype, device=x.device)
         try:
-            groups = gg.Groups.on_device(ids, L.device_map[1], L.device_map[2],
-                                         gg.GATE_UP_CONFIG[L.w.gate.qtype].block_m)
+            groups, expert_rows = gg.Groups.on_device(ids, L.device_map[1], L.device_map[2],
+                                                      gg.GATE_UP_CONFIG[L.w.gate.qtype].block_m)
             gg.groups_forward(x.float().contiguous(), L.slots.buffers, L.w, groups, weights.float().contiguous(),
                               per_slot)
         except Exception as e:  # a kernel that does not build here: say so once, keep running on torch
             self._grouped_unavailable(e)
             return None
-        self._read_counts_back(layer, L, gg.counts(ids.reshape(-1), L.w.n_expert), ids.shape[0])
+        self._read_counts_back(layer, L, expert_rows, ids.shape[0])
         if layer == self.layer_ids[-1]:  # the forward's last MoE layer: learn the whole forward's steps
             if self.device.type == "cuda":
                 torch.cuda.current_stream(self.device).synchronize()

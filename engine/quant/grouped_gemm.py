@@ -257,6 +257,81 @@ if triton is not None:
         tl.store(dst, acc, mask=live[:, None] & live_n[None, :])
 
 
+    # A step's layout on the device (Groups.on_device) in three launches: ranks within blocks of
+    # pairs, the plan (slot runs, tiles, padding, rows per expert), then each pair's row.
+    @triton.jit
+    def _layout_rank_kernel(ids_ptr, slot_of_ptr, n_pairs, slot_ptr, rank_ptr, block_count_ptr,
+                            NS: tl.constexpr, BLOCK: tl.constexpr):
+        """Grid (pair blocks,): each pair's slot, its rank among the pairs of its slot in the
+        block, and the block's pairs per slot."""
+        b = tl.program_id(0)
+        i = b * BLOCK + tl.arange(0, BLOCK)
+        live = i < n_pairs
+        slots = tl.arange(0, NS)
+        e = tl.load(ids_ptr + i, mask=live, other=0)
+        s = tl.where(live, tl.load(slot_of_ptr + e, mask=live, other=-1), -1)
+        hit = (s[:, None] == slots[None, :]).to(tl.int32)
+        earlier = tl.cumsum(hit, axis=0) - hit
+        tl.store(slot_ptr + i, s, mask=live)
+        tl.store(rank_ptr + i, tl.sum(hit * earlier, axis=1), mask=live)
+        tl.store(block_count_ptr + b * NS + slots, tl.sum(hit, axis=0))
+
+    @triton.jit
+    def _layout_plan_kernel(block_count_ptr, n_blocks, exp_of_slot_ptr, n_slots, n_expert, n_tiles,
+                            block_first_ptr, tok_ptr, pos_ptr, tslot_ptr, texp_ptr, ecount_ptr,
+                            NS: tl.constexpr, BLOCK_M: tl.constexpr, RB: tl.constexpr, CHUNK: tl.constexpr):
+        """Grid (1,): each slot's run padded to BLOCK_M in slot order, the first row of each
+        block's pairs of each slot, every row padding (-1) until the scatter, the tiles' slots
+        and experts (-1 past the last live tile) and the step's rows per expert."""
+        slots = tl.arange(0, NS)
+        count = tl.zeros([NS], dtype=tl.int32)
+        for b0 in range(0, n_blocks, RB):
+            bi = b0 + tl.arange(0, RB)
+            c = tl.load(block_count_ptr + bi[:, None] * NS + slots[None, :], mask=(bi < n_blocks)[:, None], other=0)
+            count += tl.sum(c, axis=0)
+        tiles = (count + BLOCK_M - 1) // BLOCK_M
+        tile_end = tl.cumsum(tiles, axis=0)
+        total = tl.sum(tiles, axis=0)
+        running = (tile_end - tiles) * BLOCK_M
+        for b0 in range(0, n_blocks, RB):
+            bi = b0 + tl.arange(0, RB)
+            m = (bi < n_blocks)[:, None]
+            c = tl.load(block_count_ptr + bi[:, None] * NS + slots[None, :], mask=m, other=0)
+            tl.store(block_first_ptr + bi[:, None] * NS + slots[None, :],
+                     running[None, :] + tl.cumsum(c, axis=0) - c, mask=m)
+            running += tl.sum(c, axis=0)
+        for r0 in range(0, n_tiles * BLOCK_M, CHUNK):
+            r = r0 + tl.arange(0, CHUNK)
+            pad = tl.full([CHUNK], -1, tl.int32)
+            tl.store(tok_ptr + r, pad, mask=r < n_tiles * BLOCK_M)
+            tl.store(pos_ptr + r, pad, mask=r < n_tiles * BLOCK_M)
+        for t0 in range(0, n_tiles, CHUNK // NS):
+            t = t0 + tl.arange(0, CHUNK // NS)
+            slot = tl.sum((tile_end[None, :] <= t[:, None]).to(tl.int32), axis=1)
+            live = t < total
+            e = tl.load(exp_of_slot_ptr + slot, mask=live, other=-1)
+            tl.store(tslot_ptr + t, tl.where(live, slot, -1), mask=t < n_tiles)
+            tl.store(texp_ptr + t, tl.where(live, e, -1), mask=t < n_tiles)
+        for e0 in range(0, n_expert, CHUNK):
+            ex = e0 + tl.arange(0, CHUNK)
+            tl.store(ecount_ptr + ex, tl.zeros([CHUNK], dtype=tl.int32), mask=ex < n_expert)
+        tl.debug_barrier()  # the zeros above land before the counts below
+        exp = tl.load(exp_of_slot_ptr + slots, mask=slots < n_slots, other=-1)
+        tl.store(ecount_ptr + exp, count, mask=exp >= 0)
+
+    @triton.jit
+    def _layout_scatter_kernel(slot_ptr, rank_ptr, block_first_ptr, n_pairs, tok_ptr, pos_ptr,
+                               K: tl.constexpr, NS: tl.constexpr, BLOCK: tl.constexpr):
+        """Grid (pair blocks,): each pair's token and top-k position at its row."""
+        b = tl.program_id(0)
+        i = b * BLOCK + tl.arange(0, BLOCK)
+        s = tl.load(slot_ptr + i, mask=i < n_pairs, other=-1)
+        live = (i < n_pairs) & (s >= 0)
+        row = tl.load(block_first_ptr + b * NS + s, mask=live, other=0) + tl.load(rank_ptr + i, mask=live, other=0)
+        tl.store(tok_ptr + row, (i // K).to(tl.int32), mask=live)
+        tl.store(pos_ptr + row, (i % K).to(tl.int32), mask=live)
+
+
 # -------------------------------------------------------------------- host side
 
 @dataclass(frozen=True)
@@ -334,39 +409,38 @@ class Groups:
 
     @classmethod
     def on_device(cls, ids: torch.Tensor, slot_of: torch.Tensor, exp_of_slot: torch.Tensor,
-                  block_m: int) -> "Groups":
-        """`build` on the device, without reading the routing back: ids [T, k] expert ids;
-        slot_of [n_expert] -> slot of every expert (all resident); exp_of_slot [slots] -> expert.
-        The tile count depends on the routing, so the tables are sized for the most a step can
-        have, P + min(slots, P) x (block_m - 1) rows for P pairs (as the planner reserves them),
-        and the tiles past the last have slot -1 (the kernels return at once)."""
+                  block_m: int) -> tuple["Groups", torch.Tensor]:
+        """`build` on the device in three launches (_layout_*_kernel), without reading the
+        routing back, and the step's rows per expert (int32 [n_expert]): ids [T, k] expert ids;
+        slot_of [n_expert] -> slot of every expert (all resident); exp_of_slot [slots] -> expert
+        (-1: none). The tile count depends on the routing, so the tables are sized for the most a
+        step can have, P + min(slots, P) x (block_m - 1) rows for P pairs (as the planner
+        reserves them), and the tiles past the last have slot -1 (the kernels return at once)."""
         T, k = ids.shape
-        n_pairs, n_slots = T * k, exp_of_slot.numel()
-        dev = ids.device
-        pair_slot = slot_of[ids.reshape(-1)].long()
-        order = torch.argsort(pair_slot, stable=True)  # pairs by slot, then token: build's order
-        sorted_slot = pair_slot[order]
-        count = counts(pair_slot, n_slots)
-        tiles = (count + block_m - 1) // block_m
-        tile_end = torch.cumsum(tiles, 0)
-        pair_start = torch.cumsum(count, 0) - count
-        row = (tile_end - tiles)[sorted_slot] * block_m + torch.arange(n_pairs, device=dev) - pair_start[sorted_slot]
+        n_pairs, n_slots, n_expert = T * k, exp_of_slot.numel(), slot_of.numel()
         n_tiles = (n_pairs + min(n_slots, n_pairs) * (block_m - 1)) // block_m
-        meta = torch.full((2, n_tiles * block_m), -1, dtype=torch.int32, device=dev)
-        meta[0, row] = (order // k).int()
-        meta[1, row] = (order % k).int()
-        t = torch.arange(n_tiles, device=dev)
-        slot = torch.searchsorted(tile_end, t, right=True).clamp(max=n_slots - 1)
-        live = t < tile_end[-1]
-        tile_slot = torch.where(live, slot, -1).int()
-        tile_exp = torch.where(live, exp_of_slot[slot].long(), -1).int()
-        return cls(meta[0], meta[1], tile_slot, tile_exp, block_m)
+        ns = max(16, triton.next_power_of_2(n_slots))
+        block = max(16, LAYOUT_TILE // ns)
+        n_blocks = triton.cdiv(n_pairs, block)
+        out = torch.empty(2 * n_tiles * block_m + 2 * n_tiles + n_expert, dtype=torch.int32, device=ids.device)
+        rows = n_tiles * block_m
+        row_tok, row_pos = out[:rows], out[rows:2 * rows]
+        tile_slot, tile_exp = out[2 * rows:2 * rows + n_tiles], out[2 * rows + n_tiles:2 * rows + 2 * n_tiles]
+        expert_rows = out[2 * rows + 2 * n_tiles:]
+        scratch = torch.empty(2 * n_pairs + 2 * n_blocks * ns, dtype=torch.int32, device=ids.device)
+        pair_slot, rank = scratch[:n_pairs], scratch[n_pairs:2 * n_pairs]
+        block_count, block_first = scratch[2 * n_pairs:2 * n_pairs + n_blocks * ns], scratch[2 * n_pairs + n_blocks * ns:]
+        ids = ids.reshape(-1)
+        _layout_rank_kernel[(n_blocks,)](ids, slot_of, n_pairs, pair_slot, rank, block_count, NS=ns, BLOCK=block)
+        _layout_plan_kernel[(1,)](block_count, n_blocks, exp_of_slot, n_slots, n_expert, n_tiles, block_first,
+                                  row_tok, row_pos, tile_slot, tile_exp, expert_rows, NS=ns, BLOCK_M=block_m,
+                                  RB=max(1, LAYOUT_TILE // ns), CHUNK=LAYOUT_TILE)
+        _layout_scatter_kernel[(n_blocks,)](pair_slot, rank, block_first, n_pairs, row_tok, row_pos, K=k, NS=ns,
+                                            BLOCK=block)
+        return cls(row_tok, row_pos, tile_slot, tile_exp, block_m), expert_rows
 
 
-def counts(values: torch.Tensor, n: int) -> torch.Tensor:
-    """torch.bincount(values, minlength=n) for values < n, without its wait for the device
-    (on CUDA bincount reads the largest value back to size its result)."""
-    return torch.zeros(n, dtype=torch.int64, device=values.device).index_add_(0, values, torch.ones_like(values))
+LAYOUT_TILE = 2048  # elements of the layout kernels' [pairs or blocks, slots] tiles (16 a thread at 4 warps)
 
 
 def _sums(r: tk.Rounded) -> torch.Tensor:

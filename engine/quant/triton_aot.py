@@ -1,5 +1,5 @@
 """Ahead-of-time compilation of the GPU kernels (decode experts; dense products; the prefill
-grouped GEMM with --grouped) for a GPU that is not here.
+grouped GEMM and the layout of its steps with --grouped) for a GPU that is not here.
 
 Triton compiles for a named target without a driver (ptxas and cuobjdump ship inside the
 triton wheel), so a CPU-only machine can check that every kernel variant compiles for
@@ -208,6 +208,30 @@ def grouped_report(names: list[str], arch: int = 90) -> list[dict]:
     return rows
 
 
+LAYOUT_SLOTS = (16, 128, 256, 512)  # slots per layer the layout kernels are compiled for (their NS)
+
+
+def layout_report(arch: int = 90) -> list[dict]:
+    """Compiles the three kernels that lay a resident step out on the device (grouped_gemm's
+    Groups.on_device) at LAYOUT_SLOTS; one dict per kernel."""
+    from engine.quant import grouped_gemm as gg
+
+    rows = []
+    for ns in LAYOUT_SLOTS:
+        block = max(16, gg.LAYOUT_TILE // ns)
+        for label, fn, const in [
+                ("layout rank", gg._layout_rank_kernel, {"NS": ns, "BLOCK": block}),
+                ("layout plan", gg._layout_plan_kernel, {"NS": ns, "BLOCK_M": gg.GROUPED_BLOCK_M,
+                                                         "RB": max(1, gg.LAYOUT_TILE // ns), "CHUNK": gg.LAYOUT_TILE}),
+                ("layout scatter", gg._layout_scatter_kernel, {"NS": ns, "BLOCK": block, "K": 8})]:
+            types = {name: "*i64" if name == "ids_ptr" else "*i32" for name in fn.arg_names if name.endswith("_ptr")}
+            compiled = compile_for(fn, types, const, arch=arch)
+            rows.append({"geometry": f"{ns} slots", "kernel": label, "block_n": 0, "num_warps": 4,
+                         "convert_layout": compiled.asm["ttgir"].count("ttg.convert_layout"), "mma": None,
+                         **resource_usage(compiled)})
+    return rows
+
+
 def dense_report(arch: int = 90) -> list[dict]:
     """Compiles the dense product for every kernel type (and padded Q6_K, named Q6_K/224),
     DENSE_GEOMETRIES and DENSE_ROWS."""
@@ -236,7 +260,7 @@ def main() -> None:  # pragma: no cover - a report, run by hand or by the tests 
     if tk.INTERPRETED:
         raise SystemExit("unset TRITON_INTERPRET: kernels imported for the interpreter cannot be compiled")
     if args.grouped:
-        rows = grouped_report(args.names, args.arch)
+        rows = grouped_report(args.names, args.arch) + layout_report(args.arch)
     else:
         rows = report(args.names, args.arch) + ([] if args.no_dense else dense_report(args.arch))
     if args.json:

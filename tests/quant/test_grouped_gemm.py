@@ -205,23 +205,30 @@ def test_interpreter_dense_matches_reference(qtype: QT) -> None:
     check_dense(qtype, n_out=80, K=K, rows=40, device="cpu", cfg=SMALL)
 
 
-def test_groups_laid_out_on_the_device_as_on_the_host() -> None:
-    """Groups.on_device (no read-back of the routing) gives build's tables, then dead tiles up to
-    the most a step of these pairs can have."""
-    g = torch.Generator().manual_seed(3)
-    n_expert, n_tok, k, bm = 12, 37, 4, 8
-    ids = torch.stack([torch.randperm(n_expert, generator=g)[:k] for _ in range(n_tok)])
-    ids[ids == 5] = 6  # an expert no pair goes to: its slot has no tile
-    exp_of_slot = torch.randperm(n_expert, generator=g).int()
-    slot_of = torch.argsort(exp_of_slot).int()
+@interp
+@pytest.mark.parametrize("n_tok, k, n_expert, n_slots, bm", [(37, 4, 12, 12, 8), (300, 8, 128, 128, 32),
+                                                          (5, 2, 6, 9, 16), (130, 6, 200, 200, 32)])
+def test_groups_laid_out_on_the_device_as_on_the_host(n_tok, k, n_expert, n_slots, bm) -> None:
+    """Groups.on_device (three launches, no read-back of the routing) gives build's tables, then
+    dead tiles up to the most a step of these pairs can have, and the rows of each expert: one
+    expert no pair goes to (its slot has no tile), slots in another order than the experts, more
+    slots than experts (the extra ones empty), pair blocks over many slots."""
+    g = torch.Generator().manual_seed(n_tok)
+    ids = torch.stack([torch.randperm(n_expert - 1, generator=g)[:k] for _ in range(n_tok)])
+    ids[ids >= 1] += 1  # expert 1 has no pair
+    exp_of_slot = torch.full((n_slots,), -1, dtype=torch.int32)
+    exp_of_slot[torch.randperm(n_slots, generator=g)[:n_expert]] = torch.arange(n_expert, dtype=torch.int32)
+    slot_of = torch.zeros(n_expert, dtype=torch.int32)
+    slot_of[exp_of_slot[exp_of_slot >= 0].long()] = torch.nonzero(exp_of_slot >= 0).flatten().int()
     host = gg.Groups.build(ids.numpy(), slot_of.numpy(), bm, "cpu")
-    dev = gg.Groups.on_device(ids, slot_of, exp_of_slot, bm)
+    dev, expert_rows = gg.Groups.on_device(ids, slot_of, exp_of_slot, bm)
     n, rows = host.tiles, host.tiles * bm
-    assert dev.tiles == (n_tok * k + n_expert * (bm - 1)) // bm >= n
+    assert dev.tiles == (n_tok * k + min(n_slots, n_tok * k) * (bm - 1)) // bm >= n
     assert torch.equal(dev.tile_slot[:n], host.tile_slot) and torch.equal(dev.tile_exp[:n], host.tile_exp)
     assert (dev.tile_slot[n:] == -1).all() and (dev.tile_exp[n:] == -1).all()
     assert torch.equal(dev.row_tok[:rows], host.row_tok) and torch.equal(dev.row_pos[:rows], host.row_pos)
     assert (dev.row_tok[rows:] == -1).all() and (dev.row_pos[rows:] == -1).all()
+    assert torch.equal(expert_rows, torch.bincount(ids.flatten(), minlength=n_expert).int())
 
 
 @interp
@@ -231,8 +238,8 @@ def test_interpreter_groups_on_the_device_compute_the_same() -> None:
     cfg = gg.GroupedConfig(16, 64)
     want, got = torch.zeros(2, 21, 64), torch.zeros(2, 21, 64)
     gg.experts_forward(step.x, step.buffers, step.w, step.ids.numpy(), step.slot_of, step.weights, want, cfg, cfg)
-    groups = gg.Groups.on_device(step.ids, torch.from_numpy(step.slot_of), torch.from_numpy(np.argsort(step.slot_of)),
-                                 cfg.block_m)
+    groups, _ = gg.Groups.on_device(step.ids, torch.from_numpy(step.slot_of),
+                                    torch.from_numpy(np.argsort(step.slot_of)).int(), cfg.block_m)
     assert groups.tiles > gg.Groups.build(step.ids.numpy(), step.slot_of, 16, "cpu").tiles  # dead tiles return at once
     gg.groups_forward(step.x, step.buffers, step.w, groups, step.weights, got, cfg, cfg)
     assert torch.equal(got, want)
@@ -271,12 +278,12 @@ def test_tiles_of_gate_up_and_down_must_agree() -> None:
 def test_kernels_compile_for_hopper_on_tensor_cores_without_spills() -> None:
     """Every grouped launch of every standard geometry compiles for sm_90 (no GPU needed:
     Triton ships ptxas), multiplies on the tensor cores (32-row tiles: mma.sync, not wgmma) and
-    spills nothing at its default tile."""
+    spills nothing at its default tile; so do the layout kernels at 16 to 512 slots."""
     import json
     import subprocess
     import sys
 
-    from engine.quant.triton_aot import STANDARD_GEOMETRIES
+    from engine.quant.triton_aot import LAYOUT_SLOTS, STANDARD_GEOMETRIES
 
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     proc = subprocess.run([sys.executable, "-m", "engine.quant.triton_aot", "--grouped", "--json"],
@@ -285,10 +292,11 @@ def test_kernels_compile_for_hopper_on_tensor_cores_without_spills() -> None:
         pytest.skip(f"this Triton cannot compile for CUDA here: {proc.stderr.strip().splitlines()[-1]}")
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert {(r["geometry"], r["kernel"]) for r in rows} == {(g, f"grouped {k}") for g in STANDARD_GEOMETRIES
-                                                             for k in ("gate_up", "down")}
+    assert {(r["geometry"], r["kernel"]) for r in rows} == (
+        {(g, f"grouped {k}") for g in STANDARD_GEOMETRIES for k in ("gate_up", "down")}
+        | {(f"{ns} slots", f"layout {k}") for ns in LAYOUT_SLOTS for k in ("rank", "plan", "scatter")})
     for r in rows:
-        assert r["mma"], f"{r['geometry']} {r['kernel']}: no tensor-core product"
+        assert r["mma"] or r["kernel"].startswith("layout"), f"{r['geometry']} {r['kernel']}: no tensor-core product"
         assert r["spill_ops"] == 0 and r["local"] == 0, f"{r['geometry']} {r['kernel']} spills: {r}"
 
 
@@ -383,7 +391,8 @@ def test_interpreter_hybrid_all_resident_steps_do_not_read_the_routing_back(make
 def test_interpreter_routing_costs_time_the_grouped_gemm(make_model, monkeypatch) -> None:
     """measure_costs (engine/moe/tune.py) times the accelerator's side of a many-row step through
     the path that step takes: with the grouped GEMM on, GROUPED_EXPERTS experts of MANY_ROWS rows
-    in one launch (two experts here, still beyond the decode kernels' pairs: the interpreter is slow)."""
+    in one launch, laid out once (two experts here, still beyond the decode kernels' pairs: the
+    interpreter is slow)."""
     from engine.models import build_model
     from engine.moe import tune
     from engine.moe.cpu_pool import CpuExpertPool
@@ -393,8 +402,8 @@ def test_interpreter_routing_costs_time_the_grouped_gemm(make_model, monkeypatch
     monkeypatch.setattr(tune, "GROUPED_EXPERTS", GROUPED_EXPERTS)
 
     calls = []
-    forward = gg.experts_forward
-    monkeypatch.setattr(gg, "experts_forward", lambda *a, **kw: (calls.append(a[3].shape), forward(*a, **kw)))
+    forward = gg.groups_forward
+    monkeypatch.setattr(gg, "groups_forward", lambda *a, **kw: (calls.append(a[0].shape[0]), forward(*a, **kw)))
     monkeypatch.setitem(gg.GATE_UP_CONFIG, QT.Q8_0, gg.GroupedConfig(64, 64))
     monkeypatch.setitem(gg.DOWN_CONFIG, QT.Q8_0, gg.GroupedConfig(64, 64))
     monkeypatch.setenv("MOESTUDIO_TRITON", "force")
@@ -405,7 +414,7 @@ def test_interpreter_routing_costs_time_the_grouped_gemm(make_model, monkeypatch
         t = measure_costs(layer, model.expert_weights[layer], torch.device("cpu"), pool)
     finally:
         pool.close()
-    assert calls and set(calls) == {(GROUPED_EXPERTS * MANY_ROWS, 1)}, calls
+    assert calls and set(calls) == {GROUPED_EXPERTS * MANY_ROWS}, calls  # rows of one launch
     assert t["gpu_s"] > 0
 
 
