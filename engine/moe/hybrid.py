@@ -225,7 +225,8 @@ class HybridExperts:
         if L.device_map is None or L.device_map[0] != L.slots.version:
             L.device_map = (L.slots.version, upload(L.slots.resident.astype(np.int32), self.device),
                             upload(L.slots.slot_expert.astype(np.int32), self.device))
-        per_slot = torch.zeros(ids.shape[1], *x.shape, dtype=x.dtype, device=x.device)
+        # every expert resident: the down kernel writes every (top-k position, token) row
+        per_slot = torch.empty(ids.shape[1], *x.shape, dtype=x.dtype, device=x.device)
         try:
             groups, expert_rows = gg.Groups.on_device(ids, L.device_map[1], L.device_map[2],
                                                       gg.GATE_UP_CONFIG[L.w.gate.qtype].block_m)
@@ -405,7 +406,13 @@ class HybridExperts:
 
 
 def _combine(per_slot: torch.Tensor) -> torch.Tensor:
-    """The weighted experts of each token summed slot by slot, as llama.cpp adds them."""
+    """The weighted experts of each token summed slot by slot, as llama.cpp adds them (one
+    launch, bit-identical, where the Triton kernels run: engine/kernels/combine.py)."""
+    if triton_applies(per_slot.device):
+        from engine.kernels import combine as kernel
+
+        if kernel.supports(per_slot):
+            return kernel.combine(per_slot)
     total = per_slot[0]
     for j in range(1, per_slot.shape[0]):
         total = total + per_slot[j]
