@@ -129,23 +129,30 @@ def judge(against_llama: Comparison, noise: Comparison) -> list[str]:
 
 
 def engine_run(model, tokens: list[int]) -> tuple[np.ndarray, np.ndarray]:
-    """Logits and routed experts of this engine's model over `tokens` in one forward."""
+    """Logits and routed experts of this engine's model over `tokens`, in forwards of at most
+    LOGIT_ROWS tokens over one cache (the logits the planner reserves memory for), none of a
+    single token (that would be a decode graph's step)."""
     import torch
 
-    seen: dict[int, torch.Tensor] = {}
+    from engine.plan.sizing import LOGIT_ROWS
+
+    seen: dict[int, list[torch.Tensor]] = {}
     executor = model.experts
 
     def recording(layer, x, ids, weights):
-        seen[layer] = ids.clone()
+        seen.setdefault(layer, []).append(ids.clone())
         return executor(layer, x, ids, weights)
 
     model.experts = recording
+    cache = model.new_cache(len(tokens))
+    rows = []
     try:
-        logits = model.forward(torch.tensor(tokens), model.new_cache(len(tokens))).float().cpu().numpy()
+        for chunk in np.array_split(np.asarray(tokens), -(-len(tokens) // LOGIT_ROWS)):
+            rows.append(model.forward(torch.from_numpy(chunk), cache).float().cpu().numpy())
     finally:
         model.experts = executor
-    experts = np.stack([seen[layer].cpu().numpy() for layer in sorted(seen)], axis=1)
-    return logits, experts
+    experts = np.stack([torch.cat(seen[layer]).cpu().numpy() for layer in sorted(seen)], axis=1)
+    return np.concatenate(rows), experts
 
 
 def noise_floor(model, ref: "Reference", logits: np.ndarray, experts: np.ndarray) -> Comparison:

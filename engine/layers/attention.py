@@ -16,8 +16,7 @@ import torch.nn.functional as F
 
 from engine.kernels import triton_applies
 from engine.layers import precision
-
-MASK_BYTES = 64 << 20  # the largest float32 mask prompt_attention builds for one SDPA launch
+from engine.plan.sizing import ATTENTION_MASK_BYTES as MASK_BYTES  # the planner reserves it
 
 
 class KVCache:

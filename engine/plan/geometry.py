@@ -39,6 +39,7 @@ class Geometry:
     dense_bytes: int  # every non-expert tensor but the token embeddings
     embedding_bytes: int
     kv_values_per_token: int  # K and V values one token adds over all layers
+    head_dim_k: int = 0  # one attention head's query/key width (0 in plans written before it: n_embd / n_head)
     # The dense tensors' values: the MoE Studio engine on the CPU holds them as float32 (4 bytes
     # each), which is what a CPU decode token then reads (engine/layers/linear.py).
     dense_values: int = 0
@@ -66,6 +67,15 @@ class Geometry:
         """The inverse of to_json (the GUI re-prices a plan from `moestudio plan --json`)."""
         values = {f.name: d.get(f.name, f.default) for f in fields(cls)}
         return cls(**{**values, "moe_layers": tuple(values["moe_layers"])})
+
+
+def _head_dim_k(mf: Any, n_head: int) -> int:
+    """The width of one head's query and key as attention reads them: deepseek2's MLA attends
+    over the latent plus the rotary part."""
+    kv_lora = int(mf.arch_key("attention.kv_lora_rank", 0) or 0)
+    if kv_lora:
+        return kv_lora + int(mf.arch_key("rope.dimension_count"))
+    return int(mf.arch_key("attention.key_length", int(mf.arch_key("embedding_length")) // n_head))
 
 
 def _kv_values_per_token(mf: Any, n_layer: int, n_head: int) -> int:
@@ -123,7 +133,8 @@ def geometry_of(mf: Any) -> Geometry:
             expert_bytes=sum(per_layer.values()) // (len(per_layer) * n_expert),
             expert_slot_bytes=-(-slot_bytes // (len(per_layer) * n_expert)),
             experts_bytes_total=sum(per_layer.values()), dense_bytes=dense, embedding_bytes=embedding,
-            kv_values_per_token=_kv_values_per_token(mf, n_layer, n_head), dense_values=dense_values,
+            kv_values_per_token=_kv_values_per_token(mf, n_layer, n_head), head_dim_k=_head_dim_k(mf, n_head),
+            dense_values=dense_values,
         )
     except GGUFError as e:  # its message starts with the path
         raise UserError(f"cannot read the model: {e}") from None

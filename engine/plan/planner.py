@@ -214,7 +214,7 @@ def make_plan(hw: Hardware, g: Geometry, s: Config = Config(), o: PlanOptions = 
                  "read by every token"),
         PlanLine("KV cache", p.kv_bytes, "gpu", f"{p.ctx} tokens x {g.kv_bytes_per_token[o.kv_type]:,} bytes "
                  f"({o.kv_type})"),
-        PlanLine("compute workspace", p.workspace_bytes, "gpu", f"estimate: logits, activations and attention scores "
+        PlanLine("compute workspace", p.workspace_bytes, "gpu", f"estimate: logits, activations and fused attention "
                  f"of a {s.prefill_chunk}-token prefill chunk"),
         PlanLine("upload staging", p.staging_bytes, "gpu", f"{p.staging_slots} "
                  f"slot{'s' * (p.staging_slots != 1)} shared by the layers for the misses a step uploads"),

@@ -55,18 +55,24 @@ def staging_slots(miss_fraction: float, n_expert: int, top_k: int, expert_bytes:
 # default configs take it): each expert's run of rows is padded to a multiple, so a step has at
 # most chunk x top-k + experts x (block - 1) rows.
 GROUPED_BLOCK_M = 32
+LOGIT_ROWS = 64  # the most rows a forward gives logits for: a prompt its last, validation chunks of this many
+ATTENTION_MASK_BYTES = 64 * MIB  # the largest mask of one fused prompt-attention launch (layers/attention.py)
 
 
 def workspace_bytes(g: Geometry, ctx: int, prefill_chunk: int) -> int:
-    """Scratch memory of one prefill chunk: logits, activations, attention scores, and the
-    grouped expert GEMM's padded h (float32) with its rounding for the down weights (float32
-    values, int8 quants, a scale per 32: 13 bytes a value)."""
-    logits = g.n_vocab * prefill_chunk * 4
+    """Scratch memory of one prefill chunk: logits (of LOGIT_ROWS rows at most: a prompt needs
+    its last row's), activations, attention (the fused prompt attention of
+    layers/attention.prompt_attention: its mask, at most ATTENTION_MASK_BYTES, and copies of q
+    and of the output; no [heads, chunk, ctx] scores), and the grouped expert GEMM's padded h (float32)
+    with its rounding for the down weights (float32 values, int8 quants, a scale per 32: 13
+    bytes a value)."""
+    logits = g.n_vocab * min(LOGIT_ROWS, prefill_chunk) * 4
     activations = prefill_chunk * (6 * g.n_embd + 3 * g.n_expert_used * g.n_ff_exp) * 4
-    scores = g.n_head * prefill_chunk * ctx * 4
+    head_dim = g.head_dim_k or g.n_embd // g.n_head
+    attention = min(ATTENTION_MASK_BYTES, g.n_head * prefill_chunk * ctx * 4) + 4 * prefill_chunk * g.n_head * head_dim * 4
     grouped_rows = prefill_chunk * g.n_expert_used + g.n_expert * (GROUPED_BLOCK_M - 1)
     grouped = grouped_rows * g.n_ff_exp * 13
-    return logits + activations + scores + grouped
+    return logits + activations + attention + grouped
 
 
 @dataclass(frozen=True)

@@ -13,6 +13,7 @@ import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType as QT
@@ -118,3 +119,22 @@ def test_the_demo_validates_on_other_cpu_kernel_paths(demo, variant):
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
     result = json.loads(out.stdout)
     assert result["kernels"].startswith(f"torch {variant.upper()};") and result["passed"], result
+
+
+def test_the_engine_run_goes_in_forwards_of_the_reserved_logit_rows(make_model, prompt_text, monkeypatch):
+    """engine_run's logits come from forwards of at most LOGIT_ROWS tokens (the rows the planner
+    reserves logits for), none of one token, over one cache: the same logits as one forward of
+    every token, up to float32 summation order."""
+    from engine.plan import sizing
+
+    path = make_model("qwen3moe")
+    tokens = tokenize_text(path, prompt_text)[:41]
+    model = build_model(path)
+    whole = model.forward(torch.tensor(tokens), model.new_cache(len(tokens)))
+    sizes = []
+    forward = model.forward
+    monkeypatch.setattr(model, "forward", lambda t, *a, **k: (sizes.append(t.numel()), forward(t, *a, **k))[1])
+    monkeypatch.setattr(sizing, "LOGIT_ROWS", 8)
+    logits, experts = engine_run(model, tokens)
+    assert sizes == [7, 7, 7, 7, 7, 6] and logits.shape == tuple(whole.shape) and experts.shape[0] == len(tokens)
+    assert np.abs(logits - whole.numpy()).max() <= 1e-5 * np.abs(logits).max()

@@ -50,7 +50,7 @@ class FakeNVML:
 Q3 = Geometry(name="qwen3-30b-a3b", arch="qwen3moe", file_bytes=17_330_232_768, n_layer=48, moe_layers=tuple(range(48)),
               n_expert=128, n_expert_used=8, n_embd=2048, n_ff_exp=768, n_head=32, n_vocab=2048, n_ctx_train=40960,
               expert_bytes=2_654_208, expert_slot_bytes=2_654_208, experts_bytes_total=2_654_208 * 128 * 48, dense_bytes=1_018_429_440,
-              embedding_bytes=4_456_448, kv_values_per_token=48 * 4 * 256,
+              embedding_bytes=4_456_448, kv_values_per_token=48 * 4 * 256, head_dim_k=128,
               dense_values=1_018_429_440 * 32 // 34)  # Q8_0: 34 bytes per 32 values
 
 
@@ -64,10 +64,12 @@ def test_geometry_of_tiny_models(make_model):
     assert g.moe_layers == (0, 1) and g.n_expert == 8 and g.n_expert_used == 2
     assert g.expert_bytes == 3 * 256 * 256 // 256 * 144  # gate, up, down: Q4_K 144 bytes per 256 values
     assert g.kv_values_per_token == 2 * 2 * (64 + 64) and g.kv_bytes_per_token == {"f16": 1024, "f32": 2048}
+    assert g.head_dim_k == 64
     assert g.dense_bytes + g.embedding_bytes + g.experts_bytes_total < g.file_bytes
     mla = read_geometry(make_model("deepseek2"))
     assert mla.moe_layers == (1, 2)  # the leading dense layer has no experts
     assert mla.kv_values_per_token == 3 * (256 + 32)  # compressed latent + rotary key per layer
+    assert mla.head_dim_k == 256 + 32  # attention reads the latent and the rotary key
 
 
 def test_probe_seam_reads_a_fake_8gib_gpu():
@@ -105,7 +107,8 @@ def test_plan_cli_with_the_fake_gpu(make_model, capsys):
     assert plan["bandwidth_gbs"]["vram"] == round(272 * 0.8, 1)
 
 
-@pytest.mark.parametrize("gib, slots", [(8, 40), (12, 74), (24, 128)])  # staging shared; 32-row grouped tiles
+# staging shared; 32-row grouped tiles; fused prompt attention (no scores: one slot more than before)
+@pytest.mark.parametrize("gib, slots", [(8, 41), (12, 75), (24, 128)])
 def test_qwen3_30b_at_8_12_24_gib(gib, slots):
     plan = make_plan(machine(gib * 1024), Q3, Config(ctx=4096))
     assert plan.mode == "gpu" and plan.fits and not plan.warnings
