@@ -256,7 +256,6 @@ if triton is not None:
         dst = out_ptr + pos[:, None] * out_stride_pos + tok64[:, None] * out_stride_tok + n[None, :]
         tl.store(dst, acc, mask=live[:, None] & live_n[None, :])
 
-
     # A step's layout on the device (Groups.on_device) in three launches: ranks within blocks of
     # pairs, the plan (slot runs, tiles, padding, rows per expert), then each pair's row.
     @triton.jit
