@@ -69,7 +69,8 @@ def workspace_bytes(g: Geometry, ctx: int, prefill_chunk: int) -> int:
     logits = g.n_vocab * min(LOGIT_ROWS, prefill_chunk) * 4
     activations = prefill_chunk * (6 * g.n_embd + 3 * g.n_expert_used * g.n_ff_exp) * 4
     head_dim = g.head_dim_k or g.n_embd // g.n_head
-    attention = min(ATTENTION_MASK_BYTES, g.n_head * prefill_chunk * ctx * 4) + 4 * prefill_chunk * g.n_head * head_dim * 4
+    mask = min(ATTENTION_MASK_BYTES, g.n_head * prefill_chunk * ctx * 4)
+    attention = mask + 4 * prefill_chunk * g.n_head * head_dim * 4  # q, its stacked copy, the output twice
     grouped_rows = prefill_chunk * g.n_expert_used + g.n_expert * (GROUPED_BLOCK_M - 1)
     grouped = grouped_rows * g.n_ff_exp * 13
     return logits + activations + attention + grouped

@@ -428,7 +428,8 @@ class Groups:
         expert_rows = out[2 * rows + 2 * n_tiles:]
         scratch = torch.empty(2 * n_pairs + 2 * n_blocks * ns, dtype=torch.int32, device=ids.device)
         pair_slot, rank = scratch[:n_pairs], scratch[n_pairs:2 * n_pairs]
-        block_count, block_first = scratch[2 * n_pairs:2 * n_pairs + n_blocks * ns], scratch[2 * n_pairs + n_blocks * ns:]
+        block_count = scratch[2 * n_pairs:2 * n_pairs + n_blocks * ns]
+        block_first = scratch[2 * n_pairs + n_blocks * ns:]
         ids = ids.reshape(-1)
         _layout_rank_kernel[(n_blocks,)](ids, slot_of, n_pairs, pair_slot, rank, block_count, NS=ns, BLOCK=block)
         _layout_plan_kernel[(1,)](block_count, n_blocks, exp_of_slot, n_slots, n_expert, n_tiles, block_first,
@@ -518,8 +519,8 @@ def dense(x: torch.Tensor, raw: torch.Tensor, qtype: QT, cfg: GroupedConfig | No
     cfg = cfg or DOWN_CONFIG[qtype]
     out = torch.empty((1, x.shape[0], raw.shape[1]), dtype=torch.float32, device=x.device)
     if x.shape[0]:
-        _down_launch(tk.round_rows(x, qtype, sums=True), raw, qtype, None, _all_rows(x.shape[0], cfg.block_m, str(x.device)),
-                     None, out, cfg)
+        rows = _all_rows(x.shape[0], cfg.block_m, str(x.device))
+        _down_launch(tk.round_rows(x, qtype, sums=True), raw, qtype, None, rows, None, out, cfg)
     return out[0]
 
 
