@@ -33,6 +33,7 @@ SAMPLES = 4  # experts timed each way (distinct ones: first-touch costs included
 TIMINGS = 4  # uploads one by one and streamed, the CPU pool at one row and at MANY_ROWS: SAMPLES experts each
 MANY_ROWS = 64  # rows of one expert in the CPU pool's second timing: its cost per extra row
 GROUPED_EXPERTS = 8  # experts of MANY_ROWS rows in the timed grouped launch (its fixed costs shared)
+HOLD_CYCLES = 40_000_000  # the sleep that holds the GPU while a timed loop is queued: 20 ms at 2 GHz
 
 
 @dataclass(frozen=True)
@@ -139,9 +140,6 @@ def measure_costs(layer: int, w: ExpertWeights, device: torch.device, pool: CpuE
 def route_costs(measured: dict[str, float]) -> RouteCosts:
     """The costs a many-row step routes its misses by, from measure_costs' times."""
     return RouteCosts(measured["stream_s"], measured["cpu_s"], measured["cpu_row_s"], measured["gpu_s"])
-
-
-HOLD_CYCLES = 40_000_000  # the sleep that holds the GPU while a timed loop is queued: 20 ms at 2 GHz
 
 
 def accelerator_seconds(fn: Callable[[], None], calls: int, device: torch.device,

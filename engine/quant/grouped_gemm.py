@@ -418,8 +418,7 @@ class Groups:
         T, k = ids.shape
         n_pairs, n_slots, n_expert = T * k, exp_of_slot.numel(), slot_of.numel()
         n_tiles = (n_pairs + min(n_slots, n_pairs) * (block_m - 1)) // block_m
-        ns = max(16, triton.next_power_of_2(n_slots))
-        block = max(16, LAYOUT_TILE // ns)
+        ns, block, rb = layout_tiles(n_slots)
         n_blocks = triton.cdiv(n_pairs, block)
         out = torch.empty(2 * n_tiles * block_m + 2 * n_tiles + n_expert, dtype=torch.int32, device=ids.device)
         rows = n_tiles * block_m
@@ -434,13 +433,21 @@ class Groups:
         _layout_rank_kernel[(n_blocks,)](ids, slot_of, n_pairs, pair_slot, rank, block_count, NS=ns, BLOCK=block)
         _layout_plan_kernel[(1,)](block_count, n_blocks, exp_of_slot, n_slots, n_expert, n_tiles, block_first,
                                   row_tok, row_pos, tile_slot, tile_exp, expert_rows, NS=ns, BLOCK_M=block_m,
-                                  RB=max(1, LAYOUT_TILE // ns), CHUNK=LAYOUT_TILE)
+                                  RB=rb, CHUNK=LAYOUT_TILE)
         _layout_scatter_kernel[(n_blocks,)](pair_slot, rank, block_first, n_pairs, row_tok, row_pos, K=k, NS=ns,
                                             BLOCK=block)
         return cls(row_tok, row_pos, tile_slot, tile_exp, block_m), expert_rows
 
 
 LAYOUT_TILE = 2048  # elements of the layout kernels' [pairs or blocks, slots] tiles (16 a thread at 4 warps)
+
+
+def layout_tiles(n_slots: int) -> tuple[int, int, int]:
+    """The layout kernels' constants for a layer of `n_slots` slots: NS (the slots padded to a
+    power of two), BLOCK (pairs a rank or scatter program takes) and RB (blocks a plan step
+    reads), so that their tiles hold LAYOUT_TILE elements."""
+    ns = max(16, triton.next_power_of_2(n_slots))
+    return ns, max(16, LAYOUT_TILE // ns), max(1, LAYOUT_TILE // ns)
 
 
 def _sums(r: tk.Rounded) -> torch.Tensor:

@@ -123,7 +123,8 @@ def decode_variants(gate: QT, up: QT, down: QT, n_embd: int, n_ff: int, activati
     rev = tk.reversed_ties(_target(arch))
     gu = gate_up_cfg or tk.GATE_UP_CONFIG[gate]
     dn = down_cfg or tk.DOWN_CONFIG[down]
-    out = [("round_x", tk._round_rows_kernel, {"K": n_embd, "VT": vt(gate), "INTERP": False, "SUMS": False}, tk.TileConfig(0, 4))]
+    out = [("round_x", tk._round_rows_kernel, {"K": n_embd, "VT": vt(gate), "INTERP": False, "SUMS": False},
+            tk.TileConfig(0, 4))]
     out.append(("gate_up", tk._gate_up_kernel,
                 {"N": n_ff, "K": n_embd, "QG": slot_type(gate), "QU": slot_type(up), "SAME_X": vt(gate) == vt(up),
                  "VT_DOWN": vt(down), "ACT": activation, "HAS_BIAS": bias, "BLOCK_N": gu.block_n, "UNROLL": gu.unroll,
@@ -217,16 +218,16 @@ def layout_report(arch: int = 90) -> list[dict]:
     from engine.quant import grouped_gemm as gg
 
     rows = []
-    for ns in LAYOUT_SLOTS:
-        block = max(16, gg.LAYOUT_TILE // ns)
+    for n_slots in LAYOUT_SLOTS:
+        ns, block, rb = gg.layout_tiles(n_slots)
         for label, fn, const in [
                 ("layout rank", gg._layout_rank_kernel, {"NS": ns, "BLOCK": block}),
-                ("layout plan", gg._layout_plan_kernel, {"NS": ns, "BLOCK_M": gg.GROUPED_BLOCK_M,
-                                                         "RB": max(1, gg.LAYOUT_TILE // ns), "CHUNK": gg.LAYOUT_TILE}),
+                ("layout plan", gg._layout_plan_kernel,
+                 {"NS": ns, "BLOCK_M": gg.GROUPED_BLOCK_M, "RB": rb, "CHUNK": gg.LAYOUT_TILE}),
                 ("layout scatter", gg._layout_scatter_kernel, {"NS": ns, "BLOCK": block, "K": 8})]:
             types = {name: "*i64" if name == "ids_ptr" else "*i32" for name in fn.arg_names if name.endswith("_ptr")}
             compiled = compile_for(fn, types, const, arch=arch)
-            rows.append({"geometry": f"{ns} slots", "kernel": label, "block_n": 0, "num_warps": 4,
+            rows.append({"geometry": f"{n_slots} slots", "kernel": label, "block_n": 0, "num_warps": 4,
                          "convert_layout": compiled.asm["ttgir"].count("ttg.convert_layout"), "mma": None,
                          **resource_usage(compiled)})
     return rows

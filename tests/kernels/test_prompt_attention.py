@@ -1,16 +1,16 @@
 """A prompt's attention through torch's fused SDPA (engine.layers.attention.prompt_attention)
 against the reference einsum code of `attend`.
 
-- here: SDPA's CPU kernels at small shapes, every variant the families use (GQA groups
-  1/2/4/8, the sliding window, sinks, MLA's head dims), a chunk at the start of the cache
-  and one in the middle, in one launch and in query slices;
+- here: SDPA's CPU kernels at small shapes, every variant the families use (the decode
+  kernel tests' geometries: GQA groups 1/2/4/8, the sliding window, sinks, MLA's head dims),
+  a chunk at the start of the cache and one in the middle, in one launch and in query slices;
 - on the GPU (`-m gpu`): the real geometries at a 4,096-token cache with only the
   memory-efficient kernel allowed (it must take every one of them: the math backend would
   hold the scores), against a float64-accumulated reference, within the mask budget plus
   copies of the operands.
 
-The contract: equal to `attend` up to float32 summation order, within REL_TOL of the output's
-largest magnitude.
+The contract: equal to `attend` up to float32 summation order, within the decode kernel tests'
+REL_TOL of the output's largest magnitude (their `check`).
 """
 from __future__ import annotations
 
@@ -20,19 +20,7 @@ import torch
 from engine.kernels.decode_attention import REAL_GEOMETRIES
 from engine.layers import attention, precision
 from engine.layers.attention import attend, prompt_attention
-
-REL_TOL = 1e-5
-
-# (n_head, n_kv, dk, dv, window, sinks)
-GEOMETRIES = {
-    "group1-64": (4, 4, 64, 64, 0, False),
-    "group2-64": (4, 2, 64, 64, 0, False),
-    "group4-128": (8, 2, 128, 128, 0, False),
-    "group8-128": (16, 2, 128, 128, 0, False),
-    "group8-64-window-sinks": (16, 2, 64, 64, 16, True),
-    "group8-64-sinks": (16, 2, 64, 64, 0, True),
-    "mla-tiny-288-256": (4, 1, 288, 256, 0, False),
-}
+from tests.kernels.test_decode_attention import GEOMETRIES, check  # the families' variants, the tolerance
 
 
 def case(n_tok, n_head, n_kv, dk, dv, start, sinks, device="cpu", seed=0):
@@ -46,19 +34,15 @@ def case(n_tok, n_head, n_kv, dk, dv, start, sinks, device="cpu", seed=0):
     return tuple(t.to(device) if t is not None else None for t in (q, k, v, positions, s))
 
 
-def check(out: torch.Tensor, ref: torch.Tensor) -> None:
-    assert out.shape == ref.shape and out.dtype == torch.float32 and torch.isfinite(out).all()
-    err = (out - ref).abs().max().item()
-    assert err <= REL_TOL * ref.abs().max().item(), f"max error {err} vs magnitude {ref.abs().max().item()}"
-
-
 @pytest.mark.parametrize("name", GEOMETRIES)
 @pytest.mark.parametrize("start", [0, 37])
 def test_a_chunk_matches_the_reference(name, start):
     n_head, n_kv, dk, dv, window, sinks = GEOMETRIES[name]
     q, k, v, positions, s = case(24, n_head, n_kv, dk, dv, start, sinks)
     scale = dk ** -0.5
-    check(prompt_attention(q, k, v, positions, scale, window, s), attend(q, k, v, positions, scale, window, s))
+    out = prompt_attention(q, k, v, positions, scale, window, s)
+    assert out.dtype == torch.float32
+    check(out, attend(q, k, v, positions, scale, window, s))
 
 
 @pytest.mark.parametrize("name", ["group8-64-window-sinks", "mla-tiny-288-256"])
