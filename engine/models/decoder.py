@@ -89,8 +89,11 @@ class Embedding:
         self.raw, self.qtype, self.row_shape, self.device = mf.torch_raw(name), info.qtype, info.shape[1:], device
 
     def __call__(self, tokens: torch.Tensor) -> torch.Tensor:
-        rows = self.raw[tokens.cpu()]
-        return dequantize(rows.to(self.device), self.qtype, (tokens.numel(), *self.row_shape))
+        return self.decode(self.raw[tokens.cpu()].to(self.device))
+
+    def decode(self, rows: torch.Tensor) -> torch.Tensor:
+        """Float32 [rows, n_embd] of raw table rows (uint8 [rows, row bytes]) on the device."""
+        return dequantize(rows, self.qtype, (rows.shape[0], *self.row_shape))
 
 
 @dataclass

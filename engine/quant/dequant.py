@@ -7,6 +7,7 @@ forms (addcmul, FMA) are avoided on purpose: they round once where numpy rounds 
 """
 from __future__ import annotations
 
+import functools
 from math import prod
 from typing import Callable
 
@@ -25,8 +26,15 @@ def _f16(blocks: torch.Tensor, start: int) -> torch.Tensor:
     return blocks[:, start:start + 2].contiguous().view(torch.float16).float()
 
 
+@functools.lru_cache(maxsize=64)
+def _constant(values: tuple, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A small constant table on `device`, made once: a copy from host memory cannot run inside
+    a CUDA graph's capture (the decode runner decodes its token's table row there)."""
+    return torch.tensor(values, dtype=dtype, device=device)
+
+
 def _shifts(blocks: torch.Tensor, *amounts: int) -> torch.Tensor:
-    return torch.tensor(amounts, dtype=torch.uint8, device=blocks.device)
+    return _constant(amounts, torch.uint8, blocks.device)
 
 
 def _bits(packed: torch.Tensor, width: int, group: int) -> torch.Tensor:
@@ -147,7 +155,7 @@ def _mxfp4(b: torch.Tensor) -> torch.Tensor:
     # ggml_e8m0_to_fp32_half: 2^(e - 128) as float bits, subnormal for e < 2.
     bits = torch.where(e < 2, 0x00200000 << e, (e - 1) << 23)
     d = bits.view(torch.float32)
-    values = torch.tensor(_MXFP4_VALUES, dtype=torch.float32, device=b.device)
+    values = _constant(_MXFP4_VALUES, torch.float32, b.device)
     return d * values[_nibbles(b[:, 1:], 16).long()]
 
 

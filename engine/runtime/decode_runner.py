@@ -1,10 +1,12 @@
 """The decode runner: a one-token step is one CUDA graph replay.
 
 The graph is DecoderModel.run (the forward written once) captured on static buffers: the
-token's embedding row and its position go in, the logits come out; attention is given the whole
-cache (start None) and reads the positions up to the device-side one (the fused kernel,
-engine/kernels/decode_attention.py; the torch path masks the rest), so one capture serves every
-position of the cache.
+token's raw embedding-table row and its position go in, the logits come out. The row is decoded
+inside the graph: decoding a K-quant row eagerly is ~45 small torch launches (~0.3 ms of host
+time a token, the GPU idle meanwhile); staged, the host only copies the row's bytes. Attention
+is given the whole cache (start None) and reads the positions up to the device-side one (the
+fused kernel, engine/kernels/decode_attention.py; the torch path masks the rest), so one
+capture serves every position of the cache.
 The experts inside are the executor's token step (engine/moe/token_step.TokenExperts): the
 residency map, the expert kernels and the mailbox to the CPU pool all run in the graph, and
 the host only answers the layers that missed while the replay runs. The sampled token comes
@@ -33,7 +35,10 @@ class DecodeRunner:
         self.model, self.cache = model, cache
         self.device = torch.device(model.device)
         self.position = torch.zeros(1, dtype=torch.long, device=self.device)
-        self.h0 = torch.zeros(1, model.config.n_embd, device=self.device)
+        table = model.embed.raw
+        self.row = torch.zeros(1, table.shape[1], dtype=table.dtype, device=self.device)
+        self.row_host = torch.zeros(self.row.shape, dtype=table.dtype, pin_memory=self.device.type == "cuda")
+        self.row_copied: torch.cuda.Event | None = None  # the last staging copy, before row_host is reused
         make = getattr(model.experts, "token_experts", None)
         self.token_experts = make(model.config.n_expert_used, model.config.n_embd) if make else None
         self.graph: torch.cuda.CUDAGraph | None = None
@@ -44,10 +49,15 @@ class DecodeRunner:
     def captured(self) -> bool:
         return self.graph is not None
 
-    def _forward(self) -> torch.Tensor:
-        """The token on the static buffers through the token step (eagerly, or being captured)."""
+    def _forward(self, experts) -> torch.Tensor:
+        """The staged token through the forward: its row decoded on the device, then the layers."""
+        h = self.model.embed.decode(self.row)
+        return self.model.run(h, self.position, self.cache, None, experts)
+
+    def _token_forward(self) -> torch.Tensor:
+        """The forward through the token step (eagerly, or being captured)."""
         self.token_experts.prologue()
-        return self.model.run(self.h0, self.position, self.cache, None, self.token_experts)
+        return self._forward(self.token_experts)
 
     def _capture(self) -> None:
         """The first step compiles and loads every kernel eagerly, unarmed (no layer publishes
@@ -55,7 +65,7 @@ class DecodeRunner:
         tx = self.token_experts
         tx.arm(False)
         tx.before_token()
-        self._forward()
+        self._token_forward()
         torch.cuda.synchronize(self.device)
         tx.after_warmup()
         tx.arm(True)
@@ -67,7 +77,7 @@ class DecodeRunner:
             # and empties the allocator's cache at every capture.
             graph.capture_begin()
             try:
-                self.logits = self._forward()
+                self.logits = self._token_forward()
             finally:
                 graph.capture_end()
         torch.cuda.current_stream(self.device).wait_stream(stream)
@@ -77,7 +87,7 @@ class DecodeRunner:
     def step(self, token: torch.Tensor, start: int) -> torch.Tensor:
         """Logits [1, n_vocab] of `token` at position `start` (the KV cache is written there)."""
         self.position.fill_(start)
-        self.h0.copy_(self.model.embed(token))
+        self._stage(token)
         tx = self.token_experts
         if tx is None or self.broken:
             logits = self._eager_step()
@@ -100,10 +110,21 @@ class DecodeRunner:
         self.cache.length = start + 1
         return logits
 
+    def _stage(self, token: torch.Tensor) -> None:
+        """The token's table row into the static row: through pinned memory, one asynchronous
+        copy in stream order (the previous copy has read the pinned row before it is rewritten)."""
+        if self.row_copied is not None:
+            self.row_copied.synchronize()
+        self.row_host.copy_(self.model.embed.raw[token.cpu().reshape(1)])
+        self.row.copy_(self.row_host, non_blocking=True)
+        if self.device.type == "cuda":
+            self.row_copied = torch.cuda.Event()
+            self.row_copied.record(torch.cuda.current_stream(self.device))
+
     def _eager_step(self) -> torch.Tensor:
         """Without a token graph: the forward on the static buffers with the executor's own
         per-layer step (it may wait for the host at every layer)."""
-        return self.model.run(self.h0, self.position, self.cache, None, self.model.experts)
+        return self._forward(self.model.experts)
 
     def settle(self) -> None:
         """The counters of the last token reach the telemetry (they trail the GPU by one)."""

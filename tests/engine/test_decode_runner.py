@@ -39,6 +39,26 @@ def hybrid(model, n_slots: int, policy: str = "lru") -> HybridExperts:
     return model.experts
 
 
+@pytest.mark.parametrize("table_qtype", [QT.Q6_K, QT.Q8_0, QT.F16])
+def test_the_staged_table_row_gives_the_forward_s_logits(make_model, table_qtype):
+    """The runner takes a token as its raw table row, decoded on the device (inside the graph on
+    CUDA; here its eager path on the CPU): the logits of an ordinary forward of the token."""
+    from engine.runtime.decode_runner import DecodeRunner
+    from engine.synth.spec import preset
+
+    model = build_model(make_model(preset("tiny", "qwen3moe").with_(dense_qtype=table_qtype)), "cpu")
+    assert model.embed.qtype == table_qtype
+    tokens = torch.arange(5, 5 + N_PROMPT)
+    reference = model.forward(tokens, model.new_cache(2 * N_PROMPT))[-2:]
+    cache = model.new_cache(2 * N_PROMPT)
+    model.forward(tokens[:-2], cache)
+    runner = DecodeRunner(model, cache)
+    for i, start in enumerate((N_PROMPT - 2, N_PROMPT - 1)):
+        logits = runner.step(tokens[start:start + 1], start)
+        assert cache.length == start + 1
+        torch.testing.assert_close(logits, reference[i:i + 1], rtol=0, atol=1e-5)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("executor", ["reference", "hybrid"])
