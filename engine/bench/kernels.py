@@ -18,6 +18,11 @@ achieved TFLOP/s of its four launches from a replayed graph, the whole call eage
 host's grouping of pairs), and beside them the torch path it replaces (each expert dequantized,
 then matmul; eager: it reads the routing on the host). Results: JSON and markdown tables.
 
+`--only prompt`: a prompt's dense products (grouped_gemm.dense: Qwen3-30B-A3B's fused q/k/v
+and output projection) at the same prompt lengths: TFLOP/s from a replayed graph, beside cuBLAS's
+bf16 product of the same shape (the route of a dequantize-to-bf16 scratch, the decode of W not
+counted) and the exact float32 product; `--sweep` times taller tiles.
+
 `--llama-ops PATH` (or MOESTUDIO_LLAMA_OPS): llama.cpp's test-backend-ops then times its own
 MUL_MAT / MUL_MAT_ID perf cases that have one of our rows' type, shape and row count
 (engine/bench/llama_ops.py), printed beside ours with the ratio per byte.
@@ -41,6 +46,7 @@ from engine.errors import UserError
 if TYPE_CHECKING:
     import torch
 
+KINDS = ("dense", "experts", "grouped", "prompt")
 ALL_TYPES = (QT.Q4_K, QT.Q5_K, QT.Q6_K, QT.Q8_0, QT.MXFP4, QT.F16, QT.BF16)
 ROWS = (1, 2, 4, 8)
 
@@ -59,6 +65,13 @@ DENSE_SHAPES: dict[str, tuple[int, int]] = {
 # The prefill expert step: Qwen3-30B-A3B's routed experts, and the prompt lengths timed.
 GROUPED_EXPERTS = 128
 GROUPED_TOKENS = (512, 4096)
+
+# A prompt's dense products (grouped_gemm.dense): Qwen3-30B-A3B's fused q/k/v and its output
+# projection -> (output rows, K).
+PROMPT_DENSE_SHAPES: dict[str, tuple[int, int]] = {
+    "qwen3-30b-a3b attn_qkv": (4096 + 2 * 512, 2048),
+    "qwen3-30b-a3b attn_output": (2048, 4096),
+}
 
 
 @dataclass(frozen=True)
@@ -434,6 +447,71 @@ def bench_grouped(name: str, sc: ExpertScenario, tokens: list[int], dev: torch.d
     return out
 
 
+def _prompt_dense_sweep() -> list:
+    """The tiles `--sweep` times for a prompt's dense products: one weight for every row, so
+    taller tiles pad nothing and decode each weight tile for more rows."""
+    from engine.quant import grouped_gemm as gg
+
+    return [gg.GroupedConfig(m, n, w, s) for m, n, w, s in
+            ((32, 64, 4, 3), (64, 64, 4, 3), (64, 64, 8, 3), (64, 128, 8, 3), (128, 64, 8, 3), (128, 128, 8, 3),
+             (64, 64, 4, 2), (128, 64, 4, 2))]
+
+
+def bench_prompt_dense(name: str, n_out: int, K: int, qtype: QT, tokens: list[int], dev: torch.device,
+                       l2_bytes: int, replays: int, sweep: list | None) -> list[dict]:
+    """grouped_gemm.dense (round x, the int8 tensor-core product) at a prompt's rows, beside what
+    a dequantize-to-bf16 scratch would leave to cuBLAS (the bf16 product alone: the decode of W
+    into the scratch comes on top) and the exact torch route (float32 product)."""
+    import torch
+
+    from engine.quant import grouped_gemm as gg
+    from engine.quant.activation import round_activation
+    from engine.quant.dequant import dequantize
+
+    rng = np.random.default_rng(int(qtype) + n_out + K)
+    raw = torch.from_numpy(np.ascontiguousarray(random_weight(rng, qtype, n_out, K))).to(dev).unsqueeze(0)
+    w32 = dequantize(raw[0], qtype, (n_out, K))
+    w16 = w32.to(torch.bfloat16)
+    out = []
+    for t in tokens:
+        x = torch.randn(t, K, generator=torch.Generator().manual_seed(t)).to(dev)
+        x16 = x.to(torch.bfloat16)
+        flops = 2.0 * t * n_out * K
+
+        def tflops(us: float) -> float:
+            return round(flops / us / 1e6, 1)
+
+        ref = round_activation(x, qtype) @ w32.T  # what the kernel computes, up to summation order
+        err = ((gg.dense(x, raw, qtype) - ref).abs().max() / ref.abs().max()).item()
+        row = {"kind": "prompt_dense", "shape": name, "qtype": qtype.name, "n_out": n_out, "K": K, "tokens": t,
+               "GFLOP": round(flops / 1e9, 1), "max_rel_diff_dense_fp32": float(f"{err:.2e}")}
+        for key, fn in (("dense", lambda: gg.dense(x, raw, qtype)), ("cublas_bf16", lambda: x16 @ w16.T),
+                        ("torch_fp32", lambda: x @ w32.T)):
+            fn()
+            us = graph_us([fn], replays)
+            row[key] = {"us": round(us, 1), "TFLOPs": tflops(us)}
+        if sweep:
+            row["sweep"] = []
+            for cfg in sweep:
+                name_cfg = f"m{cfg.block_m}n{cfg.block_n}w{cfg.num_warps}s{cfg.num_stages}"
+                try:  # a tile that does not fit (shared memory, registers) is reported, not fatal
+                    gg.dense(x, raw, qtype, cfg)
+                except Exception as e:  # noqa: BLE001 (triton's resource errors have no common base)
+                    row["sweep"].append({"config": name_cfg, "error": f"{type(e).__name__}: {e}"[:200]})
+                    continue
+                us = graph_us([lambda cfg=cfg: gg.dense(x, raw, qtype, cfg)], replays)
+                row["sweep"].append({"config": name_cfg, "us": round(us, 1), "TFLOPs": tflops(us)})
+            best = min((c for c in row["sweep"] if "us" in c), key=lambda r: r["us"])
+            print(f"       sweep best {best['config']}: {best['us']} us {best['TFLOPs']} TFLOP/s", flush=True)
+        print(f"prompt dense {name} {qtype.name} x{t}: ours {row['dense']['us']} us {row['dense']['TFLOPs']} TFLOP/s"
+              f" (rel diff {err:.1e}), cuBLAS bf16 {row['cublas_bf16']['TFLOPs']}, torch fp32 "
+              f"{row['torch_fp32']['TFLOPs']} TFLOP/s", flush=True)
+        out.append(row)
+    del raw, w32, w16
+    torch.cuda.empty_cache()
+    return out
+
+
 # ------------------------------------------------------------------------------ llama.cpp beside ours
 
 def ggml_type_name(qtype: QT) -> str:
@@ -621,6 +699,16 @@ def markdown(result: dict) -> str:
             lines.append(f"| {r['shape']} | {'/'.join(r['types'])} | {r['experts']}, {r['top_k']}, {r['n_embd']} x "
                          f"{r['n_ff']} | {r['tokens']} | {r['GFLOP']} | {g['us']} | {g['TFLOPs']} | {e['us']} | "
                          f"{t['us']} | {t['TFLOPs']} | {r['speedup']}x | {r['max_rel_diff_grouped_torch']:.1e} |")
+    lines += ["", "| prompt dense product | type | n_out x K | tokens | GFLOP | ours µs | ours TFLOP/s | "
+              "cuBLAS bf16 TFLOP/s (W decoded beforehand) | torch fp32 TFLOP/s | best tile | max rel diff |",
+              "|" + "---|" * 11]
+    for r in result["results"]:
+        if r["kind"] == "prompt_dense":
+            best = min((c for c in r.get("sweep", []) if "us" in c), key=lambda c: c["us"], default=None)
+            best_tile = f"{best['config']} {best['TFLOPs']}" if best else "-"
+            lines.append(f"| {r['shape']} | {r['qtype']} | {r['n_out']} x {r['K']} | {r['tokens']} | {r['GFLOP']} | "
+                         f"{r['dense']['us']} | {r['dense']['TFLOPs']} | {r['cublas_bf16']['TFLOPs']} | "
+                         f"{r['torch_fp32']['TFLOPs']} | {best_tile} | {r['max_rel_diff_dense_fp32']:.1e} |")
     beside = [r for r in result["results"] if "llama" in r]
     if beside:
         lines += ["", f"llama.cpp's own kernels ({result.get('llama_ops', 'test-backend-ops perf')}), its "
@@ -691,6 +779,11 @@ def run(args: argparse.Namespace) -> int:
             if name.startswith("qwen3-30b-a3b") and set(sc.qtypes) <= set(types):
                 result["results"] += bench_grouped(name, sc, args.tokens, dev, args.replays,
                                                    _grouped_sweep() if args.sweep else None)
+    if "prompt" in args.only:
+        for name, (n_out, K) in PROMPT_DENSE_SHAPES.items():
+            for qtype in types:
+                result["results"] += bench_prompt_dense(name, n_out, K, qtype, args.tokens, dev, l2_bytes,
+                                                        args.replays, _prompt_dense_sweep() if args.sweep else None)
     args.out.mkdir(parents=True, exist_ok=True)
     if llama_bin is not None:
         torch.cuda.empty_cache()  # its own process needs the GPU memory this one no longer uses
@@ -709,8 +802,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                        description=__doc__,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", type=Path, required=True, help="folder for kernels.json and kernels.md")
-    p.add_argument("--only", type=_csv(str, ("dense", "experts", "grouped")), default=["dense", "experts", "grouped"],
-                   help="any of dense, experts, grouped (default all)")
+    p.add_argument("--only", type=_csv(str, KINDS), default=list(KINDS),
+                   help=f"any of {', '.join(KINDS)} (default all)")
     p.add_argument("--types", type=_csv(str, [t.name for t in ALL_TYPES]), default=[t.name for t in ALL_TYPES],
                    help="weight types (default all the engine loads on the GPU)")
     p.add_argument("--shapes", type=_csv(str, list(DENSE_SHAPES)), default=list(DENSE_SHAPES),

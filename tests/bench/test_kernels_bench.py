@@ -75,10 +75,18 @@ def test_table_has_a_line_per_result() -> None:
                "max_rel_diff_grouped_torch": 1e-6, "grouped": {"us": 200.0, "TFLOPs": 193.3},
                "grouped_eager": {"us": 400.0, "TFLOPs": 96.6}, "torch": {"us": 8000.0, "TFLOPs": 4.8},
                "speedup": 20.0}
+    prompt = {"kind": "prompt_dense", "shape": "qwen3-30b-a3b attn_output", "qtype": "Q8_0", "n_out": 2048,
+              "K": 4096, "tokens": 512, "GFLOP": 8.6, "max_rel_diff_dense_fp32": 2e-7,
+              "dense": {"us": 100.0, "TFLOPs": 86.0}, "cublas_bf16": {"us": 20.0, "TFLOPs": 430.0},
+              "torch_fp32": {"us": 200.0, "TFLOPs": 43.0},
+              "sweep": [{"config": "m32n64w4s3", "us": 100.0, "TFLOPs": 86.0},
+                        {"config": "m64n64w4s3", "us": 80.0, "TFLOPs": 107.5}]}
     table = kb.markdown({"device": "H200", "torch": "2", "triton": "3", "copy_GBps": 4111.0,
-                         "results": [dense, q6, experts, grouped]})
+                         "results": [dense, q6, experts, grouped, prompt]})
     rows = [ln for ln in table.splitlines() if ln.startswith("| ") and "---" not in ln]
-    assert len(rows) == 8  # three headers; Q8_0, Q6_K and Q6_K padded; the expert step; the grouped step
+    assert len(rows) == 10  # four headers; Q8_0, Q6_K and Q6_K padded; the expert step; the grouped step; prompt
+    assert ("| qwen3-30b-a3b attn_output | Q8_0 | 2048 x 4096 | 512 | 8.6 | 100.0 | 86.0 | 430.0 | 43.0 | "
+            "m64n64w4s3 107.5 | 2.0e-07 |") in table
     assert "| qwen3-30b-a3b attn_q | 4096 x 2048 | Q8_0 | 1 |" in table and "| 2.0x | 4 x 2 |" in table
     assert "| Q6_K padded to 224 B blocks | 1 | 8.91 | 5.0 |" in table and "| 4.00x |" in table
     assert "| gpt-oss-120b MXFP4 | MXFP4/MXFP4/MXFP4 | 2880 x 2880, 4 | 8 |" in table
@@ -92,7 +100,7 @@ def test_gpu_bench_kernels_runs_and_reports(tmp_path) -> None:
     """A small run of the command on the GPU: both kernels timed, rates in range, files written."""
     if tk.INTERPRETED:
         pytest.skip("kernels were imported in interpreter mode")
-    args = argparse.Namespace(out=tmp_path, only=["dense", "experts", "grouped"], types=["Q4_K", "Q6_K"],
+    args = argparse.Namespace(out=tmp_path, only=list(kb.KINDS), types=["Q4_K", "Q6_K"],
                               shapes=["qwen3-30b-a3b attn_k/v"], rows=[1, 8], steps=4, replays=2, sweep=True,
                               tokens=[512], llama_ops=None, llama_backend="CUDA0")
     assert kb.run(args) == 0
@@ -117,3 +125,8 @@ def test_gpu_bench_kernels_runs_and_reports(tmp_path) -> None:
     for r in grouped:
         assert r["tokens"] == 512 and r["max_rel_diff_grouped_torch"] < 1e-3
         assert r["grouped"]["TFLOPs"] > r["torch"]["TFLOPs"] > 0 and r["sweep"]
+    prompt = [r for r in result["results"] if r["kind"] == "prompt_dense"]
+    assert {(r["shape"], r["qtype"]) for r in prompt} == {(shape, t) for shape in kb.PROMPT_DENSE_SHAPES
+                                                         for t in ("Q4_K", "Q6_K")}
+    for r in prompt:
+        assert r["max_rel_diff_dense_fp32"] < 1e-4 and r["dense"]["TFLOPs"] > 0 and r["sweep"]
