@@ -357,6 +357,16 @@ _K_QUANTS = (QT.Q4_K, QT.Q5_K, QT.Q6_K)
 GATE_UP_CONFIG: dict[QT, GroupedConfig] = {t: GroupedConfig(GROUPED_BLOCK_M, 64, 4, 3 if t in _K_QUANTS else 2)
                                            for t in GROUPED_TYPES}
 DOWN_CONFIG: dict[QT, GroupedConfig] = dict(GATE_UP_CONFIG)
+# A prompt's dense products (dense() below) run the down kernel with one weight for every row:
+# taller tiles pad nothing there and decode each weight tile for more rows. Measured on the H200
+# (session 11, `moestudio bench kernels --only prompt --sweep`; Qwen3-30B-A3B's fused q/k/v 2048 ->
+# 5120 and output 4096 -> 2048), µs at 512 / 4,096 rows:
+#   Q8_0  q/k/v  128x64 w4 s2  133 / 718  (32x64 w4 s3: 195 / 1,319; 64x64 w4 s2: 158 / 1,005)
+#         output 128x64 w4 s2  122 / 611  (32x64 w4 s3: 144 / 1,100; 64x64 w4 s2: 109 / 874)
+#   Q4_K  32x64 w4 s3 stays (210 / 1,531 for q/k/v): every taller tile was slower (64x64 w4 s3
+#         spills registers, 300 / 2,148; 64x64 w8 s3 does not, 355 / 2,662).
+# The other types keep the down kernel's tile until measured.
+DENSE_CONFIG: dict[QT, GroupedConfig] = {**DOWN_CONFIG, QT.Q8_0: GroupedConfig(128, 64, 4, 2)}
 
 
 def supports(w) -> bool:
@@ -523,7 +533,7 @@ def dense(x: torch.Tensor, raw: torch.Tensor, qtype: QT, cfg: GroupedConfig | No
     (round x; the product) and no float copy of W: prompts' dense products on the int8 tensor
     cores, exact as the experts' are (the decode sizes, up to triton_kernels.DENSE_MAX_ROWS
     rows, take triton_kernels.dense)."""
-    cfg = cfg or DOWN_CONFIG[qtype]
+    cfg = cfg or DENSE_CONFIG[qtype]
     out = torch.empty((1, x.shape[0], raw.shape[1]), dtype=torch.float32, device=x.device)
     if x.shape[0]:
         rows = _all_rows(x.shape[0], cfg.block_m, str(x.device))

@@ -1,5 +1,6 @@
 """Ahead-of-time compilation of the GPU kernels (decode experts; dense products; the prefill
-grouped GEMM and the layout of its steps with --grouped) for a GPU that is not here.
+grouped GEMM, a prompt's dense products and the layout of its steps with --grouped) for a GPU
+that is not here.
 
 Triton compiles for a named target without a driver (ptxas and cuobjdump ship inside the
 triton wheel), so a CPU-only machine can check that every kernel variant compiles for
@@ -209,6 +210,20 @@ def grouped_report(names: list[str], arch: int = 90) -> list[dict]:
     return rows
 
 
+def prompt_dense_report(arch: int = 90) -> list[dict]:
+    """Compiles the prompt's dense product (grouped_gemm.dense: the down kernel, one weight for
+    every row) for each type whose tile differs from the expert down kernel's (K = 2048)."""
+    from engine.quant import grouped_gemm as gg
+
+    rows = []
+    for qtype, cfg in sorted(gg.DENSE_CONFIG.items(), key=lambda item: item[0].name):
+        if cfg != gg.DOWN_CONFIG[qtype]:
+            const = {"K": 2048, "QD": slot_type(qtype), "HAS_BIAS": False, "WEIGHTED": False, "BLOCK_M": cfg.block_m,
+                     "BLOCK_N": cfg.block_n, "INTERP": False}
+            rows.append(_compiled_row(qtype.name, "prompt dense", gg._down_kernel, const, cfg, arch))
+    return rows
+
+
 LAYOUT_SLOTS = (16, 128, 256, 512)  # slots per layer the layout kernels are compiled for (their NS)
 
 
@@ -261,7 +276,7 @@ def main() -> None:  # pragma: no cover - a report, run by hand or by the tests 
     if tk.INTERPRETED:
         raise SystemExit("unset TRITON_INTERPRET: kernels imported for the interpreter cannot be compiled")
     if args.grouped:
-        rows = grouped_report(args.names, args.arch) + layout_report(args.arch)
+        rows = grouped_report(args.names, args.arch) + prompt_dense_report(args.arch) + layout_report(args.arch)
     else:
         rows = report(args.names, args.arch) + ([] if args.no_dense else dense_report(args.arch))
     if args.json:

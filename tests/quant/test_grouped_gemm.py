@@ -278,7 +278,8 @@ def test_tiles_of_gate_up_and_down_must_agree() -> None:
 def test_kernels_compile_for_hopper_on_tensor_cores_without_spills() -> None:
     """Every grouped launch of every standard geometry compiles for sm_90 (no GPU needed:
     Triton ships ptxas), multiplies on the tensor cores (32-row tiles: mma.sync, not wgmma) and
-    spills nothing at its default tile; so do the layout kernels at 16 to 512 slots."""
+    spills nothing at its default tile; so do the prompt's dense products at their own tiles and
+    the layout kernels at 16 to 512 slots."""
     import json
     import subprocess
     import sys
@@ -294,6 +295,7 @@ def test_kernels_compile_for_hopper_on_tensor_cores_without_spills() -> None:
     rows = json.loads(proc.stdout.strip().splitlines()[-1])
     assert {(r["geometry"], r["kernel"]) for r in rows} == (
         {(g, f"grouped {k}") for g in STANDARD_GEOMETRIES for k in ("gate_up", "down")}
+        | {(t.name, "prompt dense") for t, cfg in gg.DENSE_CONFIG.items() if cfg != gg.DOWN_CONFIG[t]}
         | {(f"{ns} slots", f"layout {k}") for ns in LAYOUT_SLOTS for k in ("rank", "plan", "scatter")})
     for r in rows:
         assert r["mma"] or r["kernel"].startswith("layout"), f"{r['geometry']} {r['kernel']}: no tensor-core product"
