@@ -9,8 +9,9 @@ map push, mailbox serving, and after_launch, whose excess over serving is the le
 serving's waits did not hide), the CPU pool's calls, experts and time, and the spin the
 host spends waiting for the GPU to reach the next layer; then one-row CPU pool timings for 1-8
 experts at several thread counts; and the 512-token prompt again, warm: its wall time, the CPU
-pool's share and (with --profile) the GPU's busy time and top kernels. With --profile, the torch
-profiler's tables go to DIR.
+pool's share and (with --profile) the GPU's busy time and top kernels, the host's top CUDA
+runtime calls and its top Python functions (cProfile). With --profile, the torch profiler's
+tables go to DIR.
 """
 from __future__ import annotations
 
@@ -23,8 +24,6 @@ from pathlib import Path
 
 import numpy as np
 import torch
-
-from engine.moe.tune import accelerator_seconds
 
 
 def _timed(obj, name: str, into: dict, count_experts: bool = False) -> None:
@@ -71,6 +70,20 @@ def _gpu_timeline(pr, n_tokens: int) -> dict:
             "collect_us": sum(b - a for a, b, _ in waits) / n_tokens}
 
 
+def _host_functions(fn, rows: int = 30) -> str:
+    """`fn` (then a device sync) under cProfile: the functions with the most time of their own."""
+    import cProfile
+    import io
+    import pstats
+
+    with cProfile.Profile() as cp:
+        fn()
+        torch.cuda.synchronize()
+    text = io.StringIO()
+    pstats.Stats(cp, stream=text).sort_stats("tottime").print_stats(rows)
+    return text.getvalue()
+
+
 def _prefill(m, kv, ids: list[int], profile: bool, t0: float) -> dict:
     """The 512-token prompt again, warm: wall time, the GPU's time alone, the CPU pool's share,
     and with the profiler the GPU's busy time over the step (how much of a prompt the GPU
@@ -82,25 +95,27 @@ def _prefill(m, kv, ids: list[int], profile: bool, t0: float) -> dict:
     prompt = torch.tensor(ids[:512])
     torch.cuda.synchronize()
     t = time.perf_counter()
-    m.forward(prompt, kv, 0)
+    m.forward(prompt, kv, 0, last_only=True)
     torch.cuda.synchronize()
     r = {"wall_s": time.perf_counter() - t, "pool_s": phases["compute"], "pool_calls": phases["compute_calls"],
          "pool_pairs": phases["experts"]}
-    # The same prompt with the GPU held until the host has launched it (all but what follows
-    # the last MoE layer's wait): the GPU's time alone. Far below the wall time, the prompt is
-    # bound by the host's launches.
-    r["gpu_only_s"] = accelerator_seconds(lambda: m.forward(prompt, kv, 0), 1, torch.device("cuda"),
-                                          hold_cycles=2_000_000_000)
-    r["host_bound_share"] = 1 - r["gpu_only_s"] / r["wall_s"]
     if profile:
         from torch.profiler import ProfilerActivity, profile as prof
 
         with prof(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as pr:
-            m.forward(prompt, kv, 0)
+            m.forward(prompt, kv, 0, last_only=True)
             torch.cuda.synchronize()
         r["gpu_timeline"] = _gpu_timeline(pr, n_tokens=1)
-        r["top_kernels"] = pr.key_averages().table(sort_by="self_cuda_time_total", row_limit=25,
-                                                  max_name_column_width=60)
+        # the GPU's busy time over the unprofiled wall time: far below 1, the host's launches bind
+        # the prompt (holding the GPU behind a sleep kernel cannot tell: a prompt's ~1,200
+        # launches fill the launch queue, and the host then waits for the GPU anyway)
+        r["gpu_busy_share"] = r["gpu_timeline"]["busy_us"] / 1e6 / r["wall_s"]
+        ka = pr.key_averages()
+        r["top_kernels"] = ka.table(sort_by="self_cuda_time_total", row_limit=25, max_name_column_width=60)
+        # the host's side: CUDA runtime calls (a long cudaStreamSynchronize or allocation is a wait
+        # inside the prompt) and, under cProfile, the Python functions that launch the kernels
+        r["top_host_ops"] = ka.table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=60)
+        r["top_host_functions"] = _host_functions(lambda: m.forward(prompt, kv, 0, last_only=True))
     pool.__dict__.pop("compute", None)
     _stage("prefill profiled", t0)
     return r
