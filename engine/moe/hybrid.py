@@ -15,6 +15,13 @@ One MoE layer step here:
    the all-resident path, so where an expert ran does not change the result;
 5. counters are bumped and the policy's refills start copying; a slot joins the residency
    map only once its copy has landed.
+A step of many rows reads nothing back where it can: with every expert of its layer resident
+it is laid out on the GPU through the residency map; where some lack a slot and the step is
+large enough that every expert is all but certain to be chosen, those are streamed whatever
+the routing, in turns of half the staging slots, each turn's copy one ahead of the compute
+(the next layer's first turn while this layer's last computes), and run through maps of the
+staging slots. Its counts come back asynchronously and are learnt at the forward's last MoE
+layer.
 """
 from __future__ import annotations
 
@@ -28,11 +35,11 @@ import torch
 from engine.config import Config
 from engine.kernels import triton_applies
 from engine.layers.moe import ExpertWeights, expert_ffn
-from engine.moe.copier import Copier, upload
+from engine.moe.copier import Copier, Copy, upload
 from engine.moe.cpu_pool import CpuExpertPool
 from engine.moe.policy import AdaptParams, Policy
 from engine.moe.slots import LayerSlots, StagingSlots, layout_key, resident_copies, resolve_load_mode
-from engine.moe.tune import RouteCosts, balanced_uploads, measure_costs, route_costs
+from engine.moe.tune import RouteCosts, balanced_uploads, measure_costs, route_costs, streams_all
 from engine.plan.sizing import FRACTION_STEPS, STAGING_TURN_BYTES, staging_slots
 from engine.quant.layout import layout_bytes
 from engine.runtime.progress import ByteProgress, Progress
@@ -66,6 +73,15 @@ class _Layer:
         self.counts_host: torch.Tensor | None = None  # a step's expert counts, read back without waiting
 
 
+@dataclass
+class _Staged:
+    """A turn of a layer's missing experts, copied into one half of the staging slots."""
+    layer: int
+    experts: np.ndarray
+    slots: list[int]  # their staging slots
+    copy: Copy
+
+
 class HybridExperts:
     """Drop-in for DecoderModel.experts (see engine/layers/moe.Experts)."""
 
@@ -79,7 +95,10 @@ class HybridExperts:
         self._triton_broken = False  # set when a kernel fails to build: torch from then on
         self._grouped_broken = False  # the same for the grouped GEMM of many-row steps
         self._pinned: dict[torch.dtype, torch.Tensor] = {}  # read-back buffers (CUDA), grown as needed
-        self._unlearnt: list[tuple[int, int, torch.cuda.Event | None]] = []  # (layer, tokens, counts landed)
+        # (layer, tokens, counts landed, the experts it streamed)
+        self._unlearnt: list[tuple[int, int, torch.cuda.Event | None, np.ndarray]] = []
+        self._prefetched: _Staged | None = None  # the next MoE layer's first turn, copied ahead
+        self._next_half = 0  # the staging half the next turn copies into
         self.copier = Copier(self.device, options.copy_delay_s)
         self.pool = pool if pool is not None else CpuExpertPool(expert_weights, options.threads)
         self.layer_ids = sorted(expert_weights)
@@ -174,8 +193,10 @@ class HybridExperts:
 
     def __call__(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         L = self.layers[layer]
-        if self._all_on_gpu(L, x, ids):
-            out = self._resident_step(layer, L, x, ids, weights)
+        prefetched, self._prefetched = self._prefetched, None  # good for this step only
+        streamed = self._streamed(L, ids) and self._grouped_applies(L, x, ids)
+        if streamed or self._all_on_gpu(L, x, ids):
+            out = self._resident_step(layer, L, x, ids, weights, self._turns(L) if streamed else [], prefetched)
             if out is not None:
                 return out
         slots = L.slots
@@ -206,46 +227,108 @@ class HybridExperts:
         self._account(layer, L, rows_of, experts, hits, uploads, cpu, len(ids_host))
         return _combine(per_slot)
 
-    # --- a many-row step with every expert resident: no wait for the GPU -------------------------
+    # --- a many-row step that reads nothing back: every expert resident, or the missing streamed ---
+    def _grouped_applies(self, L: _Layer, x: torch.Tensor, ids: torch.Tensor) -> bool:
+        """The grouped GEMM takes this step and the policy does not wait for its refills."""
+        return not self._grouped_broken and not L.policy.synchronous and _use_grouped(L.w, x, ids.numel())
+
     def _all_on_gpu(self, L: _Layer, x: torch.Tensor, ids: torch.Tensor) -> bool:
         """Whether this step runs without reading its routing back: every expert of the layer
-        landed in a slot (no pair can miss), the grouped GEMM takes the step, and the policy
-        does not wait for its refills."""
-        return (not self._grouped_broken and not L.policy.synchronous and not L.slots.pending
-                and L.slots.resident.min() >= 0 and _use_grouped(L.w, x, ids.numel()))
+        landed in a slot (no pair can miss) and the grouped GEMM takes the step."""
+        return not L.slots.pending and L.slots.resident.min() >= 0 and self._grouped_applies(L, x, ids)
 
-    def _resident_step(self, layer: int, L: _Layer, x: torch.Tensor, ids: torch.Tensor,
-                       weights: torch.Tensor) -> torch.Tensor | None:
+    def _streamed(self, L: _Layer, ids: torch.Tensor) -> bool:
+        """Whether this step streams every expert its layer lacks instead of reading its routing
+        back (tune.streams_all: so many rows that every expert is all but certain to be chosen)."""
+        costs = self.options.route_costs
+        return (costs is not None and L.slots.n_staging >= 2 and L.slots.resident.min() < 0
+                and streams_all(ids.shape[0], ids.shape[1], L.w.n_expert, costs))
+
+    @staticmethod
+    def _turns(L: _Layer) -> list[np.ndarray]:
+        """The layer's missing experts in turns of half the staging slots."""
+        missing, half = np.flatnonzero(L.slots.resident < 0), L.slots.n_staging // 2
+        return [missing[i:i + half] for i in range(0, len(missing), half)]
+
+    def _stage(self, layer: int, L: _Layer, experts: np.ndarray) -> _Staged:
+        """Starts copying `experts` into the next staging half (the halves alternate, so a copy
+        never overwrites what the turn just enqueued reads: it waits for the compute enqueued
+        before it, which read that half)."""
+        half = L.slots.n_staging // 2
+        slots, copy = L.slots.stage_async(experts.tolist(), first=self._next_half * half)
+        self._next_half ^= 1
+        return _Staged(layer, experts, slots, copy)
+
+    def _copy_ahead(self, layer: int, L: _Layer, turns: list[np.ndarray], staged: list[_Staged],
+                    x: torch.Tensor, ids: torch.Tensor) -> None:
+        """One copy ahead of the compute: the step's next turn, else the next MoE layer's first
+        turn (once), which then runs while this layer's last turn computes."""
+        if len(staged) < len(turns):
+            staged.append(self._stage(layer, L, turns[len(staged)]))
+            return
+        i = self.index[layer] + 1
+        if self._prefetched is not None or i == len(self.layer_ids):
+            return
+        N = self.layers[self.layer_ids[i]]
+        if N.slots.staging is L.slots.staging and self._streamed(N, ids) and self._grouped_applies(N, x, ids):
+            self._prefetched = self._stage(self.layer_ids[i], N, self._turns(N)[0])
+
+    def _resident_step(self, layer: int, L: _Layer, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
+                       turns: list[np.ndarray], prefetched: _Staged | None) -> torch.Tensor | None:
         """The step laid out on the GPU (grouped_gemm.Groups.on_device) through the residency map,
-        so the host goes on launching the next layers while the GPU computes; the step's expert
-        counts come back without a wait and are learnt from later (_learn_unlearnt). None where
-        the kernels do not build here (the ordinary path then runs the step)."""
+        and the layer's missing experts (`turns`, none when all are resident) through maps of the
+        staging slots they are streamed into, so the host goes on launching the next layers
+        while the GPU computes; the step's expert counts come back without a wait and are learnt
+        from later (_learn_unlearnt). `prefetched`: the first turn, if the step before copied it
+        ahead. None where the kernels do not build here (the ordinary path then runs the step)."""
         from engine.quant import grouped_gemm as gg
 
         if L.device_map is None or L.device_map[0] != L.slots.version:
             L.device_map = (L.slots.version, upload(L.slots.resident.astype(np.int32), self.device),
                             upload(L.slots.slot_expert.astype(np.int32), self.device))
-        # every expert resident: the down kernel writes every (top-k position, token) row
+        staged: list[_Staged] = []
+        if turns:
+            ahead = prefetched is not None and prefetched.layer == layer
+            staged.append(prefetched if ahead and np.array_equal(prefetched.experts, turns[0])
+                          else self._stage(layer, L, turns[0]))
+        self._copy_ahead(layer, L, turns, staged, x, ids)
+        # every expert resident or staged: the down kernels write every (top-k position, token) row
         per_slot = torch.empty(ids.shape[1], *x.shape, dtype=x.dtype, device=x.device)
+        block_m = gg.GATE_UP_CONFIG[L.w.gate.qtype].block_m
+        xf, wf = x.float().contiguous(), weights.float().contiguous()
+        n_expert = L.w.n_expert
         try:
-            groups, expert_rows = gg.Groups.on_device(ids, L.device_map[1], L.device_map[2],
-                                                      gg.GATE_UP_CONFIG[L.w.gate.qtype].block_m)
-            gg.groups_forward(x.float().contiguous(), L.slots.buffers, L.w, groups, weights.float().contiguous(),
-                              per_slot)
+            groups, expert_rows = gg.Groups.on_device(ids, L.device_map[1], L.device_map[2], block_m)
+            gg.groups_forward(xf, L.slots.buffers, L.w, groups, wf, per_slot)
+            for i in range(len(turns)):
+                turn = staged[i]
+                slot_of = np.full(n_expert, -1, np.int32)
+                slot_of[turn.experts] = turn.slots
+                exp_of_slot = np.full(L.slots.n_staging, -1, np.int32)
+                exp_of_slot[turn.slots] = turn.experts
+                maps = upload(np.concatenate([slot_of, exp_of_slot]), self.device)
+                self.copier.wait(turn.copy)
+                groups, turn_rows = gg.Groups.on_device(ids, maps[:n_expert], maps[n_expert:], block_m)
+                gg.groups_forward(xf, L.slots.staging.buffers, L.w, groups, wf, per_slot)
+                expert_rows = expert_rows + turn_rows
+                self._copy_ahead(layer, L, turns, staged, x, ids)
         except Exception as e:  # a kernel that does not build here: say so once, keep running on torch
             self._grouped_unavailable(e)
             return None
-        self._read_counts_back(layer, L, expert_rows, ids.shape[0])
+        streamed = np.concatenate(turns) if turns else np.zeros(0, np.int64)
+        self._read_counts_back(layer, L, expert_rows, ids.shape[0], streamed)
         if layer == self.layer_ids[-1]:  # the forward's last MoE layer: learn the whole forward's steps
             if self.device.type == "cuda":
                 torch.cuda.current_stream(self.device).synchronize()
             self._learn_unlearnt()
         return _combine(per_slot)
 
-    def _read_counts_back(self, layer: int, L: _Layer, counts: torch.Tensor, tokens: int) -> None:
+    def _read_counts_back(self, layer: int, L: _Layer, counts: torch.Tensor, tokens: int,
+                          streamed: np.ndarray) -> None:
         """A step's rows per expert (`counts`, on the device) into the layer's host buffer without
-        waiting (CUDA: an asynchronous copy to pinned memory and an event); a step's counts of this
-        layer not yet learnt are learnt first, as the buffer is reused."""
+        waiting (CUDA: an asynchronous copy to pinned memory and an event); `streamed`: the experts
+        it ran from the staging slots (uploads, to the telemetry). A step's counts of this layer
+        not yet learnt are learnt first, as the buffer is reused."""
         if any(entry[0] == layer for entry in self._unlearnt):
             self._learn_unlearnt(wait=True)
         if L.counts_host is None:
@@ -255,7 +338,7 @@ class HybridExperts:
         if self.device.type == "cuda":
             event = torch.cuda.Event()
             event.record(torch.cuda.current_stream(self.device))
-        self._unlearnt.append((layer, tokens, event))
+        self._unlearnt.append((layer, tokens, event, streamed))
 
     def _learn_unlearnt(self, wait: bool = False) -> None:
         """The deferred steps' counts into the telemetry and the policies, in step order: all of
@@ -267,12 +350,12 @@ class HybridExperts:
             return
         if last is not None:
             last.synchronize()
-        for layer, tokens, _ in self._unlearnt:
+        for layer, tokens, _, streamed in self._unlearnt:
             L = self.layers[layer]
             rows_of = L.counts_host.numpy().astype(np.int64)
             experts = rows_of.nonzero()[0]
-            none = experts[:0]
-            self._account(layer, L, rows_of, experts, experts, none, none, tokens)
+            uploaded = _member(L.w.n_expert, streamed)[experts]
+            self._account(layer, L, rows_of, experts, experts[~uploaded], experts[uploaded], experts[:0], tokens)
         self._unlearnt.clear()
 
     def _read_back(self, ids: torch.Tensor, x: torch.Tensor | None) -> tuple[np.ndarray, np.ndarray | None]:
@@ -305,6 +388,7 @@ class HybridExperts:
         read its half)."""
         if not uploads:
             return
+        self._prefetched = None  # these copies overwrite the staging slots it would have read
         n = L.slots.n_staging
         halves = 2 if len(uploads) > n >= 2 else 1
         size = n // halves

@@ -34,6 +34,9 @@ TIMINGS = 4  # uploads one by one and streamed, the CPU pool at one row and at M
 MANY_ROWS = 64  # rows of one expert in the CPU pool's second timing: its cost per extra row
 GROUPED_EXPERTS = 8  # experts of MANY_ROWS rows in the timed grouped launch (its fixed costs shared)
 HOLD_CYCLES = 40_000_000  # the sleep that holds the GPU while a timed loop is queued: 20 ms at 2 GHz
+# A many-row step streams every expert its layer lacks (no read-back of its routing) from this
+# many pairs per expert on: each expert then goes unchosen with probability (1 - k/E)^T < e^-4.
+STREAM_ALL_PAIRS_PER_EXPERT = 4
 
 
 @dataclass(frozen=True)
@@ -61,6 +64,15 @@ def balanced_uploads(rows: np.ndarray, n_hits: int, costs: RouteCosts) -> int:
             break
         gpu, cpu_left, n = gpu + per_upload, cpu_left - cost, n + 1
     return n
+
+
+def streams_all(n_rows: int, k: int, n_expert: int, costs: RouteCosts) -> bool:
+    """Whether a step of `n_rows` rows and top-k `k` streams every missing expert of its layer
+    without reading its routing back: all but certain to be chosen, and each cheaper to stream
+    than the CPU pool's FFN over the rows it gets on average."""
+    if n_rows * k < STREAM_ALL_PAIRS_PER_EXPERT * n_expert:
+        return False
+    return costs.upload_s <= float(costs.cpu(np.array([n_rows * k / n_expert]))[0])
 
 
 def measure_costs(layer: int, w: ExpertWeights, device: torch.device, pool: CpuExpertPool) -> dict[str, float]:

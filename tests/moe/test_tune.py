@@ -9,7 +9,8 @@ import torch
 
 from engine.models import build_model
 from engine.moe.cpu_pool import CpuExpertPool
-from engine.moe.tune import RouteCosts, accelerator_seconds, balanced_uploads, measure_costs, route_costs
+from engine.moe.tune import (STREAM_ALL_PAIRS_PER_EXPERT, RouteCosts, accelerator_seconds, balanced_uploads,
+                              measure_costs, route_costs, streams_all)
 
 
 def test_equal_costs_split_the_misses_in_half():
@@ -34,6 +35,15 @@ def test_the_gpu_side_counts_its_hits_and_its_compute():
     assert balanced_uploads(rows, 13, RouteCosts(upload_s=0, cpu_s=1, cpu_row_s=1, gpu_s=1)) == 0
     # compute slower than the copy: a streamed miss costs its compute (4), still worth it once
     assert balanced_uploads(rows, 0, RouteCosts(upload_s=0, cpu_s=1, cpu_row_s=1, gpu_s=4)) == 1
+
+
+def test_a_step_streams_every_missing_expert_once_each_is_all_but_certain_to_be_chosen():
+    costs = RouteCosts(upload_s=60e-6, cpu_s=120e-6, cpu_row_s=15e-6, gpu_s=16e-6)  # the H200's, Qwen3-30B-A3B
+    # 128 experts, top-8: from 64 rows on every expert is chosen with probability > 1 - e^-4
+    n = STREAM_ALL_PAIRS_PER_EXPERT * 128 // 8
+    assert not streams_all(n - 1, 8, 128, costs) and streams_all(n, 8, 128, costs) and streams_all(4096, 8, 128, costs)
+    # a stream that costs more than the CPU pool's FFN over an expert's rows: the routing decides
+    assert not streams_all(n, 8, 128, RouteCosts(upload_s=1e-3, cpu_s=120e-6, cpu_row_s=15e-6, gpu_s=16e-6))
 
 
 def test_measured_on_the_model_the_times_are_positive_and_the_fraction_between(tiny):

@@ -312,8 +312,8 @@ def _hook(make_model, arch: str, qtype: QT, device: str, monkeypatch, mode: str,
 
     model = build_model(make_model(arch, qtype), device)
     cfg = model.config
-    # hits and uploads (about half the pairs each) both beyond the decode kernels' batch
-    n_tok = max(n_tok, 5 * TRITON_MAX_PAIRS // cfg.n_expert_used)
+    # hits and uploads (about half the pairs each: 96 of 192, sd 7) both beyond the decode kernels' batch
+    n_tok = max(n_tok, 3 * TRITON_MAX_PAIRS // cfg.n_expert_used)
     g = torch.Generator().manual_seed(0)
     x = torch.randn(n_tok, cfg.n_embd, generator=g).to(device)
     ids = torch.stack([torch.randperm(cfg.n_expert, generator=g)[:cfg.n_expert_used]
@@ -337,55 +337,81 @@ def _hook(make_model, arch: str, qtype: QT, device: str, monkeypatch, mode: str,
     return outs
 
 
-@interp
-@pytest.mark.slow
-def test_interpreter_hybrid_many_rows_match_torch_path(make_model, monkeypatch) -> None:
+@pytest.fixture
+def small_q8_0_tiles(monkeypatch):
+    """16-row tiles for Q8_0: the interpreter's hybrid steps stay a few tiles."""
     monkeypatch.setitem(gg.GATE_UP_CONFIG, QT.Q8_0, gg.GroupedConfig(16, 64))
     monkeypatch.setitem(gg.DOWN_CONFIG, QT.Q8_0, gg.GroupedConfig(16, 64))
+
+
+@interp
+@pytest.mark.slow
+def test_interpreter_hybrid_many_rows_match_torch_path(make_model, monkeypatch, small_q8_0_tiles) -> None:
     got, want = _hook(make_model, "qwen3moe", QT.Q8_0, "cpu", monkeypatch, "force", n_tok=48)
     assert rel_err(got, want) < 1e-3, rel_err(got, want)
 
 
-@interp
-@pytest.mark.slow
-def test_interpreter_hybrid_all_resident_steps_do_not_read_the_routing_back(make_model, monkeypatch) -> None:
-    """With every expert of a layer resident a many-row step is laid out on the device and its
-    counts are learnt after the fact, by the forward's last MoE layer: the same output as the
-    torch path, the same counters, and no read-back of the routing."""
+def _steps_without_read_back(make_model, device: str, monkeypatch, mode: str, resident: int) -> list[torch.Tensor]:
+    """Both MoE layers of a tiny model (8 experts, 8 staging slots) with `resident` experts in
+    slots, at a step large enough that every expert is all but certain to be chosen: under
+    MOESTUDIO_TRITON=mode each layer is laid out on the device and reads nothing back, streaming
+    the experts it lacks in turns of 4 (half the staging slots), the second layer's first turn
+    copied during the first layer's step; then on the torch path (read-back, misses routed by
+    cost). The counters (hits, uploads) are learnt by the last MoE layer. Returns both paths'
+    outputs of the two layers."""
     from engine.models import build_model
-    from engine.moe.hybrid import TRITON_MAX_PAIRS, HybridExperts, HybridOptions
+    from engine.moe.hybrid import HybridExperts, HybridOptions
+    from engine.moe.tune import RouteCosts
 
-    monkeypatch.setitem(gg.GATE_UP_CONFIG, QT.Q8_0, gg.GroupedConfig(16, 64))
-    monkeypatch.setitem(gg.DOWN_CONFIG, QT.Q8_0, gg.GroupedConfig(16, 64))
-    model = build_model(make_model("qwen3moe", QT.Q8_0))
+    model = build_model(make_model("qwen3moe", QT.Q8_0), device)
     cfg = model.config
-    n_tok = 2 * TRITON_MAX_PAIRS // cfg.n_expert_used
+    n_tok = 40  # 80 pairs: the grouped GEMM's, 10 an expert on average
     g = torch.Generator().manual_seed(0)
-    x = torch.randn(n_tok, cfg.n_embd, generator=g)
+    x = torch.randn(n_tok, cfg.n_embd, generator=g).to(device)
     ids = torch.stack([torch.randperm(cfg.n_expert, generator=g)[:cfg.n_expert_used] for _ in range(n_tok)])
-    weights = torch.rand(n_tok, cfg.n_expert_used, generator=g)
+    weights = torch.rand(n_tok, cfg.n_expert_used, generator=g).to(device)
+    costs = RouteCosts(upload_s=1e-5, cpu_s=1e-3, cpu_row_s=1e-4, gpu_s=1e-5)  # streaming pays
     outs = []
-    for mode in ("force", "0"):
-        monkeypatch.setenv("MOESTUDIO_TRITON", mode)
-        hybrid = HybridExperts(model.expert_weights, "cpu",
-                               HybridOptions(slots_per_layer=cfg.n_expert, miss_fraction=1.0, policy="lru"))
-        read_backs = []
+    for m in (mode, "0"):
+        monkeypatch.setenv("MOESTUDIO_TRITON", m)
+        hybrid = HybridExperts(model.expert_weights, device, HybridOptions(
+            slots_per_layer=resident, miss_fraction=1.0, policy="lru", top_k=cfg.n_expert_used, route_costs=costs))
+        first, last = hybrid.layer_ids[0], hybrid.layer_ids[-1]
+        read_backs, staged = [], []
         read_back = hybrid._read_back
         monkeypatch.setattr(hybrid, "_read_back", lambda *a: (read_backs.append(1), read_back(*a))[1])
+        for layer in (first, last):
+            slots = hybrid.layers[layer].slots
+            stage = slots.stage_async
+            monkeypatch.setattr(slots, "stage_async", lambda e, first=0, stage=stage, layer=layer: (
+                staged.append((layer, sorted(e))), stage(e, first))[1])
         try:
-            hybrid.prefill_residency([(layer, e) for layer in hybrid.layer_ids for e in range(cfg.n_expert)])
-            first, last = hybrid.layer_ids[0], hybrid.layer_ids[-1]
-            outs.append(hybrid(first, x, ids, weights))
+            hybrid.prefill_residency([(layer, e) for layer in hybrid.layer_ids for e in range(resident)])
+            outs.append(hybrid(first, x, ids.to(device), weights))
+            turns = [list(range(a, min(a + 4, cfg.n_expert))) for a in range(resident, cfg.n_expert, 4)]
+            if m == mode:
+                assert staged == [(first, t) for t in turns] + [(last, t) for t in turns[:1]]  # the last: ahead
+                assert not read_backs and hybrid.counters.gpu_hit.sum() == hybrid.counters.uploaded.sum() == 0
+            outs.append(hybrid(last, x, ids.to(device), weights))
             c = hybrid.counters
-            if mode == "force":
-                assert not read_backs and c.gpu_hit.sum() == 0  # learnt later, by the last MoE layer
-            hybrid(last, x, ids, weights)
-            assert c.gpu_hit.tolist()[:1] + c.gpu_hit.tolist()[-1:] == [n_tok * cfg.n_expert_used] * 2
-            assert c.cpu_computed.sum() == 0 and c.uploaded.sum() == 0
-            assert bool(read_backs) == (mode == "0")
+            if m == mode:
+                assert not read_backs and staged == [(layer, t) for layer in (first, last) for t in turns]
+                rows = np.bincount(ids.reshape(-1).numpy(), minlength=cfg.n_expert)
+                assert c.gpu_hit.tolist() == [int(rows[:resident].sum())] * 2
+                assert c.uploaded.tolist() == [int(rows[resident:].sum())] * 2 and c.cpu_computed.sum() == 0
         finally:
             hybrid.close()
-    assert rel_err(outs[0], outs[1]) < 1e-3, rel_err(outs[0], outs[1])
+    return outs
+
+
+@interp
+@pytest.mark.slow
+@pytest.mark.parametrize("resident", [8, 2], ids=["all resident", "two turns streamed"])
+def test_interpreter_large_steps_do_not_read_the_routing_back(make_model, monkeypatch, small_q8_0_tiles,
+                                                              resident) -> None:
+    outs = _steps_without_read_back(make_model, "cpu", monkeypatch, "force", resident)
+    for got, want in zip(outs[:2], outs[2:]):
+        assert rel_err(got, want) < 1e-3, rel_err(got, want)
 
 
 @interp
@@ -478,3 +504,13 @@ def test_gpu_hybrid_many_rows_match_torch_path(make_model, monkeypatch, arch, qt
     pytest.importorskip("llama_cpp", reason="the synthetic models and the CPU pool need llama-cpp-python's ggml")
     got, want = _hook(make_model, arch, qtype, "cuda", monkeypatch, "1", n_tok=64)
     assert rel_err(got, want) < 1e-3, rel_err(got, want)
+
+
+@gpu
+@pytest.mark.parametrize("resident", [8, 6, 2], ids=["all resident", "one turn streamed", "two turns streamed"])
+def test_gpu_large_steps_do_not_read_the_routing_back(make_model, monkeypatch, resident) -> None:
+    _needs_compiled()
+    pytest.importorskip("llama_cpp", reason="the synthetic models and the CPU pool need llama-cpp-python's ggml")
+    outs = _steps_without_read_back(make_model, "cuda", monkeypatch, "1", resident)
+    for got, want in zip(outs[:2], outs[2:]):
+        assert rel_err(got, want) < 1e-3, rel_err(got, want)
