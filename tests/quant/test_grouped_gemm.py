@@ -406,10 +406,9 @@ def _steps_without_read_back(make_model, device: str, monkeypatch, mode: str, re
 
 @interp
 @pytest.mark.slow
-@pytest.mark.parametrize("resident", [8, 2], ids=["all resident", "two turns streamed"])
-def test_interpreter_large_steps_do_not_read_the_routing_back(make_model, monkeypatch, small_q8_0_tiles,
-                                                              resident) -> None:
-    outs = _steps_without_read_back(make_model, "cpu", monkeypatch, "force", resident)
+def test_interpreter_large_steps_do_not_read_the_routing_back(make_model, monkeypatch, small_q8_0_tiles) -> None:
+    """Two turns streamed beside the resident experts (the GPU test also runs all resident and one turn)."""
+    outs = _steps_without_read_back(make_model, "cpu", monkeypatch, "force", resident=2)
     for got, want in zip(outs[:2], outs[2:]):
         assert rel_err(got, want) < 1e-3, rel_err(got, want)
 
