@@ -85,9 +85,10 @@ def _host_functions(fn, rows: int = 30) -> str:
 
 
 def _prefill(m, kv, ids: list[int], profile: bool, t0: float) -> dict:
-    """The 512-token prompt again, warm: wall time, the GPU's time alone, the CPU pool's share,
-    and with the profiler the GPU's busy time over the step (how much of a prompt the GPU
-    spends waiting)."""
+    """The 512-token prompt again, warm, as the engine runs it (the last row's logits): wall time
+    and the CPU pool's share; with the profiler the GPU's busy time and its share of the wall
+    time (how much of a prompt the GPU spends waiting), the top kernels and the host's top
+    calls and functions."""
     phases: dict = defaultdict(float)
     pool = m.experts.pool
     pool.__dict__.pop("compute", None)  # the decode figures' timer stays out of the prompt's
@@ -239,7 +240,8 @@ def main() -> None:
     p.add_argument("--budget-mib", type=int)
     p.add_argument("--tokens", type=int, default=64)
     p.add_argument("--threads", type=int, default=16)
-    p.add_argument("--ctx", type=int, default=4096, help="the engine's context (attention reads it; default: the product's)")
+    p.add_argument("--ctx", type=int, default=4096,
+                   help="the engine's context (attention reads it; default: the product's)")
     p.add_argument("--out", type=Path, default=Path("."))
     p.add_argument("--profile", action="store_true")
     a = p.parse_args()

@@ -194,7 +194,7 @@ class HybridExperts:
     def __call__(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         L = self.layers[layer]
         prefetched, self._prefetched = self._prefetched, None  # good for this step only
-        streamed = self._streamed(L, ids) and self._grouped_applies(L, x, ids)
+        streamed = self._streamed(L, x, ids)
         if streamed or self._all_on_gpu(L, x, ids):
             out = self._resident_step(layer, L, x, ids, weights, self._turns(L) if streamed else [], prefetched)
             if out is not None:
@@ -237,12 +237,13 @@ class HybridExperts:
         landed in a slot (no pair can miss) and the grouped GEMM takes the step."""
         return not L.slots.pending and L.slots.resident.min() >= 0 and self._grouped_applies(L, x, ids)
 
-    def _streamed(self, L: _Layer, ids: torch.Tensor) -> bool:
+    def _streamed(self, L: _Layer, x: torch.Tensor, ids: torch.Tensor) -> bool:
         """Whether this step streams every expert its layer lacks instead of reading its routing
-        back (tune.streams_all: so many rows that every expert is all but certain to be chosen)."""
+        back (tune.streams_all: so many rows that every expert is all but certain to be chosen)
+        through the grouped GEMM."""
         costs = self.options.route_costs
         return (costs is not None and L.slots.n_staging >= 2 and L.slots.resident.min() < 0
-                and streams_all(ids.shape[0], ids.shape[1], L.w.n_expert, costs))
+                and streams_all(ids.shape[0], ids.shape[1], L.w.n_expert, costs) and self._grouped_applies(L, x, ids))
 
     @staticmethod
     def _turns(L: _Layer) -> list[np.ndarray]:
@@ -270,7 +271,7 @@ class HybridExperts:
         if self._prefetched is not None or i == len(self.layer_ids):
             return
         N = self.layers[self.layer_ids[i]]
-        if N.slots.staging is L.slots.staging and self._streamed(N, ids) and self._grouped_applies(N, x, ids):
+        if N.slots.staging is L.slots.staging and self._streamed(N, x, ids):
             self._prefetched = self._stage(self.layer_ids[i], N, self._turns(N)[0])
 
     def _resident_step(self, layer: int, L: _Layer, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,

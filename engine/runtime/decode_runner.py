@@ -38,7 +38,8 @@ class DecodeRunner:
         table = model.embed.raw
         self.row = torch.zeros(1, table.shape[1], dtype=table.dtype, device=self.device)
         self.row_host = torch.zeros(self.row.shape, dtype=table.dtype, pin_memory=self.device.type == "cuda")
-        self.row_copied: torch.cuda.Event | None = None  # the last staging copy, before row_host is reused
+        # the last staging copy, waited for before row_host is rewritten (one event, recorded again each token)
+        self.row_copied = torch.cuda.Event() if self.device.type == "cuda" else None
         make = getattr(model.experts, "token_experts", None)
         self.token_experts = make(model.config.n_expert_used, model.config.n_embd) if make else None
         self.graph: torch.cuda.CUDAGraph | None = None
@@ -114,11 +115,10 @@ class DecodeRunner:
         """The token's table row into the static row: through pinned memory, one asynchronous
         copy in stream order (the previous copy has read the pinned row before it is rewritten)."""
         if self.row_copied is not None:
-            self.row_copied.synchronize()
+            self.row_copied.synchronize()  # returns at once before the first record
         self.row_host.copy_(self.model.embed.raw[token.cpu().reshape(1)])
         self.row.copy_(self.row_host, non_blocking=True)
-        if self.device.type == "cuda":
-            self.row_copied = torch.cuda.Event()
+        if self.row_copied is not None:
             self.row_copied.record(torch.cuda.current_stream(self.device))
 
     def _eager_step(self) -> torch.Tensor:
