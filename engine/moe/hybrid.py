@@ -39,7 +39,8 @@ from engine.moe.copier import Copier, Copy, upload
 from engine.moe.cpu_pool import CpuExpertPool
 from engine.moe.policy import AdaptParams, Policy
 from engine.moe.slots import LayerSlots, StagingSlots, layout_key, resident_copies, resolve_load_mode
-from engine.moe.tune import RouteCosts, balanced_uploads, measure_costs, route_costs, streams_all
+from engine.moe.tune import (RouteCosts, balanced_uploads, many_pairs, measure_costs, route_costs, streaming_pays,
+                              streams_all)
 from engine.plan.sizing import FRACTION_STEPS, STAGING_TURN_BYTES, staging_slots
 from engine.quant.layout import layout_bytes
 from engine.runtime.progress import ByteProgress, Progress
@@ -71,6 +72,9 @@ class _Layer:
         self.upload_credit = 0.0
         self.device_map: tuple[int, torch.Tensor, torch.Tensor] | None = None  # (slots' version, slot_of, exp_of_slot)
         self.counts_host: torch.Tensor | None = None  # a step's expert counts, read back without waiting
+        # The last many-row step's rows per expert, its rows, and its policy step: what the next
+        # chunk of the same prompt will route like.
+        self.last_many: tuple[np.ndarray, int, int] | None = None
 
 
 @dataclass
@@ -99,6 +103,10 @@ class HybridExperts:
         self._unlearnt: list[tuple[int, int, torch.cuda.Event | None, np.ndarray]] = []
         self._prefetched: _Staged | None = None  # the next MoE layer's first turn, copied ahead
         self._next_half = 0  # the staging half the next turn copies into
+        # The GPU's idle while a many-row step reads its routing back (CUDA events around it,
+        # timed once landed): what streaming a layer's missing experts saves, against their copies.
+        self.read_back_s = 0.0
+        self._read_back_marks: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
         self.copier = Copier(self.device, options.copy_delay_s)
         self.pool = pool if pool is not None else CpuExpertPool(expert_weights, options.threads)
         self.layer_ids = sorted(expert_weights)
@@ -164,7 +172,6 @@ class HybridExperts:
     def _split(self, L: _Layer, ids_host: np.ndarray):
         """Rows per expert of a step (all experts), its distinct experts, and which of them are
         hits, uploads and CPU misses."""
-        L.slots.refresh()
         rows_of = np.bincount(ids_host.ravel(), minlength=L.w.n_expert)
         experts = rows_of.nonzero()[0]  # sorted; np.flatnonzero costs 5x more
         where = L.slots.resident[experts]
@@ -187,12 +194,14 @@ class HybridExperts:
         """Takes a layer step's residency decisions and counters without computing experts:
         hit rates of a policy over a recorded routing trace (engine/bench/hitrate.py)."""
         L = self.layers[layer]
+        L.slots.refresh()
         rows_of, experts, hits, uploads, cpu = self._split(L, ids_host)
         self._run_uploads(L, uploads.tolist(), compute=None)
         self._account(layer, L, rows_of, experts, hits, uploads, cpu, len(ids_host))
 
     def __call__(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         L = self.layers[layer]
+        L.slots.refresh()  # refills that landed serve this step (and leave the streamed turns)
         prefetched, self._prefetched = self._prefetched, None  # good for this step only
         streamed = self._streamed(L, x, ids)
         if streamed or self._all_on_gpu(L, x, ids):
@@ -200,10 +209,15 @@ class HybridExperts:
             if out is not None:
                 return out
         slots = L.slots
+        timed = self.device.type == "cuda" and many_pairs(ids.numel(), L.w.n_expert)
+        waits = self._mark() if timed else None
         # With every expert resident (landed) no CPU miss can need the input.
         ids_host, x_host = self._read_back(ids, x.float() if L.slots.resident.min() < 0 else None)
         self._learn_unlearnt()  # the read-back waited for the GPU: the earlier steps' counts have landed
+        self._time_read_backs()  # and the earlier read-backs' marks
         rows_of, experts, hits, uploads, cpu = self._split(L, ids_host)
+        if waits is not None:
+            self._read_back_marks.append((waits, self._mark()))
         k = ids_host.shape[1]
         per_slot = torch.zeros(k, *x.shape, dtype=x.dtype, device=x.device)
         # Hits first (they need no copy), then the uploads once staged: one batch each, launched
@@ -240,10 +254,17 @@ class HybridExperts:
     def _streamed(self, L: _Layer, x: torch.Tensor, ids: torch.Tensor) -> bool:
         """Whether this step streams every expert its layer lacks instead of reading its routing
         back (tune.streams_all: so many rows that every expert is all but certain to be chosen)
-        through the grouped GEMM."""
+        through the grouped GEMM: a prompt's first chunk does; a later one while the chunk before
+        used enough of them to pay for their copies (tune.streaming_pays)."""
         costs = self.options.route_costs
-        return (costs is not None and L.slots.n_staging >= 2 and L.slots.resident.min() < 0
-                and streams_all(ids.shape[0], ids.shape[1], L.w.n_expert, costs) and self._grouped_applies(L, x, ids))
+        if not (costs is not None and L.slots.n_staging >= 2 and L.slots.resident.min() < 0
+                and streams_all(ids.shape[0], ids.shape[1], L.w.n_expert, costs) and self._grouped_applies(L, x, ids)):
+            return False
+        if L.last_many is None or L.last_many[2] != L.policy.step:
+            return True  # a new prompt (another step came between): nothing known of its experts
+        rows, tokens, _ = L.last_many
+        missing = L.slots.resident < 0
+        return streaming_pays(int(missing.sum()), rows[missing] * (ids.shape[0] / tokens), costs, self.read_back_s)
 
     @staticmethod
     def _turns(L: _Layer) -> list[np.ndarray]:
@@ -359,6 +380,19 @@ class HybridExperts:
             self._account(layer, L, rows_of, experts, experts[~uploaded], experts[uploaded], experts[:0], tokens)
         self._unlearnt.clear()
 
+    def _mark(self) -> torch.cuda.Event:
+        event = torch.cuda.Event(enable_timing=True)
+        event.record(torch.cuda.current_stream(self.device))
+        return event
+
+    def _time_read_backs(self) -> None:
+        """Folds the landed read-backs' idle (from the GPU's last work before the read-back to the
+        first launch after it) into `read_back_s`, a moving average: the host's speed sets it."""
+        for before, after in self._read_back_marks:
+            seconds = before.elapsed_time(after) / 1e3
+            self.read_back_s = seconds if not self.read_back_s else 0.75 * self.read_back_s + 0.25 * seconds
+        self._read_back_marks.clear()
+
     def _read_back(self, ids: torch.Tensor, x: torch.Tensor | None) -> tuple[np.ndarray, np.ndarray | None]:
         """The router's ids and the layer input (when given) on the host, behind the layer step's
         one wait on the accelerator. On CUDA both land in pinned buffers through asynchronous
@@ -472,6 +506,8 @@ class HybridExperts:
         c.heat[i, experts] += rows_of[experts]
         refills = L.policy.refills(experts, rows_of[experts], L.slots.slot_expert, L.slots.resident,
                                    L.slots.in_flight(), tokens)
+        if many_pairs(int(rows_of.sum()), L.w.n_expert):
+            L.last_many = (rows_of, tokens, L.policy.step)
         if refills:
             handle = L.slots.load(refills)
             if L.policy.synchronous:

@@ -12,7 +12,9 @@ A step of many rows (prefill) routes expert by expert instead (`balanced_uploads
 costs the same whatever the rows, while the CPU pool's cost grows with them, so the misses
 with the most rows go to the GPU until the two sides would finish together, the GPU's side
 counting its hits and, per streamed miss, the slower of its copy and its compute (the copy of
-the next overlaps the compute of this one).
+the next overlaps the compute of this one). A step large enough may stream every expert its
+layer lacks without reading its routing back (`streams_all`); once a prompt's chunk shows that
+the text keeps to the resident experts, the next reads back instead (`streaming_pays`).
 """
 from __future__ import annotations
 
@@ -66,13 +68,29 @@ def balanced_uploads(rows: np.ndarray, n_hits: int, costs: RouteCosts) -> int:
     return n
 
 
+def many_pairs(n_pairs: int, n_expert: int) -> bool:
+    """Whether a step of `n_pairs` (row, top-k) pairs all but certainly chooses every expert of a
+    uniform router: the steps that may stream their layer's missing experts."""
+    return n_pairs >= STREAM_ALL_PAIRS_PER_EXPERT * n_expert
+
+
 def streams_all(n_rows: int, k: int, n_expert: int, costs: RouteCosts) -> bool:
-    """Whether a step of `n_rows` rows and top-k `k` streams every missing expert of its layer
+    """Whether a step of `n_rows` rows and top-k `k` may stream every missing expert of its layer
     without reading its routing back: all but certain to be chosen, and each cheaper to stream
     than the CPU pool's FFN over the rows it gets on average."""
-    if n_rows * k < STREAM_ALL_PAIRS_PER_EXPERT * n_expert:
+    if not many_pairs(n_rows * k, n_expert):
         return False
     return costs.upload_s <= float(costs.cpu(np.array([n_rows * k / n_expert]))[0])
+
+
+def streaming_pays(n_missing: int, expected_rows: np.ndarray, costs: RouteCosts, read_back_s: float) -> bool:
+    """Whether streaming a layer's `n_missing` missing experts beats reading its routing back,
+    when the step is expected to give them `expected_rows` (the layer's last many-row step,
+    scaled: a text's prompt keeps to the experts its residency adapts to, so most streamed
+    experts can go unused). Reading back costs the GPU's idle while the host waits
+    (`read_back_s`, measured) and the used misses, at most the CPU pool's FFN over their rows."""
+    used = expected_rows[expected_rows > 0]
+    return n_missing * costs.upload_s <= read_back_s + float(costs.cpu(used).sum())
 
 
 def measure_costs(layer: int, w: ExpertWeights, device: torch.device, pool: CpuExpertPool) -> dict[str, float]:

@@ -237,6 +237,50 @@ def test_prefill_streams_its_misses_through_the_staging_slots_in_turns(reference
     assert (c.gpu_hit + c.uploaded + c.cpu_computed == (len(tokens) - 1) * k).all()
 
 
+def test_a_many_row_step_streams_until_its_text_keeps_to_the_resident_experts(make_model, monkeypatch):
+    """A layer streams every missing expert while nothing is known of the prompt's experts (its
+    first chunk) or its last chunk used them, and reads its routing back once the prompt keeps to
+    the resident ones: streaming would copy experts no row needs."""
+    pytest.importorskip("triton")
+    monkeypatch.setenv("MOESTUDIO_TRITON", "force")  # the grouped GEMM's condition holds on the CPU
+    model = build_model(make_model("qwen3moe", QT.Q8_0))
+    cfg = model.config
+    k, n_expert = cfg.n_expert_used, cfg.n_expert
+    costs = RouteCosts(upload_s=60e-6, cpu_s=150e-6, cpu_row_s=13e-6, gpu_s=16e-6)
+    hybrid = HybridExperts(model.expert_weights, "cpu", HybridOptions(
+        slots_per_layer=2, miss_fraction=1.0, policy="off", threads=1, top_k=k, route_costs=costs))
+    try:
+        layer = hybrid.layer_ids[0]
+        L = hybrid.layers[layer]
+        hybrid.prefill_residency([(layer, 0), (layer, 1)])
+        n_tok = 40  # 80 pairs: the grouped GEMM takes the step, and every expert is all but certain
+        x = torch.zeros(n_tok, cfg.n_embd)
+        ids = torch.zeros(n_tok, k, dtype=torch.int64)
+        assert hybrid._streamed(L, x, ids)  # nothing known yet
+        kept = np.zeros(n_expert, np.int64)
+        kept[:2] = n_tok * k // 2
+        hybrid._account(layer, L, kept, np.arange(2), np.arange(2), np.arange(0), np.arange(0), n_tok)
+        assert not hybrid._streamed(L, x, ids)
+        spread = np.full(n_expert, n_tok * k // n_expert, np.int64)
+        hybrid._account(layer, L, spread, np.arange(n_expert), np.arange(2), np.arange(0), np.arange(2, n_expert),
+                        n_tok)
+        assert hybrid._streamed(L, x, ids)
+        # one missing expert with a few rows: streaming the six costs more than computing it, until
+        # the read-back idles the GPU longer than they take to copy
+        few = kept.copy()
+        few[5] = 3
+        hybrid._account(layer, L, few, np.array([0, 1, 5]), np.arange(2), np.arange(0), np.array([5]), n_tok)
+        assert not hybrid._streamed(L, x, ids)
+        hybrid.read_back_s = (n_expert - 2) * costs.upload_s
+        assert hybrid._streamed(L, x, ids)
+        hybrid.read_back_s = 0.0
+        assert not hybrid._streamed(L, x, ids)
+        hybrid.replay(layer, np.array([[0, 1]]))  # a decode step: the next many-row step is another prompt's
+        assert hybrid._streamed(L, x, ids)
+    finally:
+        hybrid.close()
+
+
 def test_the_cpu_pool_is_called_from_the_engine_thread_only(make_model, prompt_text):
     """libgomp gives each calling thread its own team and stops spinning between calls once the
     teams outnumber the cores (cpu_pool.py): prompts and decode call the pool from one thread."""
