@@ -11,6 +11,7 @@
 #   write      the scenario models (engine/bench/scenarios.py) into /tmp/sc
 #   wait       wait for the CUDA build
 #   engine     the scenarios' runs of this engine;  llama: llama.cpp's;  report: the table
+#   chunks     scripts/prompt_chunks.py on the qwen3-30b routing model at 8 and 16 GiB (chunks_*.json)
 #   pack       the CPU build into $OUT for later runs)
 # SC_ONLY="label ..." limits the scenarios (engine/bench/scenarios.py labels).
 set -u
@@ -30,11 +31,13 @@ export PYTHONPATH=/tmp/site:$REPO PYTHONUNBUFFERED=1 MOESTUDIO_LLAMA_SITE=/tmp/s
 if has cudabuild; then
   # The CUDA build of llama.cpp for the baseline, in the background (it runs in its own
   # torch-free process: llama.cpp's CUDA build and torch's CUDA libraries crash when loaded
-  # into one process).
+  # into one process). In a session of its own (setsid): the device ends a call's other
+  # processes when the call returns, and a later call's `wait` stage waits for this build.
   mkdir -p /tmp/llcuda && tar xzf .src/llama_cpp_python-*.tar.gz -C /tmp/llcuda
+  rm -f /tmp/build_cuda.rc
   (cd /tmp/llcuda/llama_cpp_python-* && CMAKE_ARGS="-DGGML_CUDA=on -DCMAKE_CUDA_ARCHITECTURES=90 -DLLAVA_BUILD=OFF" \
-     CMAKE_BUILD_PARALLEL_LEVEL=12 timeout 540 python3 -m pip install -q --no-build-isolation --no-deps \
-     --target /tmp/site_cuda . > /tmp/build_cuda.log 2>&1; echo $? > /tmp/build_cuda.rc) &
+     CMAKE_BUILD_PARALLEL_LEVEL=12 setsid bash -c 'timeout 540 python3 -m pip install -q --no-build-isolation \
+     --no-deps --target /tmp/site_cuda . > /tmp/build_cuda.log 2>&1; echo $? > /tmp/build_cuda.rc' < /dev/null &)
   log "CUDA build started"
 fi
 if has build; then
@@ -72,6 +75,8 @@ if has write; then
 fi
 
 if has wait; then
+  [ -f /tmp/build_cuda.rc ] || pgrep -f "target /tmp/site_cuda" > /dev/null \
+    || { log "no CUDA build has run or runs on this machine (stage cudabuild)"; exit 1; }
   while [ ! -f /tmp/build_cuda.rc ]; do sleep 2; done
   log "CUDA build rc=$(cat /tmp/build_cuda.rc)"
   [ "$(cat /tmp/build_cuda.rc)" = 0 ] || tail -20 /tmp/build_cuda.log >> "$OUT/steps.log"
@@ -85,6 +90,16 @@ for phase in engine llama report; do
     cp $SC/results.json $SC/results.md "$OUT/" 2>/dev/null
   fi
 done
+
+if has chunks; then
+  for gib in 8 16; do
+    log "prompt chunks at $gib GiB"
+    timeout ${PHASE_TIMEOUT:-400} python3 scripts/prompt_chunks.py $SC/qwen3-30b-a3b-qwen3-30b.gguf --budget-gib $gib \
+      --out /tmp/chunks_$gib >> "$OUT/chunks.log" 2>&1
+    log "chunks rc=$?"
+    cp /tmp/chunks_$gib/chunks.json "$OUT/chunks_$gib.json" 2>/dev/null
+  done
+fi
 
 if has pack; then
   (cd /tmp/site && tar cf - llama_cpp | xz -T16 -6 > "$OUT/site_cpu.tar.xz")

@@ -1,0 +1,105 @@
+"""Where a long prompt's time goes at an emulated VRAM budget, chunk by chunk, by expert route.
+
+    python scripts/prompt_chunks.py MODEL --budget-gib 8 [--geometry qwen3-30b-a3b] [--long 4096]
+
+A model that `moestudio bench scenarios` wrote (`--geometry`: the preset it shortened, for the
+emulated budget). After the bench's warm-up (its 64 tokens, one decode token) it prefills the
+bench's long prompt three times from an empty cache: as the engine routes it, with every
+many-row step reading its routing back (no streamed steps), and as the engine routes it again.
+Each line: the route, its seconds, then per 512-token chunk its seconds, the GB copied to the
+GPU (streamed turns and refills) and the (row, expert) pairs that hit, were uploaded, or ran on
+the CPU; one decode token follows each prefill, as a reply's first. Writes chunks.json (and, with --profile, profile.txt: a torch profile of the fourth
+chunk as the engine routes it) to --out.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+
+import engine.moe.hybrid as hybrid
+from engine.bench.scenarios import emulated_budget_mib
+from engine.bench.speed import WARMUP_TOKENS
+from engine.runtime.engine import Engine, EngineConfig
+from engine.runtime.tokenizer import tokenize_text
+from engine.synth.corpus import stdlib_text
+
+CHUNK = 512  # the engine's default prefill chunk
+BENCH_PROMPT, BENCH_DECODE = 512, 64  # the bench's text before its warm-up and long prompt
+
+
+def _chunks(engine: Engine, tokens: list[int], sync) -> list[dict]:
+    model, kv, c = engine.model, engine.cache, engine.telemetry.cache
+    engine.forget()
+    rows = []
+    for start in range(0, len(tokens), CHUNK):
+        before = (c.bytes_uploaded, c.gpu_hit.sum(), c.uploaded.sum(), c.cpu_computed.sum())
+        t0 = time.perf_counter()
+        model.forward(torch.tensor(tokens[start:start + CHUNK]), kv, start, last_only=True)
+        sync()
+        seconds = time.perf_counter() - t0
+        moved, hit, up, cpu = (int(a - b) for a, b in zip(
+            (c.bytes_uploaded, c.gpu_hit.sum(), c.uploaded.sum(), c.cpu_computed.sum()), before))
+        rows.append({"s": round(seconds, 4), "GB": round(moved / 1e9, 3), "hit": hit, "up": up, "cpu": cpu})
+    model.forward(torch.tensor(tokens[-1:]), kv, len(tokens))  # a reply's first token: the next prompt is another's
+    sync()
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="prompt_chunks", description=__doc__.split("\n\n")[0])
+    p.add_argument("model", type=Path)
+    p.add_argument("--budget-gib", type=float, required=True)
+    p.add_argument("--geometry", default="qwen3-30b-a3b")
+    p.add_argument("--long", type=int, default=4096, help="prompt tokens (default 4096)")
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--threads", type=int, default=16)
+    p.add_argument("--profile", action="store_true")
+    p.add_argument("--out", type=Path, default=Path("."))
+    args = p.parse_args(argv)
+    if args.profile and args.long < 4 * CHUNK:
+        p.error(f"--profile times the fourth chunk: --long must be at least {4 * CHUNK}")
+
+    budget = emulated_budget_mib(args.model, args.geometry, args.budget_gib)
+    text = tokenize_text(args.model, stdlib_text(max_chars=(BENCH_PROMPT + BENCH_DECODE + WARMUP_TOKENS + args.long) * 8))
+    rest = text[BENCH_PROMPT + BENCH_DECODE:]
+    warmup, long = rest[:WARMUP_TOKENS], rest[WARMUP_TOKENS:WARMUP_TOKENS + args.long]
+    engine = Engine.load(args.model, EngineConfig(device=args.device, n_ctx=len(long) + 16, threads=args.threads,
+                                                  moe_expert_cache_size="auto", vram_budget_mib=budget),
+                         attach_experts=hybrid.attach_hybrid)
+    sync = (lambda: torch.cuda.synchronize()) if torch.device(args.device).type == "cuda" else (lambda: None)
+    engine.model.forward(torch.tensor(warmup), engine.cache, 0, last_only=True)
+    engine.model.forward(torch.tensor(warmup[-1:]), engine.cache, len(warmup))
+    sync()
+    c = engine.telemetry.cache
+    result = {"budget_mib": budget, "slots_per_layer": c.slots_per_layer, "tuning": c.miss_fraction_tuning}
+    streams_all = hybrid.streams_all
+    try:
+        for route in ("engine", "read back", "engine again"):
+            hybrid.streams_all = streams_all if route.startswith("engine") else (lambda *a: False)
+            result[route] = _chunks(engine, long, sync)
+            print(route, round(sum(r["s"] for r in result[route]), 3), result[route], flush=True)
+    finally:
+        hybrid.streams_all = streams_all
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "chunks.json").write_text(json.dumps(result, indent=1))
+    if args.profile:
+        from torch.profiler import ProfilerActivity, profile
+
+        engine.forget()
+        for start in range(0, 3 * CHUNK, CHUNK):
+            engine.model.forward(torch.tensor(long[start:start + CHUNK]), engine.cache, start, last_only=True)
+        sync()
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            engine.model.forward(torch.tensor(long[3 * CHUNK:4 * CHUNK]), engine.cache, 3 * CHUNK, last_only=True)
+            sync()
+        (args.out / "profile.txt").write_text(prof.key_averages().table(sort_by="cuda_time_total", row_limit=40))
+    engine.model.experts.close()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
