@@ -6,10 +6,11 @@ A model that `moestudio bench scenarios` wrote (`--geometry`: the preset it shor
 emulated budget). After the bench's warm-up (its 64 tokens, one decode token) it prefills the
 bench's long prompt three times from an empty cache: as the engine routes it, with every
 many-row step reading its routing back (no streamed steps), and as the engine routes it again.
-Each line: the route, its seconds, then per 512-token chunk its seconds, the GB copied to the
-GPU (streamed turns and refills) and the (row, expert) pairs that hit, were uploaded, or ran on
-the CPU; one decode token follows each prefill, as a reply's first. Writes chunks.json (and, with --profile, profile.txt: a torch profile of the fourth
-chunk as the engine routes it) to --out.
+One decode token follows each prefill, as a reply's first. Each line: the route, its seconds,
+then per 512-token chunk its seconds, the GB copied to the GPU (streamed turns and refills),
+the (row, expert) pairs that hit, were uploaded, or ran on the CPU, and the MoE layers that
+read their routing back. Writes chunks.json (and, with --profile, profile.txt: a torch profile
+of the fourth chunk as the engine routes it) to --out.
 """
 from __future__ import annotations
 
@@ -33,9 +34,14 @@ BENCH_PROMPT, BENCH_DECODE = 512, 64  # the bench's text before its warm-up and 
 
 def _chunks(engine: Engine, tokens: list[int], sync) -> list[dict]:
     model, kv, c = engine.model, engine.cache, engine.telemetry.cache
+    experts = model.experts
+    read_backs = []  # the MoE layer steps that read their routing back (the others streamed or all hit)
+    read_back = experts._read_back
+    experts._read_back = lambda *a: (read_backs.append(1), read_back(*a))[1]
     engine.forget()
     rows = []
     for start in range(0, len(tokens), CHUNK):
+        read_backs.clear()
         before = (c.bytes_uploaded, c.gpu_hit.sum(), c.uploaded.sum(), c.cpu_computed.sum())
         t0 = time.perf_counter()
         model.forward(torch.tensor(tokens[start:start + CHUNK]), kv, start, last_only=True)
@@ -43,9 +49,11 @@ def _chunks(engine: Engine, tokens: list[int], sync) -> list[dict]:
         seconds = time.perf_counter() - t0
         moved, hit, up, cpu = (int(a - b) for a, b in zip(
             (c.bytes_uploaded, c.gpu_hit.sum(), c.uploaded.sum(), c.cpu_computed.sum()), before))
-        rows.append({"s": round(seconds, 4), "GB": round(moved / 1e9, 3), "hit": hit, "up": up, "cpu": cpu})
+        rows.append({"s": round(seconds, 4), "GB": round(moved / 1e9, 3), "hit": hit, "up": up, "cpu": cpu,
+                     "read_backs": len(read_backs)})
     model.forward(torch.tensor(tokens[-1:]), kv, len(tokens))  # a reply's first token: the next prompt is another's
     sync()
+    del experts._read_back
     return rows
 
 
@@ -64,7 +72,8 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--profile times the fourth chunk: --long must be at least {4 * CHUNK}")
 
     budget = emulated_budget_mib(args.model, args.geometry, args.budget_gib)
-    text = tokenize_text(args.model, stdlib_text(max_chars=(BENCH_PROMPT + BENCH_DECODE + WARMUP_TOKENS + args.long) * 8))
+    n_text = BENCH_PROMPT + BENCH_DECODE + WARMUP_TOKENS + args.long
+    text = tokenize_text(args.model, stdlib_text(max_chars=n_text * 8))
     rest = text[BENCH_PROMPT + BENCH_DECODE:]
     warmup, long = rest[:WARMUP_TOKENS], rest[WARMUP_TOKENS:WARMUP_TOKENS + args.long]
     engine = Engine.load(args.model, EngineConfig(device=args.device, n_ctx=len(long) + 16, threads=args.threads,

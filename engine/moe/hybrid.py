@@ -72,8 +72,8 @@ class _Layer:
         self.upload_credit = 0.0
         self.device_map: tuple[int, torch.Tensor, torch.Tensor] | None = None  # (slots' version, slot_of, exp_of_slot)
         self.counts_host: torch.Tensor | None = None  # a step's expert counts, read back without waiting
-        # The last many-row step's rows per expert, its rows, and its policy step: what the next
-        # chunk of the same prompt will route like.
+        # The last step's rows per expert, its rows and its prompt (HybridExperts.prompt) when it
+        # had many rows: what the next chunk of the same prompt will route like.
         self.last_many: tuple[np.ndarray, int, int] | None = None
 
 
@@ -107,6 +107,7 @@ class HybridExperts:
         # timed once landed): what streaming a layer's missing experts saves, against their copies.
         self.read_back_s = 0.0
         self._read_back_marks: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+        self.prompt = 0  # bumped by every decode token (end_prompt): a many-row step after it is a new prompt's
         self.copier = Copier(self.device, options.copy_delay_s)
         self.pool = pool if pool is not None else CpuExpertPool(expert_weights, options.threads)
         self.layer_ids = sorted(expert_weights)
@@ -142,6 +143,11 @@ class HybridExperts:
         from engine.moe.token_step import TokenExperts
 
         return TokenExperts(self, k, n_embd)
+
+    def end_prompt(self) -> None:
+        """A decode token ran (in the token graph, which reports no step here): the next many-row
+        step is another prompt's, whose experts its layers know nothing of."""
+        self.prompt += 1
 
     # --- residency -----------------------------------------------------------------------------
     def prefill_residency(self, ranking: list[tuple[int, int]],
@@ -260,8 +266,8 @@ class HybridExperts:
         if not (costs is not None and L.slots.n_staging >= 2 and L.slots.resident.min() < 0
                 and streams_all(ids.shape[0], ids.shape[1], L.w.n_expert, costs) and self._grouped_applies(L, x, ids)):
             return False
-        if L.last_many is None or L.last_many[2] != L.policy.step:
-            return True  # a new prompt (another step came between): nothing known of its experts
+        if L.last_many is None or L.last_many[2] != self.prompt:
+            return True  # a new prompt: nothing known of its experts
         rows, tokens, _ = L.last_many
         missing = L.slots.resident < 0
         return streaming_pays(int(missing.sum()), rows[missing] * (ids.shape[0] / tokens), costs, self.read_back_s)
@@ -506,8 +512,7 @@ class HybridExperts:
         c.heat[i, experts] += rows_of[experts]
         refills = L.policy.refills(experts, rows_of[experts], L.slots.slot_expert, L.slots.resident,
                                    L.slots.in_flight(), tokens)
-        if many_pairs(int(rows_of.sum()), L.w.n_expert):
-            L.last_many = (rows_of, tokens, L.policy.step)
+        L.last_many = (rows_of, tokens, self.prompt) if many_pairs(int(rows_of.sum()), L.w.n_expert) else None
         if refills:
             handle = L.slots.load(refills)
             if L.policy.synchronous:

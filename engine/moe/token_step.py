@@ -65,6 +65,7 @@ class TokenExperts:
         self.mailbox.arm(armed)
 
     def before_token(self) -> None:
+        self.hybrid.end_prompt()
         self._push_map()
         self.mailbox.token_no += 1
 

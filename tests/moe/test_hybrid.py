@@ -277,6 +277,32 @@ def test_a_many_row_step_streams_until_its_text_keeps_to_the_resident_experts(ma
         assert not hybrid._streamed(L, x, ids)
         hybrid.replay(layer, np.array([[0, 1]]))  # a decode step: the next many-row step is another prompt's
         assert hybrid._streamed(L, x, ids)
+        hybrid._account(layer, L, kept, np.arange(2), np.arange(2), np.arange(0), np.arange(0), n_tok)
+        assert not hybrid._streamed(L, x, ids)
+        hybrid.end_prompt()  # a decode token of the token graph, which steps no layer here
+        assert hybrid._streamed(L, x, ids)
+    finally:
+        hybrid.close()
+
+
+@pytest.mark.gpu
+def test_a_many_row_read_back_times_the_gpu_idle_through_it(make_model):
+    """What streaming saves a step is the GPU's idle while the host reads the routing back and
+    lays the step out: CUDA events around it, folded into read_back_s once they have landed."""
+    model = build_model(make_model("qwen3moe", QT.Q8_0), "cuda")
+    cfg = model.config
+    hybrid = HybridExperts(model.expert_weights, "cuda", HybridOptions(
+        slots_per_layer=2, miss_fraction=1.0, policy="off", threads=1, top_k=cfg.n_expert_used))
+    try:
+        g = torch.Generator().manual_seed(0)
+        n_tok = 40  # 80 pairs: a many-row step
+        ids = torch.stack([torch.randperm(cfg.n_expert, generator=g)[:cfg.n_expert_used] for _ in range(n_tok)])
+        x, weights = torch.randn(n_tok, cfg.n_embd, device="cuda"), torch.rand(n_tok, cfg.n_expert_used, device="cuda")
+        layer = hybrid.layer_ids[0]
+        hybrid(layer, x, ids.cuda(), weights)
+        assert hybrid.read_back_s == 0.0  # its marks land with the next read-back
+        hybrid(layer, x, ids.cuda(), weights)
+        assert 0.0 < hybrid.read_back_s < 1.0, hybrid.read_back_s
     finally:
         hybrid.close()
 
