@@ -11,7 +11,7 @@
 #   write      the scenario models (engine/bench/scenarios.py) into /tmp/sc
 #   wait       wait for the CUDA build
 #   engine     the scenarios' runs of this engine;  llama: llama.cpp's;  report: the table
-#   chunks     scripts/prompt_chunks.py on the qwen3-30b routing model at 8 and 16 GiB (chunks_*.json)
+#   chunks     scripts/prompt_chunks.py on the qwen3-30b routing model at 8 (profiled) and 16 GiB (chunks.tgz)
 #   pack       the CPU build into $OUT for later runs)
 # SC_ONLY="label ..." limits the scenarios (engine/bench/scenarios.py labels).
 set -u
@@ -92,13 +92,14 @@ for phase in engine llama report; do
 done
 
 if has chunks; then
+  mkdir -p /tmp/chunks
   for gib in 8 16; do
     log "prompt chunks at $gib GiB"
     timeout ${PHASE_TIMEOUT:-400} python3 scripts/prompt_chunks.py $SC/qwen3-30b-a3b-qwen3-30b.gguf --budget-gib $gib \
-      --out /tmp/chunks_$gib >> "$OUT/chunks.log" 2>&1
+      $([ $gib = 8 ] && echo --profile) --out /tmp/chunks/$gib >> /tmp/chunks/log 2>&1
     log "chunks rc=$?"
-    cp /tmp/chunks_$gib/chunks.json "$OUT/chunks_$gib.json" 2>/dev/null
   done
+  tar czf "$OUT/chunks.tgz" -C /tmp chunks  # one file: $OUT brings back eight at most
 fi
 
 if has pack; then

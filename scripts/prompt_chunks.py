@@ -9,14 +9,16 @@ many-row step reading its routing back (no streamed steps), and as the engine ro
 One decode token follows each prefill, as a reply's first. Each line: the route, its seconds,
 then per 512-token chunk its seconds, the GB copied to the GPU (streamed turns and refills),
 the (row, expert) pairs that hit, were uploaded, or ran on the CPU, and the MoE layers that
-read their routing back. Writes chunks.json (and, with --profile, profile.txt: a torch profile
-of the fourth chunk as the engine routes it) to --out.
+read their routing back. Writes chunks.json to --out, and with --profile torch profiles of a new
+prompt's fourth chunk as the engine routes it and of its first chunk read back.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -57,6 +59,37 @@ def _chunks(engine: Engine, tokens: list[int], sync) -> list[dict]:
     return rows
 
 
+@contextmanager
+def _route(name: str) -> Iterator[None]:
+    """The engine's routing ("engine..."), or every many-row step reading its routing back."""
+    streams_all = hybrid.streams_all
+    hybrid.streams_all = streams_all if name.startswith("engine") else (lambda *a: False)
+    try:
+        yield
+    finally:
+        hybrid.streams_all = streams_all
+
+
+def _profile(engine: Engine, tokens: list[int], chunk: int, sync) -> str:
+    """A torch profile of chunk `chunk` of a new prompt (after a decode token): the GPU's
+    kernels and copies, then the host's own time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    model, kv = engine.model, engine.cache
+    engine.forget()
+    model.forward(torch.tensor(tokens[-1:]), kv, 0)  # a decode token: the prompt is a new one
+    for start in range(0, chunk * CHUNK, CHUNK):
+        model.forward(torch.tensor(tokens[start:start + CHUNK]), kv, start, last_only=True)
+    sync()
+    start = chunk * CHUNK
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        model.forward(torch.tensor(tokens[start:start + CHUNK]), kv, start, last_only=True)
+        sync()
+    averages = prof.key_averages()
+    return (averages.table(sort_by="cuda_time_total", row_limit=30) + "\n"
+            + averages.table(sort_by="self_cpu_time_total", row_limit=30))
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="prompt_chunks", description=__doc__.split("\n\n")[0])
     p.add_argument("model", type=Path)
@@ -69,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, default=Path("."))
     args = p.parse_args(argv)
     if args.profile and args.long < 4 * CHUNK:
-        p.error(f"--profile times the fourth chunk: --long must be at least {4 * CHUNK}")
+        p.error(f"--profile times a fourth chunk: --long must be at least {4 * CHUNK}")
 
     budget = emulated_budget_mib(args.model, args.geometry, args.budget_gib)
     n_text = BENCH_PROMPT + BENCH_DECODE + WARMUP_TOKENS + args.long
@@ -85,27 +118,17 @@ def main(argv: list[str] | None = None) -> int:
     sync()
     c = engine.telemetry.cache
     result = {"budget_mib": budget, "slots_per_layer": c.slots_per_layer, "tuning": c.miss_fraction_tuning}
-    streams_all = hybrid.streams_all
-    try:
-        for route in ("engine", "read back", "engine again"):
-            hybrid.streams_all = streams_all if route.startswith("engine") else (lambda *a: False)
-            result[route] = _chunks(engine, long, sync)
-            print(route, round(sum(r["s"] for r in result[route]), 3), result[route], flush=True)
-    finally:
-        hybrid.streams_all = streams_all
+    for name in ("engine", "read back", "engine again"):
+        with _route(name):
+            result[name] = _chunks(engine, long, sync)
+        print(name, round(sum(r["s"] for r in result[name]), 3), result[name], flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "chunks.json").write_text(json.dumps(result, indent=1))
     if args.profile:
-        from torch.profiler import ProfilerActivity, profile
-
-        engine.forget()
-        for start in range(0, 3 * CHUNK, CHUNK):
-            engine.model.forward(torch.tensor(long[start:start + CHUNK]), engine.cache, start, last_only=True)
-        sync()
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            engine.model.forward(torch.tensor(long[3 * CHUNK:4 * CHUNK]), engine.cache, 3 * CHUNK, last_only=True)
-            sync()
-        (args.out / "profile.txt").write_text(prof.key_averages().table(sort_by="cuda_time_total", row_limit=40))
+        for name, chunk in (("engine", 3), ("read back", 0)):
+            with _route(name):
+                table = _profile(engine, long, chunk, sync)
+            (args.out / f"profile_{name.replace(' ', '_')}_chunk{chunk + 1}.txt").write_text(table)
     engine.model.experts.close()
     return 0
 
