@@ -8,8 +8,8 @@ bench's long prompt three times from an empty cache: as the engine routes it, wi
 many-row step reading its routing back (no streamed steps), and as the engine routes it again.
 One decode token follows each prefill, as a reply's first. Each line: the route, its seconds,
 then per 512-token chunk its seconds, the GB copied to the GPU (streamed turns and refills),
-the (row, expert) pairs that hit, were uploaded, or ran on the CPU, and the MoE layers that
-read their routing back. Writes chunks.json to --out, and with --profile torch profiles of a new
+the (row, expert) pairs that hit, were uploaded, or ran on the CPU, and its MoE layer steps
+by route (streamed, resident, read back). Writes chunks.json to --out, and with --profile torch profiles of a new
 prompt's fourth chunk as the engine routes it and of its first chunk read back.
 """
 from __future__ import annotations
@@ -36,14 +36,10 @@ BENCH_PROMPT, BENCH_DECODE = 512, 64  # the bench's text before its warm-up and 
 
 def _chunks(engine: Engine, tokens: list[int], sync) -> list[dict]:
     model, kv, c = engine.model, engine.cache, engine.telemetry.cache
-    experts = model.experts
-    read_backs = []  # the MoE layer steps that read their routing back (the others streamed or all hit)
-    read_back = experts._read_back
-    experts._read_back = lambda *a: (read_backs.append(1), read_back(*a))[1]
     engine.forget()
     rows = []
     for start in range(0, len(tokens), CHUNK):
-        read_backs.clear()
+        steps = dict(c.prompt_steps)
         before = (c.bytes_uploaded, c.gpu_hit.sum(), c.uploaded.sum(), c.cpu_computed.sum())
         t0 = time.perf_counter()
         model.forward(torch.tensor(tokens[start:start + CHUNK]), kv, start, last_only=True)
@@ -52,10 +48,9 @@ def _chunks(engine: Engine, tokens: list[int], sync) -> list[dict]:
         moved, hit, up, cpu = (int(a - b) for a, b in zip(
             (c.bytes_uploaded, c.gpu_hit.sum(), c.uploaded.sum(), c.cpu_computed.sum()), before))
         rows.append({"s": round(seconds, 4), "GB": round(moved / 1e9, 3), "hit": hit, "up": up, "cpu": cpu,
-                     "read_backs": len(read_backs)})
+                     **{route: c.prompt_steps[route] - n for route, n in steps.items()}})
     model.forward(torch.tensor(tokens[-1:]), kv, len(tokens))  # a reply's first token: the next prompt is another's
     sync()
-    del experts._read_back
     return rows
 
 

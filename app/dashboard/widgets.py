@@ -327,6 +327,9 @@ class DashboardWidget(QWidget):
                 how = " (measured)" if cache.get("miss_fraction_tuning") else ""
                 lines.append(f"misses uploaded {cache['miss_fraction']:.0%}{how}; experts read from "
                              f"{'pinned RAM' if cache.get('load_mode') == 'none' else 'the mapped file'}")
+            steps = cache.get("prompt_steps")
+            if steps and any(steps.values()):
+                lines.append("prompt layer steps " + ", ".join(f"{route} {n}" for route, n in steps.items()))
         self.summary.setText(" \u00b7 ".join(_unbroken(line) for line in lines))
 
     def _hover(self, pos: QPointF) -> None:

@@ -3,7 +3,8 @@
 `python -m engine.bench.engine_runner MODEL TOKENS.json --device D [--budget-mib N] --cache C
 -t THREADS --ctx N --load-mode M` prints one JSON line: after the warm-up (the "warmup" tokens as
 a prompt, then one decode token), prefill tok/s on the prompt (the engine's chunked prefill, as
-a request runs it, with the GB/s its expert uploads reached over PCIe), then teacher-forced
+a request runs it, with the GB/s its expert uploads reached over PCIe and its MoE layer steps
+by route), then teacher-forced
 decode tok/s on the stream, with the expert cache's hit shares and the spread of the tokens'
 times; then, when given, the same prefill figures for the "long" prompt (`long_*`).
 A process per configuration, as a user runs the engine: no run inherits another's state (the
@@ -31,17 +32,21 @@ def token_times(seconds: list[float]) -> dict[str, float]:
             "median_ms": round(ms[len(ms) // 2], 3), "p90_ms": round(ms[int(0.9 * (len(ms) - 1))], 3)}
 
 
-def _timed_prefill(engine, prompt: list[int], sync) -> tuple[float, float]:
-    """Seconds for the engine to prefill `prompt` from an empty cache, and the GB/s its expert
-    uploads (the staging slots' streamed misses, the refills) reached over PCIe meanwhile."""
+def _timed_prefill(engine, prompt: list[int], sync) -> tuple[float, float, dict[str, int] | None]:
+    """Seconds for the engine to prefill `prompt` from an empty cache, the GB/s its expert
+    uploads (the staging slots' streamed misses, the refills) reached over PCIe meanwhile, and
+    its MoE layer steps by route (telemetry's prompt_steps)."""
     c = engine.telemetry.cache
     moved = c.bytes_uploaded if c is not None else 0
+    steps = dict(c.prompt_steps) if c is not None else None
     engine.forget()
     t0 = time.perf_counter()
     engine.prefill(prompt)
     sync()
     seconds = time.perf_counter() - t0
-    return seconds, ((c.bytes_uploaded if c is not None else 0) - moved) / seconds / 1e9
+    if c is not None:
+        steps = {route: c.prompt_steps[route] - n for route, n in steps.items()}
+    return seconds, ((c.bytes_uploaded if c is not None else 0) - moved) / seconds / 1e9, steps
 
 
 def time_engine(path: Path, tokens: dict[str, list[int]], *, device: str, budget_mib: int | None,
@@ -63,7 +68,7 @@ def time_engine(path: Path, tokens: dict[str, list[int]], *, device: str, budget
     model.forward(torch.tensor(warmup), kv, 0, last_only=True)  # warm-up: the prompt's kernels, the CPU pool...
     model.forward(torch.tensor(warmup[-1:]), kv, len(warmup))  # ...and the decode graph's capture
     sync()
-    prefill_s, prefill_pcie = _timed_prefill(engine, prompt, sync)
+    prefill_s, prefill_pcie, prefill_steps = _timed_prefill(engine, prompt, sync)
     c = engine.telemetry.cache
     before = None if c is None else (c.gpu_hit.sum(), c.uploaded.sum(), c.cpu_computed.sum(), c.bytes_uploaded)
     times = []
@@ -76,7 +81,8 @@ def time_engine(path: Path, tokens: dict[str, list[int]], *, device: str, budget
         pos += 1
     decode_s = sum(times)
     out = {"prefill_tokens_per_s": len(prompt) / prefill_s, "ttft_s": prefill_s,
-           "prefill_pcie_gb_per_s": prefill_pcie, "decode_tokens_per_s": len(stream) / decode_s, **token_times(times)}
+           "prefill_pcie_gb_per_s": prefill_pcie, "prefill_steps": prefill_steps,
+           "decode_tokens_per_s": len(stream) / decode_s, **token_times(times)}
     if c is not None:
         out["load_mode"] = c.load_mode
         out["miss_fraction"] = c.miss_fraction
@@ -87,9 +93,9 @@ def time_engine(path: Path, tokens: dict[str, list[int]], *, device: str, budget
         out.update(slots_per_layer=c.slots_per_layer, gpu_hit=hit / total, uploaded=up / total, cpu=cpu / total,
                    pcie_mb_per_s=moved / decode_s / 1e6, uploaded_bytes_per_token=moved / len(stream))
     if tokens.get("long"):
-        long_s, long_pcie = _timed_prefill(engine, tokens["long"], sync)
+        long_s, long_pcie, long_steps = _timed_prefill(engine, tokens["long"], sync)
         out.update(long_prefill_tokens_per_s=len(tokens["long"]) / long_s, long_ttft_s=long_s,
-                   long_prefill_pcie_gb_per_s=long_pcie)
+                   long_prefill_pcie_gb_per_s=long_pcie, long_prefill_steps=long_steps)
     out["peak_vram_mib"] = torch.cuda.max_memory_allocated(dev) / 2**20 if dev.type == "cuda" else None
     if hasattr(model.experts, "close"):
         model.experts.close()  # the CPU pool's threads and the copier

@@ -210,10 +210,13 @@ class HybridExperts:
         L.slots.refresh()  # refills that landed serve this step (and leave the streamed turns)
         prefetched, self._prefetched = self._prefetched, None  # good for this step only
         streamed = self._streamed(L, x, ids)
+        prompt = ids.shape[0] > 1
         if streamed or self._all_on_gpu(L, x, ids):
             out = self._resident_step(layer, L, x, ids, weights, self._turns(L) if streamed else [], prefetched)
             if out is not None:
+                self.counters.prompt_steps["streamed" if streamed else "resident"] += prompt
                 return out
+        self.counters.prompt_steps["read back"] += prompt
         slots = L.slots
         timed = self.device.type == "cuda" and many_pairs(ids.numel(), L.w.n_expert)
         waits = self._mark() if timed else None

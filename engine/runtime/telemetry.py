@@ -19,6 +19,7 @@ import psutil
 from engine.errors import printable
 
 SCHEMA_VERSION = 1
+PROMPT_ROUTES = ("streamed", "resident", "read back")
 
 
 @dataclass
@@ -40,6 +41,9 @@ class CacheCounters:
     miss_fraction: float = 0.0  # the share of misses uploaded (measured when auto)
     miss_fraction_tuning: dict | None = None  # upload_s, cpu_s per expert, when measured
     decode_path: str = "per layer"  # "graph": a decode token is one CUDA graph, its misses on the CPU pool
+    # A prompt's MoE layer steps by route: its missing experts streamed, every expert resident
+    # (neither reads its routing back), or the routing read back and the misses routed by cost.
+    prompt_steps: dict[str, int] = field(default_factory=lambda: dict.fromkeys(PROMPT_ROUTES, 0))
 
     def __post_init__(self) -> None:
         n = len(self.layers)
@@ -131,6 +135,7 @@ class Telemetry:
                     "miss_fraction": c.miss_fraction,
                     "miss_fraction_tuning": c.miss_fraction_tuning,
                     "decode_path": c.decode_path,
+                    "prompt_steps": dict(c.prompt_steps),
                     "residency": c.residency.tolist(),
                     "heat": np.round(c.heat, 3).tolist(),
                 }

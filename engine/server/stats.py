@@ -93,6 +93,11 @@ class SnapshotCollector:
                                   value=cache["bytes_uploaded"])
         yield CounterMetricFamily("moestudio_cpu_pool_busy_seconds", "CPU expert pool busy time",
                                   value=cache["cpu_busy_s"])
+        steps = CounterMetricFamily("moestudio_prompt_layer_steps", "a prompt's MoE layer steps by route: missing "
+                                    "experts streamed, all resident, or the routing read back", labels=["route"])
+        for route, n in cache["prompt_steps"].items():
+            steps.add_metric([route.replace(" ", "_")], n)
+        yield steps
 
 
 def metrics_endpoint(worker: EngineWorker):

@@ -338,6 +338,11 @@ def test_dashboard_summary_reports_the_measured_miss_split(qtbot):
     d.redraw()
     assert "misses uploaded 24% (measured); experts read from pinned RAM" in d.summary.text()
     assert "hit rate since start 68.8%" in d.summary.text()
+    assert "prompt layer steps" not in d.summary.text()  # no prompt yet
+    d.ingest(_snap(1, 2, cache={**_cache(), "prompt_steps": {"streamed": 30, "resident": 0, "read back": 66}},
+                   vram=1 << 29))
+    d.redraw()
+    assert "prompt layer steps streamed 30, resident 0, read back 66" in d.summary.text()
 
 
 def test_error_dialogs_copy_details(qtbot):

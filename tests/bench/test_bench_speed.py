@@ -29,6 +29,10 @@ def test_bench_speed_times_each_configuration_in_its_own_process(tiny, tmp_path)
         assert 0 < run["median_ms"] <= run["p90_ms"] and run["first8_ms"] > 0
         assert run["long_prefill_tokens_per_s"] > 0 and run["long_ttft_s"] > 0
         assert run["prefill_pcie_gb_per_s"] >= 0 and run["long_prefill_pcie_gb_per_s"] >= 0
+        # one chunk each, every MoE layer reading its routing back: the CPU has no grouped GEMM
+        steps = run["prefill_steps"]
+        assert steps["streamed"] == steps["resident"] == 0 < steps["read back"], steps
+        assert run["long_prefill_steps"] == steps
     assert runs["resident"]["gpu_hit"] == 1.0
     assert runs["hybrid-mmap"]["load_mode"] == "mmap"
 

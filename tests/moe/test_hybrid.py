@@ -142,6 +142,8 @@ def test_counters_and_residency_reach_the_telemetry_snapshot(make_model, prompt_
     assert sum(cache["gpu_hit"]) + sum(cache["uploaded"]) + sum(cache["cpu_computed"]) > 0
     resident = np.array(cache["residency"])
     assert ((resident >= 0).sum(axis=1) <= 4).all()
+    # the prompt: one chunk, each MoE layer reading its routing back (no grouped GEMM on the CPU)
+    assert cache["prompt_steps"] == {"streamed": 0, "resident": 0, "read back": 2}
     engine.model.experts.close()
 
 

@@ -100,6 +100,9 @@ def test_metrics_parse_with_prometheus_client(server):
     hits = families["moestudio_expert_gpu_hit"].samples
     assert {s.labels["layer"] for s in hits} == {"0", "1"}
     assert families["moestudio_gpu_miss_fraction"].samples[0].value == 0.0  # no GPU here: every miss on the CPU
+    steps = {s.labels["route"]: s.value for s in families["moestudio_prompt_layer_steps"].samples
+             if s.name.endswith("_total")}
+    assert steps["streamed"] == steps["resident"] == 0 < steps["read_back"]  # the CPU has no grouped GEMM
 
 
 @pytest.mark.parametrize("engine", ["hybrid", "llamacpp"])
