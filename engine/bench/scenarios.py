@@ -129,9 +129,9 @@ def report(results: dict) -> str:
     """Markdown: one row per scenario and budget, ratios within that run's machine and stream."""
     head = ("| scenario | budget | hybrid decode tok/s | hit / upload / CPU | miss fraction | llama split (n_cpu_moe) "
             "| hybrid / split | resident | llama all-GPU | hybrid / all-GPU | resident / all-GPU "
-            "| prefill hybrid / split (long prompt) | prefill resident / all-GPU (long prompt) | share of bound "
-            "| peak VRAM MiB |\n|"
-            + "---|" * 15 + "\n")
+            "| prefill hybrid / split (long prompt) | prefill resident / all-GPU (long prompt) "
+            "| hybrid prompt layer steps streamed / read back (long prompt) | share of bound | peak VRAM MiB |\n|"
+            + "---|" * 16 + "\n")
     rows = []
     for key, r in results.items():
         runs = r["runs"]
@@ -149,12 +149,17 @@ def report(results: dict) -> str:
         def prefill(a: dict, b: dict) -> str:
             return f"{ratio(a, b, 'prefill_tokens_per_s')} ({ratio(a, b, 'long_prefill_tokens_per_s')})"
 
+        def steps(field: str) -> str:
+            n = h.get(field)
+            return f"{n['streamed']} / {n['read back']}" if n else "-"
+
         mix = (f"{h['gpu_hit']:.0%} / {h['uploaded']:.0%} / {h['cpu']:.0%}" if "gpu_hit" in h else "-")
         rows.append(f"| {r['scenario']['label']} | {r['scenario']['budget_gib']} GiB ({r['budget_mib']:.0f} MiB) "
                     f"| {f(h, 'decode_tokens_per_s')} | {mix} | {f(h, 'miss_fraction', '{:.3f}')} "
                     f"| {f(sp, 'decode_tokens_per_s')} ({sp.get('n_cpu_moe', '-')}) | {ratio(h, sp)} "
                     f"| {f(res, 'decode_tokens_per_s')} | {f(gpu, 'decode_tokens_per_s')} | {ratio(h, gpu)} "
                     f"| {ratio(res, gpu)} | {prefill(h, sp)} | {prefill(res, gpu)} "
+                    f"| {steps('prefill_steps')} ({steps('long_prefill_steps')}) "
                     f"| {f(h, 'share_of_bound', '{:.0%}')} | {f(h, 'peak_vram_mib', '{:.0f}')} |")
     return head + "\n".join(rows) + "\n"
 

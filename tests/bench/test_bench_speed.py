@@ -61,7 +61,7 @@ def test_llama_runner_times_the_real_llama_cpp_after_the_same_warm_up(tiny):
 def test_the_scenario_table_puts_each_prefill_beside_its_baseline():
     """`bench scenarios`' report: the short and long prompts' prefill ratios, hybrid against
     the split at the budget and resident against llama.cpp on the GPU (measured once per
-    scenario, at its first budget)."""
+    scenario, at its first budget), and how the hybrid's prompt layer steps were routed."""
     from engine.bench.scenarios import report
 
     def run(decode, prefill, long=None, **extra):
@@ -71,12 +71,14 @@ def test_the_scenario_table_puts_each_prefill_beside_its_baseline():
     scenario = {"label": "q", "geometry": "g", "routing": "r", "layers": 0}
     results = {
         "q@8GiB": {"budget_mib": 8192, "scenario": {**scenario, "budget_gib": 8}, "runs": {
-            "hybrid": run(90, 400, 300, gpu_hit=0.9, uploaded=0.0, cpu=0.1),
+            "hybrid": run(90, 400, 300, gpu_hit=0.9, uploaded=0.0, cpu=0.1,
+                          prefill_steps={"streamed": 48, "resident": 0, "read back": 0},
+                          long_prefill_steps={"streamed": 96, "resident": 0, "read back": 288}),
             "llama-split": run(60, 200, 100, n_cpu_moe=31),
             "resident": run(220, 1800, 1500), "llama-gpu": run(240, 3600, 3000)}},
         "q@16GiB": {"budget_mib": 16384, "scenario": {**scenario, "budget_gib": 16}, "runs": {
             "hybrid": run(160, 800), "llama-split": run(150, 1000)}}}
     rows = report(results).splitlines()
     assert "prefill resident / all-GPU (long prompt)" in rows[0]
-    assert "| 2.00x (3.00x) | 0.50x (0.50x) |" in rows[2]
-    assert "| 0.80x (-) | 0.50x (0.50x) |" in rows[3]  # no long prompt at 16 GiB; resident from 8 GiB
+    assert "| 2.00x (3.00x) | 0.50x (0.50x) | 48 / 0 (96 / 288) |" in rows[2]
+    assert "| 0.80x (-) | 0.50x (0.50x) | - (-) |" in rows[3]  # no long prompt at 16 GiB; resident from 8 GiB
