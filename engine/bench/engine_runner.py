@@ -4,9 +4,9 @@
 -t THREADS --ctx N --load-mode M` prints one JSON line: after the warm-up (the "warmup" tokens as
 a prompt, then one decode token), prefill tok/s on the prompt (the engine's chunked prefill, as
 a request runs it, with the GB/s its expert uploads reached over PCIe and its MoE layer steps
-by route), then teacher-forced
-decode tok/s on the stream, with the expert cache's hit shares and the spread of the tokens'
-times; then, when given, the same prefill figures for the "long" prompt (`long_*`).
+by route), then teacher-forced decode tok/s on the stream, with the expert cache's hit shares
+and the spread of the tokens' times; then, when given, the same prefill figures for the "long"
+prompt (`long_*`).
 A process per configuration, as a user runs the engine: no run inherits another's state (the
 CPU pool's OpenMP team, pinned host memory, the CUDA and pinned caching allocators). On the
 H200, `bench scenarios` ran its configurations in one process and the 16 GiB hybrid run, the

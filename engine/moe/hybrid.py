@@ -72,7 +72,7 @@ class _Layer:
         self.upload_credit = 0.0
         self.device_map: tuple[int, torch.Tensor, torch.Tensor] | None = None  # (slots' version, slot_of, exp_of_slot)
         self.counts_host: torch.Tensor | None = None  # a step's expert counts, read back without waiting
-        # The last step's rows per expert, its rows and its prompt (HybridExperts.prompt) when it
+        # The last step's rows per expert, its rows and its prompt (HybridExperts.prompt_id) when it
         # had many rows: what the next chunk of the same prompt will route like.
         self.last_many: tuple[np.ndarray, int, int] | None = None
 
@@ -107,7 +107,7 @@ class HybridExperts:
         # timed once landed): what streaming a layer's missing experts saves, against their copies.
         self.read_back_s = 0.0
         self._read_back_marks: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
-        self.prompt = 0  # bumped by every decode token (end_prompt): a many-row step after it is a new prompt's
+        self.prompt_id = 0  # bumped by every decode token (end_prompt): a many-row step after it is a new prompt's
         self.copier = Copier(self.device, options.copy_delay_s)
         self.pool = pool if pool is not None else CpuExpertPool(expert_weights, options.threads)
         self.layer_ids = sorted(expert_weights)
@@ -147,7 +147,7 @@ class HybridExperts:
     def end_prompt(self) -> None:
         """A decode token ran (in the token graph, which reports no step here): the next many-row
         step is another prompt's, whose experts its layers know nothing of."""
-        self.prompt += 1
+        self.prompt_id += 1
 
     # --- residency -----------------------------------------------------------------------------
     def prefill_residency(self, ranking: list[tuple[int, int]],
@@ -210,13 +210,13 @@ class HybridExperts:
         L.slots.refresh()  # refills that landed serve this step (and leave the streamed turns)
         prefetched, self._prefetched = self._prefetched, None  # good for this step only
         streamed = self._streamed(L, x, ids)
-        prompt = ids.shape[0] > 1
+        prompt_step = ids.shape[0] > 1
         if streamed or self._all_on_gpu(L, x, ids):
             out = self._resident_step(layer, L, x, ids, weights, self._turns(L) if streamed else [], prefetched)
             if out is not None:
-                self.counters.prompt_steps["streamed" if streamed else "resident"] += prompt
+                self.counters.prompt_steps["streamed" if streamed else "resident"] += prompt_step
                 return out
-        self.counters.prompt_steps["read back"] += prompt
+        self.counters.prompt_steps["read back"] += prompt_step
         slots = L.slots
         timed = self.device.type == "cuda" and many_pairs(ids.numel(), L.w.n_expert)
         waits = self._mark() if timed else None
@@ -269,7 +269,7 @@ class HybridExperts:
         if not (costs is not None and L.slots.n_staging >= 2 and L.slots.resident.min() < 0
                 and streams_all(ids.shape[0], ids.shape[1], L.w.n_expert, costs) and self._grouped_applies(L, x, ids)):
             return False
-        if L.last_many is None or L.last_many[2] != self.prompt:
+        if L.last_many is None or L.last_many[2] != self.prompt_id:
             return True  # a new prompt: nothing known of its experts
         rows, tokens, _ = L.last_many
         missing = L.slots.resident < 0
@@ -515,7 +515,7 @@ class HybridExperts:
         c.heat[i, experts] += rows_of[experts]
         refills = L.policy.refills(experts, rows_of[experts], L.slots.slot_expert, L.slots.resident,
                                    L.slots.in_flight(), tokens)
-        L.last_many = (rows_of, tokens, self.prompt) if many_pairs(int(rows_of.sum()), L.w.n_expert) else None
+        L.last_many = (rows_of, tokens, self.prompt_id) if many_pairs(int(rows_of.sum()), L.w.n_expert) else None
         if refills:
             handle = L.slots.load(refills)
             if L.policy.synchronous:
