@@ -14,6 +14,18 @@
 #   chunks     scripts/prompt_chunks.py on the qwen3-30b routing model at 8 (profiled) and 16 GiB (chunks.tgz)
 #   pack       the CPU build into $OUT for later runs)
 # SC_ONLY="label ..." limits the scenarios (engine/bench/scenarios.py labels).
+# The carried folders, made on the development machine (ignored by git; a new checkout lacks them):
+#   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+#     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 -d .whl gguf platformdirs diskcache
+#   pip download --no-deps --no-binary=:all: llama-cpp-python==0.3.36 -d /tmp/sd && cd /tmp/sd \
+#     && tar xzf llama_cpp_python-0.3.36.tar.gz && cd llama_cpp_python-0.3.36 && rm -rf .git .github examples \
+#     docker docs && cd vendor/llama.cpp && rm -rf models docs media benches .github gguf-py examples conversion \
+#     skills pocs .devops scripts && find tests -type f ! -name test-backend-ops.cpp -delete \
+#     && (cd tools && ls | grep -v '^mtmd$' | xargs rm -rf) && (cd ggml/src && ls -d ggml-* | grep -v \
+#     -e '^ggml-cpu$' -e '^ggml-cuda$' -e '\.' | xargs rm -rf) && cd /tmp/sd && mkdir -p <repo>/.src \
+#     && tar czf <repo>/.src/llama_cpp_python-0.3.36.tar.gz llama_cpp_python-0.3.36     (~5 MB)
+# A call's processes end with it, but the machine stays warm 30 s: the next call finds /tmp as
+# this one left it (the builds, the models, Triton's cache in $TRITON_CACHE_DIR).
 set -u
 REPO=$PWD
 STAGES=${1:-cudabuild,build,tests,write,wait,engine,llama,report}
