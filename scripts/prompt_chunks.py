@@ -9,8 +9,9 @@ many-row step reading its routing back (no streamed steps), and as the engine ro
 One decode token follows each prefill, as a reply's first. Each line: the route, its seconds,
 then per 512-token chunk its seconds, the GB copied to the GPU (streamed turns and refills),
 the (row, expert) pairs that hit, were uploaded, or ran on the CPU, and its MoE layer steps
-by route (streamed, resident, read back). Writes chunks.json to --out, and with --profile torch profiles of a new
-prompt's fourth chunk as the engine routes it and of its first chunk read back.
+by route (streamed, resident, read back). Writes chunks.json to --out, and with --profile
+torch profiles of a new prompt's fourth chunk as the engine routes it and of its first chunk
+read back.
 """
 from __future__ import annotations
 
@@ -24,14 +25,13 @@ from pathlib import Path
 import torch
 
 import engine.moe.hybrid as hybrid
+from engine.bench.engine_runner import warm_up
 from engine.bench.scenarios import emulated_budget_mib
-from engine.bench.speed import WARMUP_TOKENS
+from engine.bench.speed import bench_tokens
 from engine.runtime.engine import Engine, EngineConfig
-from engine.runtime.tokenizer import tokenize_text
-from engine.synth.corpus import stdlib_text
 
 CHUNK = 512  # the engine's default prefill chunk
-BENCH_PROMPT, BENCH_DECODE = 512, 64  # the bench's text before its warm-up and long prompt
+BENCH_PROMPT, BENCH_DECODE = 512, 64  # `bench scenarios`' defaults: its long prompt follows their text
 
 
 def _chunks(engine: Engine, tokens: list[int], sync) -> list[dict]:
@@ -100,17 +100,13 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--profile times a fourth chunk: --long must be at least {4 * CHUNK}")
 
     budget = emulated_budget_mib(args.model, args.geometry, args.budget_gib)
-    n_text = BENCH_PROMPT + BENCH_DECODE + WARMUP_TOKENS + args.long
-    text = tokenize_text(args.model, stdlib_text(max_chars=n_text * 8))
-    rest = text[BENCH_PROMPT + BENCH_DECODE:]
-    warmup, long = rest[:WARMUP_TOKENS], rest[WARMUP_TOKENS:WARMUP_TOKENS + args.long]
+    tokens = bench_tokens(args.model, BENCH_PROMPT, BENCH_DECODE, args.long)
+    long = tokens["long"]
     engine = Engine.load(args.model, EngineConfig(device=args.device, n_ctx=len(long) + 16, threads=args.threads,
                                                   moe_expert_cache_size="auto", vram_budget_mib=budget),
                          attach_experts=hybrid.attach_hybrid)
     sync = (lambda: torch.cuda.synchronize()) if torch.device(args.device).type == "cuda" else (lambda: None)
-    engine.model.forward(torch.tensor(warmup), engine.cache, 0, last_only=True)
-    engine.model.forward(torch.tensor(warmup[-1:]), engine.cache, len(warmup))
-    sync()
+    warm_up(engine.model, engine.cache, tokens["warmup"], sync)
     c = engine.telemetry.cache
     result = {"budget_mib": budget, "slots_per_layer": c.slots_per_layer, "tuning": c.miss_fraction_tuning}
     for name in ("engine", "read back", "engine again"):

@@ -49,6 +49,16 @@ def _timed_prefill(engine, prompt: list[int], sync) -> tuple[float, float, dict[
     return seconds, ((c.bytes_uploaded if c is not None else 0) - moved) / seconds / 1e9, steps
 
 
+def warm_up(model, kv, warmup: list[int], sync) -> None:
+    """The warm-up every timed run starts with: `warmup` as a prompt (the prompt's kernels, the
+    CPU pool), then one decode token (the decode graph's capture)."""
+    import torch
+
+    model.forward(torch.tensor(warmup), kv, 0, last_only=True)
+    model.forward(torch.tensor(warmup[-1:]), kv, len(warmup))
+    sync()
+
+
 def time_engine(path: Path, tokens: dict[str, list[int]], *, device: str, budget_mib: int | None,
                 cache: str, threads: int, n_ctx: int, load_mode: str = "auto") -> dict:
     import torch
@@ -65,9 +75,7 @@ def time_engine(path: Path, tokens: dict[str, list[int]], *, device: str, budget
     model, kv = engine.model, engine.cache
     warmup, prompt, stream = tokens["warmup"], tokens["prompt"], tokens["stream"]
     sync = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else (lambda: None)
-    model.forward(torch.tensor(warmup), kv, 0, last_only=True)  # warm-up: the prompt's kernels, the CPU pool...
-    model.forward(torch.tensor(warmup[-1:]), kv, len(warmup))  # ...and the decode graph's capture
-    sync()
+    warm_up(model, kv, warmup, sync)
     prefill_s, prefill_pcie, prefill_steps = _timed_prefill(engine, prompt, sync)
     c = engine.telemetry.cache
     before = None if c is None else (c.gpu_hit.sum(), c.uploaded.sum(), c.cpu_computed.sum(), c.bytes_uploaded)

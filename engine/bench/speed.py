@@ -145,6 +145,24 @@ def fitting_split(geo: dict[str, int], budget_mib: float, kv_mib: float, workspa
 RUNS = ("hybrid", "hybrid-mmap", "resident", "llama-split", "llama-gpu")
 
 
+def bench_tokens(path: Path, n_prompt: int, n_decode: int, n_long: int = 0) -> dict[str, list[int]]:
+    """The bench's token streams, from stdlib docstrings: the prompt, the decode stream after it,
+    then other text for the warm-up (WARMUP_TOKENS: it must not teach the expert cache the
+    prompt) and, with `n_long`, the long prompt after the warm-up's text."""
+    from engine.runtime.tokenizer import tokenize_text
+    from engine.synth.corpus import stdlib_text
+
+    text = tokenize_text(path, stdlib_text(max_chars=(n_prompt + n_decode + WARMUP_TOKENS + n_long) * 8))
+    rest = text[n_prompt + n_decode:]
+    long = rest[WARMUP_TOKENS:WARMUP_TOKENS + n_long]
+    if len(long) < n_long:
+        raise ValueError(f"the text holds {len(text)} tokens, too few for a {n_long}-token prompt beside the others")
+    tokens = {"warmup": rest[:WARMUP_TOKENS], "prompt": text[:n_prompt], "stream": text[n_prompt:n_prompt + n_decode]}
+    if long:
+        tokens["long"] = long
+    return tokens
+
+
 def bench(path: Path, budget_mib: int, *, device: str, threads: int, n_prompt: int, n_decode: int, ctx: int,
           n_long: int = 0, runs: tuple[str, ...] = RUNS, result: dict | None = None) -> dict:
     """Adds `runs` to `result` (a new one by default). A run that fails is recorded with its
@@ -153,23 +171,13 @@ def bench(path: Path, budget_mib: int, *, device: str, threads: int, n_prompt: i
     grows to hold it)."""
     import torch
 
-    from engine.runtime.tokenizer import tokenize_text
-    from engine.synth.corpus import stdlib_text
-
-    text = tokenize_text(path, stdlib_text(max_chars=(n_prompt + n_decode + WARMUP_TOKENS + n_long) * 8))
-    prompt, stream = text[:n_prompt], text[n_prompt:n_prompt + n_decode]
-    # Other text than the prompt's: the warm-up must not teach the expert cache the prompt.
-    rest = text[n_prompt + n_decode:]
-    long = rest[WARMUP_TOKENS:WARMUP_TOKENS + n_long]
-    if len(long) < n_long:
-        raise ValueError(f"the text holds {len(text)} tokens, too few for a {n_long}-token prompt beside the others")
+    tokens = bench_tokens(path, n_prompt, n_decode, n_long)
+    prompt, stream, long = tokens["prompt"], tokens["stream"], tokens.get("long", [])
     geo = _geometry(path)
     # Both engines hold the context a user runs (the product's default unless told): its length is
     # what each decode token's attention and the KV cache's VRAM cost.
     n_ctx = max(resolve_ctx(ctx, geo["n_ctx_train"]), len(prompt) + len(stream) + 16, len(long) + 16)
-    tokens = {"warmup": rest[:min(WARMUP_TOKENS, n_ctx - 1)], "prompt": prompt, "stream": stream}
-    if long:
-        tokens["long"] = long
+    tokens["warmup"] = tokens["warmup"][:n_ctx - 1]
     dev = torch.device(device)
     if result is None:
         result = {"model": path.name, "budget_mib": budget_mib, "geometry": geo,
