@@ -128,6 +128,7 @@ def run(model: Path, budget: int | None, tokens: int, threads: int, ctx: int, ou
     from engine.runtime.tokenizer import tokenize_text
     from engine.synth.corpus import stdlib_text
 
+    out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     engine = Engine.load(model, EngineConfig(device="cuda", n_ctx=max(ctx, tokens + 600), threads=threads,
                                              vram_budget_mib=budget), attach_experts=attach_hybrid)

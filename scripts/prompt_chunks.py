@@ -8,8 +8,9 @@ bench's long prompt three times from an empty cache: as the engine routes it, wi
 many-row step reading its routing back (no streamed steps), and as the engine routes it again.
 One decode token follows each prefill, as a reply's first. Each line: the route, its seconds,
 then per 512-token chunk its seconds, the GB copied to the GPU (streamed turns and refills),
-the (row, expert) pairs that hit, were uploaded, or ran on the CPU, and its MoE layer steps
-by route (streamed, resident, read back). Writes chunks.json to --out, and with --profile
+the (row, expert) pairs that hit, were uploaded, or ran on the CPU, the CPU pool's busy
+seconds, the executor's read-back idle estimate after it (`read_back_s`, ms) and its MoE layer
+steps by route (streamed, resident, read back). Writes chunks.json to --out, and with --profile
 torch profiles of a new prompt's fourth chunk as the engine routes it and of its first chunk
 read back.
 """
@@ -41,6 +42,7 @@ def _chunks(engine: Engine, tokens: list[int], sync) -> list[dict]:
     for start in range(0, len(tokens), CHUNK):
         steps = dict(c.prompt_steps)
         before = (c.bytes_uploaded, c.gpu_hit.sum(), c.uploaded.sum(), c.cpu_computed.sum())
+        cpu_busy = c.cpu_busy_s
         t0 = time.perf_counter()
         model.forward(torch.tensor(tokens[start:start + CHUNK]), kv, start, last_only=True)
         sync()
@@ -48,6 +50,8 @@ def _chunks(engine: Engine, tokens: list[int], sync) -> list[dict]:
         moved, hit, up, cpu = (int(a - b) for a, b in zip(
             (c.bytes_uploaded, c.gpu_hit.sum(), c.uploaded.sum(), c.cpu_computed.sum()), before))
         rows.append({"s": round(seconds, 4), "GB": round(moved / 1e9, 3), "hit": hit, "up": up, "cpu": cpu,
+                     "cpu_pool_s": round(c.cpu_busy_s - cpu_busy, 4),
+                     "read_back_ms": round(model.experts.read_back_s * 1e3, 3),
                      **{route: c.prompt_steps[route] - n for route, n in steps.items()}})
     model.forward(torch.tensor(tokens[-1:]), kv, len(tokens))  # a reply's first token: the next prompt is another's
     sync()

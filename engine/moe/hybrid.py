@@ -221,11 +221,11 @@ class HybridExperts:
         timed = self.device.type == "cuda" and many_pairs(ids.numel(), L.w.n_expert)
         waits = self._mark() if timed else None
         # With every expert resident (landed) no CPU miss can need the input.
-        ids_host, x_host = self._read_back(ids, x.float() if L.slots.resident.min() < 0 else None)
+        ids_host, x_host, grown = self._read_back(ids, x.float() if L.slots.resident.min() < 0 else None)
         self._learn_unlearnt()  # the read-back waited for the GPU: the earlier steps' counts have landed
         self._time_read_backs()  # and the earlier read-backs' marks
         rows_of, experts, hits, uploads, cpu = self._split(L, ids_host)
-        if waits is not None:
+        if waits is not None and not grown:  # a pinned buffer's first allocation (ms, once) is no route's idle
             self._read_back_marks.append((waits, self._mark()))
         k = ids_host.shape[1]
         per_slot = torch.zeros(k, *x.shape, dtype=x.dtype, device=x.device)
@@ -273,7 +273,9 @@ class HybridExperts:
             return True  # a new prompt: nothing known of its experts
         rows, tokens, _ = L.last_many
         missing = L.slots.resident < 0
-        return streaming_pays(int(missing.sum()), rows[missing] * (ids.shape[0] / tokens), costs, self.read_back_s)
+        n_hits = int(np.count_nonzero(rows[~missing]))
+        return streaming_pays(int(missing.sum()), rows[missing] * (ids.shape[0] / tokens), n_hits, costs,
+                              self.read_back_s)
 
     @staticmethod
     def _turns(L: _Layer) -> list[np.ndarray]:
@@ -402,12 +404,13 @@ class HybridExperts:
             self.read_back_s = seconds if not self.read_back_s else 0.75 * self.read_back_s + 0.25 * seconds
         self._read_back_marks.clear()
 
-    def _read_back(self, ids: torch.Tensor, x: torch.Tensor | None) -> tuple[np.ndarray, np.ndarray | None]:
+    def _read_back(self, ids: torch.Tensor, x: torch.Tensor | None) -> tuple[np.ndarray, np.ndarray | None, bool]:
         """The router's ids and the layer input (when given) on the host, behind the layer step's
-        one wait on the accelerator. On CUDA both land in pinned buffers through asynchronous
-        copies and one stream sync; the buffers are reused (a step is done with them before the
-        next step reads back)."""
+        one wait on the accelerator, and whether a buffer had to grow. On CUDA both land in
+        pinned buffers through asynchronous copies and one stream sync; the buffers are reused
+        (a step is done with them before the next step reads back)."""
         tensors = [ids] if x is None else [ids, x]
+        grown = False
         if self.device.type != "cuda":
             host = [t.numpy() for t in tensors]
         else:
@@ -416,12 +419,13 @@ class HybridExperts:
                 flat = self._pinned.get(t.dtype)
                 if flat is None or flat.numel() < t.numel():
                     flat = self._pinned[t.dtype] = torch.empty(t.numel(), dtype=t.dtype, pin_memory=True)
+                    grown = True
                 view = flat[:t.numel()].view(t.shape)
                 view.copy_(t, non_blocking=True)
                 host.append(view)
             torch.cuda.current_stream(self.device).synchronize()
             host = [h.numpy() for h in host]
-        return host[0], (host[1] if x is not None else None)
+        return host[0], (host[1] if x is not None else None), grown
 
     def _run_uploads(self, L: _Layer, uploads: list[int],
                      compute: Callable[[list[int], list[int]], None] | None) -> None:

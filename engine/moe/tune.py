@@ -83,14 +83,27 @@ def streams_all(n_rows: int, k: int, n_expert: int, costs: RouteCosts) -> bool:
     return costs.upload_s <= float(costs.cpu(np.array([n_rows * k / n_expert]))[0])
 
 
-def streaming_pays(n_missing: int, expected_rows: np.ndarray, costs: RouteCosts, read_back_s: float) -> bool:
+def read_back_seconds(rows: np.ndarray, n_hits: int, costs: RouteCosts) -> float:
+    """The experts' time of a step that read its routing back, with misses of `rows` rows: the
+    GPU (its `n_hits` hit experts, then the misses balanced_uploads sends up) and the CPU pool
+    (the other misses) side by side."""
+    rows = np.sort(rows)[::-1]
+    n_up = balanced_uploads(rows, n_hits, costs)
+    gpu = n_hits * costs.gpu_s + n_up * max(costs.upload_s, costs.gpu_s)
+    return max(gpu, float(costs.cpu(rows[n_up:]).sum()))
+
+
+def streaming_pays(n_missing: int, expected_rows: np.ndarray, n_hits: int, costs: RouteCosts,
+                   read_back_s: float) -> bool:
     """Whether streaming a layer's `n_missing` missing experts beats reading its routing back,
-    when the step is expected to give them `expected_rows` (the layer's last many-row step,
-    scaled: a text's prompt keeps to the experts its residency adapts to, so most streamed
-    experts can go unused). Reading back costs the GPU's idle while the host waits
-    (`read_back_s`, measured) and the used misses, at most the CPU pool's FFN over their rows."""
+    when the step is expected to give them `expected_rows` and to use `n_hits` resident experts
+    (the layer's last many-row step, scaled: a text's prompt keeps to the experts its residency
+    adapts to, so most streamed experts can go unused). Streamed, the copies of every missing
+    expert run beside the GPU's compute of the used ones; read back, the GPU idles while the
+    host waits (`read_back_s`, measured), then the step splits its misses (read_back_seconds)."""
     used = expected_rows[expected_rows > 0]
-    return n_missing * costs.upload_s <= read_back_s + float(costs.cpu(used).sum())
+    streamed = max(n_missing * costs.upload_s, (n_hits + len(used)) * costs.gpu_s)
+    return streamed <= read_back_s + read_back_seconds(used, n_hits, costs)
 
 
 def measure_costs(layer: int, w: ExpertWeights, device: torch.device, pool: CpuExpertPool) -> dict[str, float]:

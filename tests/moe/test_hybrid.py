@@ -255,6 +255,7 @@ def test_a_many_row_step_streams_until_its_text_keeps_to_the_resident_experts(ma
         layer = hybrid.layer_ids[0]
         L = hybrid.layers[layer]
         hybrid.prefill_residency([(layer, 0), (layer, 1)])
+        hybrid.read_back_s = 2e-4  # the H200's read-back idle (session 13)
         n_tok = 40  # 80 pairs: the grouped GEMM takes the step, and every expert is all but certain
         x = torch.zeros(n_tok, cfg.n_embd)
         ids = torch.zeros(n_tok, k, dtype=torch.int64)
@@ -275,7 +276,7 @@ def test_a_many_row_step_streams_until_its_text_keeps_to_the_resident_experts(ma
         assert not hybrid._streamed(L, x, ids)
         hybrid.read_back_s = (n_expert - 2) * costs.upload_s
         assert hybrid._streamed(L, x, ids)
-        hybrid.read_back_s = 0.0
+        hybrid.read_back_s = 2e-4
         assert not hybrid._streamed(L, x, ids)
         hybrid.replay(layer, np.array([[0, 1]]))  # a decode step: the next many-row step is another prompt's
         assert hybrid._streamed(L, x, ids)
@@ -290,7 +291,9 @@ def test_a_many_row_step_streams_until_its_text_keeps_to_the_resident_experts(ma
 @pytest.mark.gpu
 def test_a_many_row_read_back_times_the_gpu_idle_through_it(make_model):
     """What streaming saves a step is the GPU's idle while the host reads the routing back and
-    lays the step out: CUDA events around it, folded into read_back_s once they have landed."""
+    lays the step out: CUDA events around it, folded into read_back_s once they have landed. A
+    read-back that first allocates its pinned buffers (milliseconds, once) is not timed: on the
+    H200 that one sample made every later chunk stream."""
     model = build_model(make_model("qwen3moe", QT.Q8_0), "cuda")
     cfg = model.config
     hybrid = HybridExperts(model.expert_weights, "cuda", HybridOptions(
@@ -301,10 +304,11 @@ def test_a_many_row_read_back_times_the_gpu_idle_through_it(make_model):
         ids = torch.stack([torch.randperm(cfg.n_expert, generator=g)[:cfg.n_expert_used] for _ in range(n_tok)])
         x, weights = torch.randn(n_tok, cfg.n_embd, device="cuda"), torch.rand(n_tok, cfg.n_expert_used, device="cuda")
         layer = hybrid.layer_ids[0]
+        hybrid(layer, x, ids.cuda(), weights)  # allocates the pinned buffers: untimed
         hybrid(layer, x, ids.cuda(), weights)
         assert hybrid.read_back_s == 0.0  # its marks land with the next read-back
         hybrid(layer, x, ids.cuda(), weights)
-        assert 0.0 < hybrid.read_back_s < 1.0, hybrid.read_back_s
+        assert 0.0 < hybrid.read_back_s < 1e-2, hybrid.read_back_s
     finally:
         hybrid.close()
 

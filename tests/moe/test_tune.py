@@ -10,7 +10,8 @@ import torch
 from engine.models import build_model
 from engine.moe.cpu_pool import CpuExpertPool
 from engine.moe.tune import (STREAM_ALL_PAIRS_PER_EXPERT, RouteCosts, accelerator_seconds, balanced_uploads,
-                              many_pairs, measure_costs, route_costs, streaming_pays, streams_all)
+                              many_pairs, measure_costs, read_back_seconds, route_costs, streaming_pays,
+                              streams_all)
 
 
 def test_equal_costs_split_the_misses_in_half():
@@ -49,17 +50,25 @@ def test_a_step_streams_every_missing_expert_once_each_is_all_but_certain_to_be_
 def test_streaming_pays_while_the_step_uses_the_experts_it_would_copy():
     costs = RouteCosts(upload_s=60e-6, cpu_s=150e-6, cpu_row_s=13e-6, gpu_s=16e-6)  # the H200's, Qwen3-30B-A3B
     assert many_pairs(512, 128) and not many_pairs(511, 128)
-    # 8 GiB, a 512-row chunk, 87 experts missing (5.2 ms of copies), the GPU idle 1.5 ms a read-back:
-    # a new text's chunk uses about 50 of them, dozens of rows each: streaming wins
+    # 8 GiB, a 512-row chunk, 41 resident experts in use and 87 missing (5.2 ms of copies):
+    # a new text's chunk uses nearly all of them, dozens of rows each: read back, the GPU would
+    # take the heavy ones up one by one after an idle of 0.2 ms (5.2 ms): streaming wins
     new_text = np.zeros(87)
-    new_text[:50] = 40
-    assert streaming_pays(87, new_text, costs, 1.5e-3)
+    new_text[:80] = 40
+    assert read_back_seconds(new_text[:80], 41, costs) == pytest.approx(41 * 16e-6 + 73 * 60e-6)  # 73 go up
+    assert streaming_pays(87, new_text, 41, costs, 0.2e-3)
+    # a chunk that uses fewer of them (50): their uploads and the CPU pool's share take 3.4 ms
+    half = np.zeros(87)
+    half[:50] = 40
+    assert not streaming_pays(87, half, 41, costs, 0.2e-3)
+    assert streaming_pays(87, half, 41, costs, 2e-3)  # unless the read-back idles the GPU longer
     # the residency adapted to the text: a few rows on a handful of the missing ones: read back
     adapted = np.zeros(87)
     adapted[:6] = 3
-    assert not streaming_pays(87, adapted, costs, 1.5e-3)
-    # 16 GiB: 19 missing copy in 1.1 ms, less than the read-back's idle alone
-    assert streaming_pays(19, np.zeros(19), costs, 1.5e-3)
+    assert read_back_seconds(adapted[:6], 41, costs) < 1e-3
+    assert not streaming_pays(87, adapted, 41, costs, 1.5e-3)
+    # 16 GiB: 19 missing copy in 1.1 ms, hidden behind the compute of the 109 resident ones
+    assert streaming_pays(19, np.zeros(19), 109, costs, 0.0)
 
 
 def test_measured_on_the_model_the_times_are_positive_and_the_fraction_between(tiny):
