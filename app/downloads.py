@@ -53,6 +53,15 @@ def _api():
     return HfApi(endpoint=hub_endpoint())
 
 
+def _reach_hub() -> None:
+    """Raises at once when the hub's host cannot be reached: the search's pages go through
+    huggingface_hub's http_backoff, which retries a refused connection for ~24 s first. Through
+    huggingface_hub's own session, so its proxy settings hold."""
+    from huggingface_hub import get_session
+
+    get_session().head(hub_endpoint(), timeout=10.0)
+
+
 def _hub_error(what: str, e: Exception) -> UserError:
     """A one-line reason from what huggingface_hub raised (HTTP errors carry the hub's message)."""
     from huggingface_hub.errors import HfHubHTTPError, RepositoryNotFoundError
@@ -103,6 +112,7 @@ def search_gguf_repos(query: str, limit: int = 40) -> list[RepoHit]:
     if not query:
         raise UserError("type a few letters of a model's name to search, e.g. qwen3 30b")
     try:
+        _reach_hub()
         return [RepoHit(m.id, int(m.downloads or 0), int(m.likes or 0))
                 for m in _api().list_models(search=query, filter="gguf", sort="downloads", limit=limit)]
     except Exception as e:
