@@ -12,6 +12,8 @@
 #   wait       wait for the CUDA build
 #   engine     the scenarios' runs of this engine;  llama: llama.cpp's;  report: the table
 #   chunks     scripts/prompt_chunks.py on the qwen3-30b routing model at 8 (profiled) and 16 GiB (chunks.tgz)
+#   profile    scripts/profile_decode.py on that model, every expert resident, profiled: a token's and a
+#              warm 512-token prompt's GPU kernels and host calls (profile.tgz)
 #   pack       the CPU build into $OUT for later runs)
 # SC_ONLY="label ..." limits the scenarios (engine/bench/scenarios.py labels).
 # The carried folders, made on the development machine (ignored by git; a new checkout lacks them):
@@ -112,6 +114,15 @@ if has chunks; then
     log "chunks rc=$?"
   done
   tar czf "$OUT/chunks.tgz" -C /tmp chunks  # one file: $OUT brings back eight at most
+fi
+
+if has profile; then
+  log "resident profile"
+  mkdir -p /tmp/profile
+  timeout ${PHASE_TIMEOUT:-400} python3 scripts/profile_decode.py $SC/qwen3-30b-a3b-qwen3-30b.gguf --tokens 16 --profile \
+    --out /tmp/profile > /tmp/profile/log 2>&1
+  log "profile rc=$?"
+  tar czf "$OUT/profile.tgz" -C /tmp profile
 fi
 
 if has pack; then

@@ -268,25 +268,28 @@ REAL_GEOMETRIES: dict[str, tuple[int, int, int, int, int, bool]] = {
 def aot_report(arch: int = 90, n_sm: int = 132) -> list[dict]:  # pragma: no cover - run in a subprocess
     """Both launches of every REAL_GEOMETRIES entry compiled for `arch` without a GPU (Triton
     ships ptxas), with their registers and spills (engine.quant.triton_aot.resource_usage)."""
-    from engine.quant.triton_aot import compile_for, resource_usage
+    from functools import partial
 
-    def compile_(fn, types: dict, const: dict, num_warps: int):
-        aligned = {name for name in fn.arg_names if "_stride_" in name}  # row strides 16-aligned at a launch
-        return compile_for(fn, types, const, aligned, num_warps=num_warps, num_stages=2, arch=arch)
+    from engine.quant.triton_aot import compile_for, in_parallel, resource_usage
 
     ptrs = {n: "*fp32" for n in ("q_ptr", "k_ptr", "v_ptr", "m_ptr", "l_ptr", "acc_ptr", "sink_ptr", "out_ptr")}
     types = {**ptrs, "pos_ptr": "*i64", "scale": "fp32"}
-    rows = []
+
+    def row(name: str, label: str, n_splits: int, fn, const: dict, num_warps: int) -> dict:
+        aligned = {arg for arg in fn.arg_names if "_stride_" in arg}  # row strides 16-aligned at a launch
+        compiled = compile_for(fn, types, const, aligned, num_warps=num_warps, num_stages=2, arch=arch)
+        return {"geometry": name, "kernel": label, "n_splits": n_splits, **resource_usage(compiled)}
+
+    jobs = []
     for name, (n_head, n_kv, dk, dv, window, sinks) in REAL_GEOMETRIES.items():
         cfg = plan(1, n_head, n_kv, dk, dv, n_sm)
-        split = compile_(_split_kernel, types, {
+        jobs.append(partial(row, name, "split", cfg["n_splits"], _split_kernel, {
             "GROUP": n_head // n_kv, "DK": dk, "DV": dv, "BLOCK_M": cfg["BLOCK_M"], "BLOCK_N": cfg["BLOCK_N"],
-            "BLOCK_K": cfg["BLOCK_K"], "BLOCK_DV": cfg["BLOCK_DV"], "USE_DOT": cfg["USE_DOT"]}, cfg["num_warps"])
-        combine = compile_(_combine_kernel, types, {"DV": dv, "HAS_SINK": sinks, "BLOCK_DV": cfg["BLOCK_DV"],
-                                                    **_combine_blocks(cfg["n_splits"], cfg["BLOCK_DV"])}, 4)
-        for label, compiled in (("split", split), ("combine", combine)):
-            rows.append({"geometry": name, "kernel": label, "n_splits": cfg["n_splits"], **resource_usage(compiled)})
-    return rows
+            "BLOCK_K": cfg["BLOCK_K"], "BLOCK_DV": cfg["BLOCK_DV"], "USE_DOT": cfg["USE_DOT"]}, cfg["num_warps"]))
+        jobs.append(partial(row, name, "combine", cfg["n_splits"], _combine_kernel, {
+            "DV": dv, "HAS_SINK": sinks, "BLOCK_DV": cfg["BLOCK_DV"], **_combine_blocks(cfg["n_splits"], cfg["BLOCK_DV"])},
+            4))
+    return in_parallel(jobs)
 
 
 if __name__ == "__main__":  # pragma: no cover - a report, run by hand or by the tests in a subprocess

@@ -352,15 +352,19 @@ AOT_ROPE = (  # (label, head_dim, n_rot, neox, per-head q/k norm)
 
 def aot_report(arch: int = 90) -> list[dict]:
     """Compiles every variant for `arch` without a GPU (Triton ships ptxas): resource usage each."""
-    from engine.quant.triton_aot import compile_for, resource_usage
+    from functools import partial
 
-    rows = []
+    from engine.quant.triton_aot import compile_for, in_parallel, resource_usage
 
-    def compile_one(label: str, fn, sig: dict, const: dict, num_warps: int, aligned: tuple[str, ...] = ()) -> None:
+    jobs = []
+
+    def row(label: str, fn, sig: dict, const: dict, num_warps: int, aligned: tuple[str, ...]) -> dict:
         # the `aligned` ints multiples of 16, as Triton specialises them at run time (rows of 16k values)
         compiled = compile_for(fn, sig, const, set(aligned), num_warps=num_warps, arch=arch)
-        rows.append({"kernel": label, "num_warps": num_warps, "ffma": _count_ffma(compiled),
-                     **resource_usage(compiled)})
+        return {"kernel": label, "num_warps": num_warps, "ffma": _count_ffma(compiled), **resource_usage(compiled)}
+
+    def compile_one(label: str, fn, sig: dict, const: dict, num_warps: int, aligned: tuple[str, ...] = ()) -> None:
+        jobs.append(partial(row, label, fn, sig, const, num_warps, aligned))
 
     for d in AOT_NORM_DIMS:
         for has_w in (False, True):
@@ -394,7 +398,7 @@ def aot_report(arch: int = 90) -> list[dict]:
                          "STORE_KV": store, "BLOCK_D": triton.next_power_of_2(head_dim), "INTERP": False,
                          **one_k_head}, 4,
                         ("q_stride_t", "q_stride_h", "k_stride_t", "k_stride_h", "v_stride_t", "v_stride_h"))
-    return rows
+    return in_parallel(jobs)
 
 
 def _count_ffma(compiled) -> int:

@@ -9,9 +9,13 @@ this where there is no GPU; `python -m engine.quant.triton_aot` prints the table
 """
 from __future__ import annotations
 
+import multiprocessing
+import os
 import re
 import subprocess
 import tempfile
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 from gguf import GGMLQuantizationType as QT
@@ -104,6 +108,29 @@ def resource_usage(compiled) -> dict:
             "loads": loads}
 
 
+_JOBS: list[Callable[[], dict]] = []  # in_parallel's jobs, inherited by its forked workers
+
+
+def _run_job(i: int) -> dict:
+    return _JOBS[i]()
+
+
+def in_parallel(jobs: list[Callable[[], dict]]) -> list[dict]:
+    """Runs compile jobs (each returns one report row) in forked processes, one per core, rows
+    in job order: a compile is single-threaded (LLVM, ptxas) and the tests wait for hundreds of
+    them on machines of two cores."""
+    global _JOBS
+    n = min(os.cpu_count() or 1, len(jobs))
+    if n <= 1:
+        return [job() for job in jobs]
+    _JOBS = jobs  # forked workers inherit the closures: nothing to pickle but an index and a row
+    try:
+        with multiprocessing.get_context("fork").Pool(n) as pool:
+            return pool.map(_run_job, range(len(jobs)), chunksize=1)
+    finally:
+        _JOBS = []
+
+
 def _target(arch: int = 90):
     from triton.backends.compiler import GPUTarget
 
@@ -192,22 +219,22 @@ def _tensor_core_instruction(ptx: str) -> str | None:
 
 def report(names: list[str], arch: int = 90) -> list[dict]:
     """Compiles every launch of the named expert geometries; one dict per kernel."""
-    rows = []
+    jobs = []
     for name in names:
         (g, u, d), n_embd, n_ff, act, bias = STANDARD_GEOMETRIES[name]
         for label, fn, const, cfg in decode_variants(g, u, d, n_embd, n_ff, act, bias, arch=arch):
-            rows.append(_compiled_row(name, label, fn, const, cfg, arch))
-    return rows
+            jobs.append(partial(_compiled_row, name, label, fn, const, cfg, arch))
+    return in_parallel(jobs)
 
 
 def grouped_report(names: list[str], arch: int = 90) -> list[dict]:
     """Compiles the grouped GEMM's kernels of the named expert geometries; one dict per kernel."""
-    rows = []
+    jobs = []
     for name in names:
         (g, u, d), n_embd, n_ff, act, bias = STANDARD_GEOMETRIES[name]
         for label, fn, const, cfg in grouped_variants(g, u, d, n_embd, n_ff, act, bias):
-            rows.append(_compiled_row(name, label, fn, const, cfg, arch))
-    return rows
+            jobs.append(partial(_compiled_row, name, label, fn, const, cfg, arch))
+    return in_parallel(jobs)
 
 
 def prompt_dense_report(arch: int = 90) -> list[dict]:
@@ -215,13 +242,13 @@ def prompt_dense_report(arch: int = 90) -> list[dict]:
     every row) for each type whose tile differs from the expert down kernel's (K = 2048)."""
     from engine.quant import grouped_gemm as gg
 
-    rows = []
+    jobs = []
     for qtype, cfg in sorted(gg.DENSE_CONFIG.items(), key=lambda item: item[0].name):
         if cfg != gg.DOWN_CONFIG[qtype]:
             const = {"K": 2048, "QD": slot_type(qtype), "HAS_BIAS": False, "WEIGHTED": False, "BLOCK_M": cfg.block_m,
                      "BLOCK_N": cfg.block_n, "INTERP": False}
-            rows.append(_compiled_row(qtype.name, "prompt dense", gg._down_kernel, const, cfg, arch))
-    return rows
+            jobs.append(partial(_compiled_row, qtype.name, "prompt dense", gg._down_kernel, const, cfg, arch))
+    return in_parallel(jobs)
 
 
 LAYOUT_SLOTS = (16, 128, 256, 512)  # slots per layer the layout kernels are compiled for (their NS)
@@ -232,7 +259,14 @@ def layout_report(arch: int = 90) -> list[dict]:
     Groups.on_device) at LAYOUT_SLOTS; one dict per kernel."""
     from engine.quant import grouped_gemm as gg
 
-    rows = []
+    def row(n_slots: int, label: str, fn, const: dict) -> dict:
+        types = {name: "*i64" if name == "ids_ptr" else "*i32" for name in fn.arg_names if name.endswith("_ptr")}
+        compiled = compile_for(fn, types, const, arch=arch)
+        return {"geometry": f"{n_slots} slots", "kernel": label, "block_n": 0, "num_warps": 4,
+                "convert_layout": compiled.asm["ttgir"].count("ttg.convert_layout"), "mma": None,
+                **resource_usage(compiled)}
+
+    jobs = []
     for n_slots in LAYOUT_SLOTS:
         ns, block, rb = gg.layout_tiles(n_slots)
         for label, fn, const in [
@@ -240,12 +274,8 @@ def layout_report(arch: int = 90) -> list[dict]:
                 ("layout plan", gg._layout_plan_kernel,
                  {"NS": ns, "BLOCK_M": gg.GROUPED_BLOCK_M, "RB": rb, "CHUNK": gg.LAYOUT_TILE}),
                 ("layout scatter", gg._layout_scatter_kernel, {"NS": ns, "BLOCK": block, "K": 8})]:
-            types = {name: "*i64" if name == "ids_ptr" else "*i32" for name in fn.arg_names if name.endswith("_ptr")}
-            compiled = compile_for(fn, types, const, arch=arch)
-            rows.append({"geometry": f"{n_slots} slots", "kernel": label, "block_n": 0, "num_warps": 4,
-                         "convert_layout": compiled.asm["ttgir"].count("ttg.convert_layout"), "mma": None,
-                         **resource_usage(compiled)})
-    return rows
+            jobs.append(partial(row, n_slots, label, fn, const))
+    return in_parallel(jobs)
 
 
 def dense_report(arch: int = 90) -> list[dict]:
@@ -253,13 +283,13 @@ def dense_report(arch: int = 90) -> list[dict]:
     DENSE_GEOMETRIES and DENSE_ROWS."""
     layouts = [(t.name, t, False) for t in sorted(tk.KERNEL_TYPES, key=lambda t: t.name)]
     layouts.append((f"Q6_K/{Q6_K_PADDED_BLOCK}", QT.Q6_K, True))
-    rows = []
+    jobs = []
     for type_name, qtype, padded in layouts:
         for name, n_out, K in DENSE_GEOMETRIES:
             for n_rows in DENSE_ROWS:
                 for label, fn, const, cfg in dense_variants(qtype, n_out, K, n_rows, arch=arch, padded=padded):
-                    rows.append(_compiled_row(f"{type_name} {name}", label, fn, const, cfg, arch))
-    return rows
+                    jobs.append(partial(_compiled_row, f"{type_name} {name}", label, fn, const, cfg, arch))
+    return in_parallel(jobs)
 
 
 def main() -> None:  # pragma: no cover - a report, run by hand or by the tests in a subprocess
