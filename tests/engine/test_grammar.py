@@ -37,8 +37,7 @@ def check(doc: dict) -> None:
 def test_the_smallest_budget_that_holds_a_document_is_enough(engine):
     grammar = json_schema_grammar(SCHEMA)
     # The shortest document, token by token, with the end token: found by trying budgets upwards.
-    fits = [n for n in range(10, 60) if generate(engine, grammar, n, 0.0, 0).finish_reason == "stop"]
-    smallest = fits[0]
+    smallest = next(n for n in range(10, 60) if generate(engine, grammar, n, 0.0, 0).finish_reason == "stop")
     for budget in (smallest, smallest + 1, smallest + 7, smallest + 30, 200):
         for temperature, seed in ((0.0, 0), (1.0, 1), (1.5, 2)):
             done = generate(engine, grammar, budget, temperature, seed)
