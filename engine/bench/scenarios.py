@@ -100,13 +100,17 @@ def run(args: argparse.Namespace) -> int:
                 wanted = tuple(r for r in runs if i == 0 or r in ("hybrid", "llama-split"))  # budget-free runs once
                 if phase == "engine" and s is scenarios[0] and i == 0:
                     wanted += ("hybrid-mmap",)  # the memory map against the default's pinned copies, once
+                scenario = {"label": s.label, "geometry": s.geometry, "routing": s.routing, "budget_gib": gib,
+                            "layers": s.layers}
+
+                def save(res: dict, key: str = key, scenario: dict = scenario) -> None:
+                    res["scenario"] = scenario
+                    results[key] = res
+                    results_path.write_text(json.dumps(results, indent=2, default=float))
+
                 res = bench(path, budget, device=device, threads=args.threads, n_prompt=args.prompt_tokens,
                             n_decode=args.decode_tokens, ctx=args.ctx, n_long=args.long_prompt_tokens, runs=wanted,
-                            result=results.get(key))
-                res["scenario"] = {"label": s.label, "geometry": s.geometry, "routing": s.routing, "budget_gib": gib,
-                                   "layers": s.layers}
-                results[key] = res
-                results_path.write_text(json.dumps(results, indent=2, default=float))
+                            result=results.get(key), on_run=save)
                 print(key, phase, {k: v.get("decode_tokens_per_s", v.get("error")) for k, v in res["runs"].items()},
                       flush=True)
     if "report" in args.phase:

@@ -24,6 +24,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -164,11 +165,13 @@ def bench_tokens(path: Path, n_prompt: int, n_decode: int, n_long: int = 0) -> d
 
 
 def bench(path: Path, budget_mib: int, *, device: str, threads: int, n_prompt: int, n_decode: int, ctx: int,
-          n_long: int = 0, runs: tuple[str, ...] = RUNS, result: dict | None = None) -> dict:
+          n_long: int = 0, runs: tuple[str, ...] = RUNS, result: dict | None = None,
+          on_run: Callable[[dict], None] | None = None) -> dict:
     """Adds `runs` to `result` (a new one by default). A run that fails is recorded with its
     error and the others go on: one broken configuration must not cost the whole sweep.
     `n_long`: also time the prefill of a prompt of that many tokens (other text; the context
-    grows to hold it)."""
+    grows to hold it). `on_run(result)` after each run: a sweep cut short by a time limit keeps
+    the runs that finished."""
     import torch
 
     tokens = bench_tokens(path, n_prompt, n_decode, n_long)
@@ -202,7 +205,9 @@ def bench(path: Path, budget_mib: int, *, device: str, threads: int, n_prompt: i
             result["runs"][name] = todo[name]()
         except Exception as e:  # noqa: BLE001 - recorded in the result, the sweep goes on
             result["runs"][name] = {"error": f"{type(e).__name__}: {str(e)[-1500:]}"}
-    _bounds(result)
+        _bounds(result)
+        if on_run is not None:
+            on_run(result)
     return result
 
 
@@ -247,15 +252,16 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--decode-tokens", type=int, default=64)
     add_long_argument(p, 0)
     add_ctx_argument(p)
-    p.add_argument("--out", type=Path, help="write the JSON result here too")
+    p.add_argument("--out", type=Path, help="write the JSON result here too (after each run)")
     p.set_defaults(run=_run)
 
 
 def _run(args: argparse.Namespace) -> int:
+    def save(result: dict) -> None:
+        args.out.write_text(json.dumps(result, indent=2, default=float))
+
     r = bench(args.model, args.vram_budget_mib, device=resolve_device(args.device), threads=args.threads,
-              n_prompt=args.prompt_tokens, n_decode=args.decode_tokens, ctx=args.ctx, n_long=args.long_prompt_tokens)
-    text = json.dumps(r, indent=2, default=float)
-    if args.out:
-        args.out.write_text(text)
-    print(text)
+              n_prompt=args.prompt_tokens, n_decode=args.decode_tokens, ctx=args.ctx, n_long=args.long_prompt_tokens,
+              on_run=save if args.out else None)
+    print(json.dumps(r, indent=2, default=float))
     return 0

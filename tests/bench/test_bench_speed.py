@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -13,11 +14,23 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def test_bench_speed_times_each_configuration_in_its_own_process(tiny, tmp_path):
     out = tmp_path / "speed.json"
-    res = subprocess.run([sys.executable, "-m", "engine.cli", "bench", "speed", str(tiny), "--vram-budget-mib", "64",
-                          "--device", "cpu", "-t", "2", "--prompt-tokens", "24", "--decode-tokens", "6", "--ctx", "64",
-                          "--long-prompt-tokens", "80",
-                          "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert res.returncode == 0, res.stderr[-2000:]
+    proc = subprocess.Popen([sys.executable, "-m", "engine.cli", "bench", "speed", str(tiny), "--vram-budget-mib", "64",
+                             "--device", "cpu", "-t", "2", "--prompt-tokens", "24", "--decode-tokens", "6", "--ctx",
+                             "64", "--long-prompt-tokens", "80", "--out", str(out)],
+                            cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    seen = []  # the runs --out held, as the sweep went (each run takes seconds: a process of its own)
+    deadline = time.monotonic() + 300
+    while proc.poll() is None and time.monotonic() < deadline:
+        try:
+            runs = list(json.loads(out.read_text())["runs"])
+        except (FileNotFoundError, ValueError):  # not yet written, or caught mid-write
+            runs = None
+        if runs and runs not in seen:
+            seen.append(runs)
+        time.sleep(0.05)
+    _, err = proc.communicate(timeout=30)
+    assert proc.returncode == 0, err[-2000:]
+    assert seen[0] == ["hybrid"], seen  # written after each run: a sweep cut short keeps what finished
     r = json.loads(out.read_text())
     assert r["tokens"] == {"prompt": 24, "decode": 6, "long": 80, "ctx": 96}  # the context grew for the long prompt
     runs = r["runs"]
