@@ -286,9 +286,9 @@ def aot_report(arch: int = 90, n_sm: int = 132) -> list[dict]:  # pragma: no cov
         jobs.append(partial(row, name, "split", cfg["n_splits"], _split_kernel, {
             "GROUP": n_head // n_kv, "DK": dk, "DV": dv, "BLOCK_M": cfg["BLOCK_M"], "BLOCK_N": cfg["BLOCK_N"],
             "BLOCK_K": cfg["BLOCK_K"], "BLOCK_DV": cfg["BLOCK_DV"], "USE_DOT": cfg["USE_DOT"]}, cfg["num_warps"]))
-        jobs.append(partial(row, name, "combine", cfg["n_splits"], _combine_kernel, {
-            "DV": dv, "HAS_SINK": sinks, "BLOCK_DV": cfg["BLOCK_DV"], **_combine_blocks(cfg["n_splits"], cfg["BLOCK_DV"])},
-            4))
+        combine = {"DV": dv, "HAS_SINK": sinks, "BLOCK_DV": cfg["BLOCK_DV"],
+                   **_combine_blocks(cfg["n_splits"], cfg["BLOCK_DV"])}
+        jobs.append(partial(row, name, "combine", cfg["n_splits"], _combine_kernel, combine, 4))
     return in_parallel(jobs)
 
 

@@ -363,7 +363,7 @@ def aot_report(arch: int = 90) -> list[dict]:
         compiled = compile_for(fn, sig, const, set(aligned), num_warps=num_warps, arch=arch)
         return {"kernel": label, "num_warps": num_warps, "ffma": _count_ffma(compiled), **resource_usage(compiled)}
 
-    def compile_one(label: str, fn, sig: dict, const: dict, num_warps: int, aligned: tuple[str, ...] = ()) -> None:
+    def compile_later(label: str, fn, sig: dict, const: dict, num_warps: int, aligned: tuple[str, ...] = ()) -> None:
         jobs.append(partial(row, label, fn, sig, const, num_warps, aligned))
 
     for d in AOT_NORM_DIMS:
@@ -371,14 +371,14 @@ def aot_report(arch: int = 90) -> list[dict]:
             block = triton.next_power_of_2(d)
             sig = {"x_ptr": "*fp32", "w_ptr": "*fp32", "out_ptr": "*fp32", "stride_a": "i64", "stride_b": "i64",
                    "n_b": "i32", "D": "i32", "eps": "fp32"}
-            compile_one(f"rms_norm D={d} w={int(has_w)}", _rms_norm_kernel, sig,
+            compile_later(f"rms_norm D={d} w={int(has_w)}", _rms_norm_kernel, sig,
                         {"HAS_W": has_w, "BLOCK": block, "INTERP": False}, _norm_warps(block),
                         ("D", "stride_a", "stride_b") if d % 16 == 0 else ())
     for d in AOT_ADD_NORM_DIMS:
         block = triton.next_power_of_2(d)
         sig = {"h_ptr": "*fp32", "d_ptr": "*fp32", "w_ptr": "*fp32", "ho_ptr": "*fp32", "out_ptr": "*fp32",
                "stride_h": "i64", "stride_d": "i64", "D": "i32", "eps": "fp32"}
-        compile_one(f"add_rms_norm D={d}", _add_rms_norm_kernel, sig,
+        compile_later(f"add_rms_norm D={d}", _add_rms_norm_kernel, sig,
                     {"HAS_W": True, "BLOCK": block, "INTERP": False}, _norm_warps(block),
                     ("D", "stride_h", "stride_d") if d % 16 == 0 else ())
     for label, head_dim, n_rot, neox, qk_norm in AOT_ROPE:
@@ -391,7 +391,7 @@ def aot_report(arch: int = 90) -> list[dict]:
         one_k_head = {"n_kh": 1} if label == "deepseek2" else {}
         # the GQA families store k and v in the launch (head dims alike); MLA's rope part does not
         for store in (False, True) if label != "deepseek2" else (False,):
-            compile_one(f"rope {label}{' +kv' if store else ''}", _rope_kernel, sig,
+            compile_later(f"rope {label}{' +kv' if store else ''}", _rope_kernel, sig,
                         {"HEAD_DIM": head_dim, "N_ROT": n_rot, "NEOX": neox, "BLOCK_H": _ROPE_BLOCK_H,
                          "BLOCK_HALF": triton.next_power_of_2(n_rot // 2),
                          "BLOCK_REST": triton.next_power_of_2(max(1, head_dim - n_rot)), "QK_NORM": qk_norm,
