@@ -28,6 +28,8 @@ def test_bench_speed_times_each_configuration_in_its_own_process(tiny, tmp_path)
         if runs and runs not in seen:
             seen.append(runs)
         time.sleep(0.05)
+    if proc.poll() is None:
+        proc.kill()  # past the deadline: fail below, leave no process behind
     _, err = proc.communicate(timeout=30)
     assert proc.returncode == 0, err[-2000:]
     assert seen[0] == ["hybrid"], seen  # written after each run: a sweep cut short keeps what finished
