@@ -41,6 +41,32 @@ def upload(array: np.ndarray, device: torch.device) -> torch.Tensor:
     return t.pin_memory().to(device, non_blocking=True)
 
 
+# Triton specializes a kernel on whether each pointer argument is 16-byte aligned: tables packed
+# at offsets that follow their lengths would compile new variants (seconds each, seen as a 3-4 s
+# stall in a long prompt's chunk) whenever a step's pair or tile count changes its remainder.
+TABLE_ALIGN = 4  # int32 elements: 16 bytes
+
+
+def aligned_offsets(lengths: list[int]) -> tuple[list[int], int]:
+    """Where int32 tables of `lengths` start when packed one after another, each on a 16-byte
+    boundary, and the packed length."""
+    offsets, end = [], 0
+    for n in lengths:
+        offsets.append(end)
+        end += -(-n // TABLE_ALIGN) * TABLE_ALIGN
+    return offsets, end
+
+
+def upload_tables(tables: list[np.ndarray], device: torch.device) -> list[torch.Tensor]:
+    """Int32 tables on `device` in one copy (upload), each view starting on a 16-byte boundary."""
+    offsets, end = aligned_offsets([len(t) for t in tables])
+    packed = np.zeros(end, np.int32)
+    for t, o in zip(tables, offsets):
+        packed[o:o + len(t)] = t
+    on_device = upload(packed, device)
+    return [on_device[o:o + len(t)] for t, o in zip(tables, offsets)]
+
+
 _DONE: Future = Future()
 _DONE.set_result(None)
 

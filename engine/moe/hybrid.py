@@ -35,7 +35,7 @@ import torch
 from engine.config import Config
 from engine.kernels import triton_applies
 from engine.layers.moe import ExpertWeights, expert_ffn
-from engine.moe.copier import Copier, Copy, upload
+from engine.moe.copier import Copier, Copy, upload, upload_tables
 from engine.moe.cpu_pool import CpuExpertPool
 from engine.moe.policy import AdaptParams, Policy
 from engine.moe.slots import LayerSlots, StagingSlots, layout_key, resident_copies, resolve_load_mode
@@ -339,9 +339,9 @@ class HybridExperts:
                 slot_of[turn.experts] = turn.slots
                 exp_of_slot = np.full(L.slots.n_staging, -1, np.int32)
                 exp_of_slot[turn.slots] = turn.experts
-                maps = upload(np.concatenate([slot_of, exp_of_slot]), self.device)
+                maps = upload_tables([slot_of, exp_of_slot], self.device)
                 self.copier.wait(turn.copy)
-                groups, turn_rows = gg.Groups.on_device(ids, maps[:n_expert], maps[n_expert:], block_m)
+                groups, turn_rows = gg.Groups.on_device(ids, *maps, block_m)
                 gg.groups_forward(xf, L.slots.staging.buffers, L.w, groups, wf, per_slot)
                 expert_rows = expert_rows + turn_rows
                 self._copy_ahead(layer, L, turns, staged, x, ids)
@@ -491,11 +491,10 @@ class HybridExperts:
             tok, pos = np.nonzero(pair_slot >= 0)
             order = np.argsort(pair_slot[tok, pos], kind="stable")  # pairs of one expert adjacent: L2 reuse
             tok, pos = tok[order], pos[order]
-            meta = np.stack([tok, pos, pair_slot[tok, pos], ids_host[tok, pos]]).astype(np.int32)
-            meta_t = upload(meta, x.device)
+            pair_tables = upload_tables([tok, pos, pair_slot[tok, pos], ids_host[tok, pos]], x.device)
             try:
-                tk.experts_forward(x.float().contiguous(), buffers, L.w, meta_t[0], meta_t[1], meta_t[2],
-                                   meta_t[3], weights.float().contiguous(), per_slot)
+                tk.experts_forward(x.float().contiguous(), buffers, L.w, *pair_tables, weights.float().contiguous(),
+                                   per_slot)
                 return
             except Exception as e:  # a kernel that does not build here: say so once, keep running on torch
                 warnings.warn(f"Triton expert kernels unavailable ({type(e).__name__}: {e}); using the torch "

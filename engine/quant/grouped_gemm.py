@@ -45,7 +45,7 @@ import numpy as np
 import torch
 from gguf import GGMLQuantizationType as QT
 
-from engine.moe.copier import upload
+from engine.moe.copier import aligned_offsets, upload_tables
 from engine.plan.sizing import GROUPED_BLOCK_M
 from engine.quant import triton_kernels as tk
 
@@ -411,10 +411,8 @@ class Groups:
         live = slot_of >= 0
         exp_of_slot = np.full(int(slot_of.max(initial=-1)) + 1, -1, np.int32)
         exp_of_slot[slot_of[live]] = np.nonzero(live)[0]
-        tile_exp = exp_of_slot[tile_slot]
-        packed = upload(np.concatenate([meta.ravel(), tile_slot, tile_exp]), torch.device(device))
-        return cls(packed[:n_rows], packed[n_rows:2 * n_rows], packed[2 * n_rows:2 * n_rows + len(tile_slot)],
-                   packed[2 * n_rows + len(tile_slot):], block_m)
+        tables = upload_tables([meta[0], meta[1], tile_slot, exp_of_slot[tile_slot]], torch.device(device))
+        return cls(*tables, block_m)
 
     @classmethod
     def on_device(cls, ids: torch.Tensor, slot_of: torch.Tensor, exp_of_slot: torch.Tensor,
@@ -430,15 +428,12 @@ class Groups:
         n_tiles = (n_pairs + min(n_slots, n_pairs) * (block_m - 1)) // block_m
         ns, block, rb = layout_tiles(n_slots)
         n_blocks = triton.cdiv(n_pairs, block)
-        out = torch.empty(2 * n_tiles * block_m + 2 * n_tiles + n_expert, dtype=torch.int32, device=ids.device)
         rows = n_tiles * block_m
-        row_tok, row_pos = out[:rows], out[rows:2 * rows]
-        tile_slot, tile_exp = out[2 * rows:2 * rows + n_tiles], out[2 * rows + n_tiles:2 * rows + 2 * n_tiles]
-        expert_rows = out[2 * rows + 2 * n_tiles:]
-        scratch = torch.empty(2 * n_pairs + 2 * n_blocks * ns, dtype=torch.int32, device=ids.device)
-        pair_slot, rank = scratch[:n_pairs], scratch[n_pairs:2 * n_pairs]
-        block_count = scratch[2 * n_pairs:2 * n_pairs + n_blocks * ns]
-        block_first = scratch[2 * n_pairs + n_blocks * ns:]
+        lengths = [rows, rows, n_tiles, n_tiles, n_expert, n_pairs, n_pairs, n_blocks * ns, n_blocks * ns]
+        offsets, end = aligned_offsets(lengths)
+        packed = torch.empty(end, dtype=torch.int32, device=ids.device)
+        (row_tok, row_pos, tile_slot, tile_exp, expert_rows, pair_slot, rank, block_count,
+         block_first) = (packed[o:o + n] for o, n in zip(offsets, lengths))
         ids = ids.reshape(-1)
         _layout_rank_kernel[(n_blocks,)](ids, slot_of, n_pairs, pair_slot, rank, block_count, NS=ns, BLOCK=block)
         _layout_plan_kernel[(1,)](block_count, n_blocks, exp_of_slot, n_slots, n_expert, n_tiles, block_first,

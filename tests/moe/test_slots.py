@@ -3,12 +3,13 @@ padded to 224 bytes as they are copied in, every other type byte for byte; what 
 to is exactly the expert of the GGUF file, for resident and staging slots alike."""
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType as QT
 
 from engine.models import build_model
-from engine.moe.copier import Copier
+from engine.moe.copier import Copier, upload_tables
 from engine.moe.slots import LayerSlots, StagingSlots
 from engine.plan.geometry import read_geometry
 from engine.quant.dequant import dequantize
@@ -66,3 +67,11 @@ def test_the_residency_version_moves_whenever_the_map_does(make_model) -> None:
     slots.copier.wait(slots.load([(0, 6)]))  # expert 3 leaves the map at once
     assert slots.resident[3] == -1 and moved()
     assert slots.refresh() == 1 and moved() and slots.resident[6] == 0
+
+
+def test_int32_tables_upload_in_one_copy_each_on_a_16_byte_boundary() -> None:
+    tables = [np.arange(n, dtype=np.int64) * 3 for n in (5, 0, 7, 4, 1)]
+    got = upload_tables(tables, torch.device("cpu"))
+    assert [g.tolist() for g in got] == [t.tolist() for t in tables]
+    assert all(g.dtype == torch.int32 and g.data_ptr() % 16 == 0 for g in got)
+    assert len({g.untyped_storage().data_ptr() for g in got}) == 1  # one buffer, one copy

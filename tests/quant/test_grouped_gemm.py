@@ -212,7 +212,8 @@ def test_groups_laid_out_on_the_device_as_on_the_host(n_tok, k, n_expert, n_slot
     """Groups.on_device (three launches, no read-back of the routing) gives build's tables, then
     dead tiles up to the most a step of these pairs can have, and the rows of each expert: one
     expert no pair goes to (its slot has no tile), slots in another order than the experts, more
-    slots than experts (the extra ones empty), pair blocks over many slots."""
+    slots than experts (the extra ones empty), pair blocks over many slots. Every table starts on
+    a 16-byte boundary, whatever the counts: Triton compiles a kernel variant per alignment."""
     g = torch.Generator().manual_seed(n_tok)
     ids = torch.stack([torch.randperm(n_expert - 1, generator=g)[:k] for _ in range(n_tok)])
     ids[ids >= 1] += 1  # expert 1 has no pair
@@ -229,6 +230,10 @@ def test_groups_laid_out_on_the_device_as_on_the_host(n_tok, k, n_expert, n_slot
     assert torch.equal(dev.row_tok[:rows], host.row_tok) and torch.equal(dev.row_pos[:rows], host.row_pos)
     assert (dev.row_tok[rows:] == -1).all() and (dev.row_pos[rows:] == -1).all()
     assert torch.equal(expert_rows, torch.bincount(ids.flatten(), minlength=n_expert).int())
+    for groups in (host, dev):
+        tables = (groups.row_tok, groups.row_pos, groups.tile_slot, groups.tile_exp)
+        assert all(t.data_ptr() % 16 == 0 for t in tables), [t.data_ptr() % 16 for t in tables]
+    assert expert_rows.data_ptr() % 16 == 0
 
 
 @interp
