@@ -257,8 +257,10 @@ if triton is not None:
         tl.store(dst, acc, mask=live[:, None] & live_n[None, :])
 
     # A step's layout on the device (Groups.on_device) in three launches: ranks within blocks of
-    # pairs, the plan (slot runs, tiles, padding, rows per expert), then each pair's row.
-    @triton.jit
+    # pairs, the plan (slot runs, tiles, padding, rows per expert), then each pair's row. The
+    # counts are not specialized on (Triton would compile a variant per count's divisibility by 16,
+    # e.g. for a prompt's last, shorter chunk).
+    @triton.jit(do_not_specialize=["n_pairs"])
     def _layout_rank_kernel(ids_ptr, slot_of_ptr, n_pairs, slot_ptr, rank_ptr, block_count_ptr,
                             NS: tl.constexpr, BLOCK: tl.constexpr):
         """Grid (pair blocks,): each pair's slot, its rank among the pairs of its slot in the
@@ -275,7 +277,7 @@ if triton is not None:
         tl.store(rank_ptr + i, tl.sum(hit * earlier, axis=1), mask=live)
         tl.store(block_count_ptr + b * NS + slots, tl.sum(hit, axis=0))
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["n_blocks", "n_tiles"])
     def _layout_plan_kernel(block_count_ptr, n_blocks, exp_of_slot_ptr, n_slots, n_expert, n_tiles,
                             block_first_ptr, tok_ptr, pos_ptr, tslot_ptr, texp_ptr, ecount_ptr,
                             NS: tl.constexpr, BLOCK_M: tl.constexpr, RB: tl.constexpr, CHUNK: tl.constexpr):
@@ -318,7 +320,7 @@ if triton is not None:
         exp = tl.load(exp_of_slot_ptr + slots, mask=slots < n_slots, other=-1)
         tl.store(ecount_ptr + exp, count, mask=exp >= 0)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["n_pairs"])
     def _layout_scatter_kernel(slot_ptr, rank_ptr, block_first_ptr, n_pairs, tok_ptr, pos_ptr,
                                K: tl.constexpr, NS: tl.constexpr, BLOCK: tl.constexpr):
         """Grid (pair blocks,): each pair's token and top-k position at its row."""
