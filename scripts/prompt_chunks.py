@@ -1,13 +1,14 @@
 """Where a long prompt's time goes at an emulated VRAM budget, chunk by chunk, by expert route.
 
-    python scripts/prompt_chunks.py MODEL --budget-gib 8 [--geometry qwen3-30b-a3b] [--long 4096]
+    python scripts/prompt_chunks.py MODEL --budget-gib 8 [--geometry qwen3-30b-a3b] [--long 4096] [--chunk 512]
 
 A model that `moestudio bench scenarios` wrote (`--geometry`: the preset it shortened, for the
 emulated budget). After the bench's warm-up (its 64 tokens, one decode token) it prefills the
 bench's long prompt three times from an empty cache: as the engine routes it, with every
 many-row step reading its routing back (no streamed steps), and as the engine routes it again.
 One decode token follows each prefill, as a reply's first. Each line: the route, its seconds,
-then per 512-token chunk its seconds, the GB copied to the GPU (streamed turns and refills),
+then per chunk (`--chunk`, the engine's prefill_chunk: a larger one streams each missing expert
+once for more rows, and its workspace leaves fewer expert slots) its seconds, the GB copied to the GPU (streamed turns and refills),
 the (row, expert) pairs that hit, were uploaded, or ran on the CPU, the CPU pool's busy
 seconds, the executor's read-back idle estimate after it (`read_back_s`, ms) and its MoE layer
 steps by route (streamed, resident, read back). Writes chunks.json to --out, and with --profile
@@ -31,20 +32,19 @@ from engine.bench.scenarios import emulated_budget_mib
 from engine.bench.speed import bench_tokens
 from engine.runtime.engine import Engine, EngineConfig
 
-CHUNK = 512  # the engine's default prefill chunk
 BENCH_PROMPT, BENCH_DECODE = 512, 64  # `bench scenarios`' defaults: its long prompt follows their text
 
 
 def _chunks(engine: Engine, tokens: list[int], sync) -> list[dict]:
-    model, kv, c = engine.model, engine.cache, engine.telemetry.cache
+    model, kv, c, chunk = engine.model, engine.cache, engine.telemetry.cache, engine.config.prefill_chunk
     engine.forget()
     rows = []
-    for start in range(0, len(tokens), CHUNK):
+    for start in range(0, len(tokens), chunk):
         steps = dict(c.prompt_steps)
         before = (c.bytes_uploaded, c.gpu_hit.sum(), c.uploaded.sum(), c.cpu_computed.sum())
         cpu_busy = c.cpu_busy_s
         t0 = time.perf_counter()
-        model.forward(torch.tensor(tokens[start:start + CHUNK]), kv, start, last_only=True)
+        model.forward(torch.tensor(tokens[start:start + chunk]), kv, start, last_only=True)
         sync()
         seconds = time.perf_counter() - t0
         moved, hit, up, cpu = (int(a - b) for a, b in zip(
@@ -74,15 +74,15 @@ def _profile(engine: Engine, tokens: list[int], chunk: int, sync) -> str:
     kernels and copies, then the host's own time."""
     from torch.profiler import ProfilerActivity, profile
 
-    model, kv = engine.model, engine.cache
+    model, kv, size = engine.model, engine.cache, engine.config.prefill_chunk
     engine.forget()
     model.forward(torch.tensor(tokens[-1:]), kv, 0)  # a decode token: the prompt is a new one
-    for start in range(0, chunk * CHUNK, CHUNK):
-        model.forward(torch.tensor(tokens[start:start + CHUNK]), kv, start, last_only=True)
+    for start in range(0, chunk * size, size):
+        model.forward(torch.tensor(tokens[start:start + size]), kv, start, last_only=True)
     sync()
-    start = chunk * CHUNK
+    start = chunk * size
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        model.forward(torch.tensor(tokens[start:start + CHUNK]), kv, start, last_only=True)
+        model.forward(torch.tensor(tokens[start:start + size]), kv, start, last_only=True)
         sync()
     averages = prof.key_averages()
     return (averages.table(sort_by="cuda_time_total", row_limit=30) + "\n"
@@ -97,22 +97,26 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--long", type=int, default=4096, help="prompt tokens (default 4096)")
     p.add_argument("--device", default="cuda")
     p.add_argument("--threads", type=int, default=16)
+    p.add_argument("--chunk", type=int, default=EngineConfig.prefill_chunk, help="prompt tokens per forward pass")
     p.add_argument("--profile", action="store_true")
     p.add_argument("--out", type=Path, default=Path("."))
     args = p.parse_args(argv)
-    if args.profile and args.long < 4 * CHUNK:
-        p.error(f"--profile times a fourth chunk: --long must be at least {4 * CHUNK}")
+    if args.profile and args.long < 4 * args.chunk:
+        p.error(f"--profile times a fourth chunk: --long must be at least {4 * args.chunk}")
 
     budget = emulated_budget_mib(args.model, args.geometry, args.budget_gib)
     tokens = bench_tokens(args.model, BENCH_PROMPT, BENCH_DECODE, args.long)
     long = tokens["long"]
     engine = Engine.load(args.model, EngineConfig(device=args.device, n_ctx=len(long) + 16, threads=args.threads,
-                                                  moe_expert_cache_size="auto", vram_budget_mib=budget),
+                                                  moe_expert_cache_size="auto", vram_budget_mib=budget,
+                                                  prefill_chunk=args.chunk),
                          attach_experts=hybrid.attach_hybrid)
     sync = (lambda: torch.cuda.synchronize()) if torch.device(args.device).type == "cuda" else (lambda: None)
     warm_up(engine.model, engine.cache, tokens["warmup"], sync)
     c = engine.telemetry.cache
-    result = {"budget_mib": budget, "slots_per_layer": c.slots_per_layer, "tuning": c.miss_fraction_tuning}
+    result = {"budget_mib": budget, "chunk": args.chunk, "slots_per_layer": c.slots_per_layer,
+              "tuning": c.miss_fraction_tuning}
+    print(f"chunk {args.chunk}: {c.slots_per_layer} expert slots a layer", flush=True)
     for name in ("engine", "read back", "engine again"):
         with _route(name):
             result[name] = _chunks(engine, long, sync)
