@@ -10,8 +10,9 @@ One decode token follows each prefill, as a reply's first. Each line: the route,
 then per chunk (`--chunk`, the engine's prefill_chunk: a larger one streams each missing expert
 once for more rows, and its workspace leaves fewer expert slots) its seconds, the GB copied to the GPU (streamed turns and refills),
 the (row, expert) pairs that hit, were uploaded, or ran on the CPU, the CPU pool's busy
-seconds, the executor's read-back idle estimate after it (`read_back_s`, ms) and its MoE layer
-steps by route (streamed, resident, read back). Writes chunks.json to --out, and with --profile
+seconds, the executor's read-back idle estimate after it (`read_back_s`, ms), the kernels Triton
+compiled in it (engine/bench/compiles.py) and its MoE layer steps by route (streamed, resident,
+read back). Writes chunks.json to --out, and with --profile
 torch profiles of a new prompt's fourth chunk as the engine routes it and of its first chunk
 read back.
 """
@@ -27,6 +28,7 @@ from pathlib import Path
 import torch
 
 import engine.moe.hybrid as hybrid
+from engine.bench.compiles import counting_compiles
 from engine.bench.engine_runner import warm_up
 from engine.bench.scenarios import emulated_budget_mib
 from engine.bench.speed import bench_tokens
@@ -44,14 +46,15 @@ def _chunks(engine: Engine, tokens: list[int], sync) -> list[dict]:
         before = (c.bytes_uploaded, c.gpu_hit.sum(), c.uploaded.sum(), c.cpu_computed.sum())
         cpu_busy = c.cpu_busy_s
         t0 = time.perf_counter()
-        model.forward(torch.tensor(tokens[start:start + chunk]), kv, start, last_only=True)
-        sync()
+        with counting_compiles() as compiles:
+            model.forward(torch.tensor(tokens[start:start + chunk]), kv, start, last_only=True)
+            sync()
         seconds = time.perf_counter() - t0
         moved, hit, up, cpu = (int(a - b) for a, b in zip(
             (c.bytes_uploaded, c.gpu_hit.sum(), c.uploaded.sum(), c.cpu_computed.sum()), before))
         rows.append({"s": round(seconds, 4), "GB": round(moved / 1e9, 3), "hit": hit, "up": up, "cpu": cpu,
                      "cpu_pool_s": round(c.cpu_busy_s - cpu_busy, 4),
-                     "read_back_ms": round(model.experts.read_back_s * 1e3, 3),
+                     "read_back_ms": round(model.experts.read_back_s * 1e3, 3), "compiles": compiles.count,
                      **{route: c.prompt_steps[route] - n for route, n in steps.items()}})
     model.forward(torch.tensor(tokens[-1:]), kv, len(tokens))  # a reply's first token: the next prompt is another's
     sync()

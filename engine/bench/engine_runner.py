@@ -6,7 +6,8 @@ a prompt, then one decode token), prefill tok/s on the prompt (the engine's chun
 a request runs it, with the GB/s its expert uploads reached over PCIe and its MoE layer steps
 by route), then teacher-forced decode tok/s on the stream, with the expert cache's hit shares
 and the spread of the tokens' times; then, when given, the same prefill figures for the "long"
-prompt (`long_*`).
+prompt (`long_*`); and the kernels Triton compiled inside these timed runs (`timed_jit_compiles`,
+engine/bench/compiles.py: any there means a variant the warm-up missed, its compile in a figure).
 A process per configuration, as a user runs the engine: no run inherits another's state (the
 CPU pool's OpenMP team, pinned host memory, the CUDA and pinned caching allocators). On the
 H200, `bench scenarios` ran its configurations in one process and the 16 GiB hybrid run, the
@@ -21,6 +22,7 @@ import sys
 import time
 from pathlib import Path
 
+from engine.bench.compiles import counting_compiles
 from engine.config import FIELDS
 
 
@@ -73,9 +75,23 @@ def time_engine(path: Path, tokens: dict[str, list[int]], *, device: str, budget
                                             moe_expert_cache_size=cache, vram_budget_mib=budget_mib,
                                             load_mode=load_mode), attach_experts=attach_hybrid)
     model, kv = engine.model, engine.cache
-    warmup, prompt, stream = tokens["warmup"], tokens["prompt"], tokens["stream"]
     sync = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else (lambda: None)
-    warm_up(model, kv, warmup, sync)
+    warm_up(model, kv, tokens["warmup"], sync)
+    with counting_compiles() as compiles:
+        out = _timed_runs(engine, tokens, sync)
+    out["timed_jit_compiles"] = compiles.as_dict()
+    out["peak_vram_mib"] = torch.cuda.max_memory_allocated(dev) / 2**20 if dev.type == "cuda" else None
+    if hasattr(model.experts, "close"):
+        model.experts.close()  # the CPU pool's threads and the copier
+    return out
+
+
+def _timed_runs(engine, tokens: dict[str, list[int]], sync) -> dict:
+    """The timed part of time_engine: the prompt, the stream and, when given, the long prompt."""
+    import torch
+
+    model, kv = engine.model, engine.cache
+    prompt, stream = tokens["prompt"], tokens["stream"]
     prefill_s, prefill_pcie, prefill_steps = _timed_prefill(engine, prompt, sync)
     c = engine.telemetry.cache
     before = None if c is None else (c.gpu_hit.sum(), c.uploaded.sum(), c.cpu_computed.sum(), c.bytes_uploaded)
@@ -104,9 +120,6 @@ def time_engine(path: Path, tokens: dict[str, list[int]], *, device: str, budget
         long_s, long_pcie, long_steps = _timed_prefill(engine, tokens["long"], sync)
         out.update(long_prefill_tokens_per_s=len(tokens["long"]) / long_s, long_ttft_s=long_s,
                    long_prefill_pcie_gb_per_s=long_pcie, long_prefill_steps=long_steps)
-    out["peak_vram_mib"] = torch.cuda.max_memory_allocated(dev) / 2**20 if dev.type == "cuda" else None
-    if hasattr(model.experts, "close"):
-        model.experts.close()  # the CPU pool's threads and the copier
     return out
 
 

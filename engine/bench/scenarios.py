@@ -165,7 +165,20 @@ def report(results: dict) -> str:
                     f"| {ratio(res, gpu)} | {prefill(h, sp)} | {prefill(res, gpu)} "
                     f"| {steps('prefill_steps')} ({steps('long_prefill_steps')}) "
                     f"| {f(h, 'share_of_bound', '{:.0%}')} | {f(h, 'peak_vram_mib', '{:.0f}')} |")
-    return head + "\n".join(rows) + "\n"
+    return head + "\n".join(rows) + "\n" + "".join(f"\n{note}" for note in compile_notes(results))
+
+
+def compile_notes(results: dict) -> list[str]:
+    """A line for each run whose timed part compiled kernels (engine/bench/compiles.py): its
+    figures hold the compiles."""
+    notes = []
+    for key, r in results.items():
+        for name, run in r["runs"].items():
+            c = run.get("timed_jit_compiles") or {}
+            if c.get("count"):
+                notes.append(f"- {key} {name}: {c['count']} kernel compiles inside the timed runs "
+                             f"({c['seconds']:.2f} s: {', '.join(c['kernels'])}); its figures hold them")
+    return notes
 
 
 def register(sub: argparse._SubParsersAction) -> None:

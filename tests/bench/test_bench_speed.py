@@ -48,6 +48,7 @@ def test_bench_speed_times_each_configuration_in_its_own_process(tiny, tmp_path)
         steps = run["prefill_steps"]
         assert steps["streamed"] == steps["resident"] == 0 < steps["read back"], steps
         assert run["long_prefill_steps"] == steps
+        assert run["timed_jit_compiles"]["count"] == 0  # on the CPU no kernel is compiled
     assert runs["resident"]["gpu_hit"] == 1.0
     assert runs["hybrid-mmap"]["load_mode"] == "mmap"
 
@@ -97,3 +98,16 @@ def test_the_scenario_table_puts_each_prefill_beside_its_baseline():
     assert "prefill resident / all-GPU (long prompt)" in rows[0]
     assert "| 2.00x (3.00x) | 0.50x (0.50x) | 48 / 0 (96 / 288) |" in rows[2]
     assert "| 0.80x (-) | 0.50x (0.50x) | - (-) |" in rows[3]  # no long prompt at 16 GiB; resident from 8 GiB
+    assert len(rows) == 4  # no run compiled kernels in its timed part
+
+
+def test_the_scenario_report_names_runs_whose_timed_part_compiled_kernels():
+    from engine.bench.scenarios import report
+
+    compiled = {"count": 4, "seconds": 3.21, "kernels": ["_down_kernel", "_gate_up_kernel"]}
+    results = {"q@8GiB": {"budget_mib": 8192, "scenario": {"label": "q", "budget_gib": 8}, "runs": {
+        "hybrid": {"decode_tokens_per_s": 90.0, "timed_jit_compiles": compiled},
+        "resident": {"decode_tokens_per_s": 200.0, "timed_jit_compiles": {**compiled, "count": 0}}}}}
+    notes = report(results).splitlines()[4:]
+    assert notes == ["- q@8GiB hybrid: 4 kernel compiles inside the timed runs (3.21 s: _down_kernel, "
+                     "_gate_up_kernel); its figures hold them"]
