@@ -8,13 +8,13 @@ bench's long prompt three times from an empty cache: as the engine routes it, wi
 many-row step reading its routing back (no streamed steps), and as the engine routes it again.
 One decode token follows each prefill, as a reply's first. Each line: the route, its seconds,
 then per chunk (`--chunk`, the engine's prefill_chunk: a larger one streams each missing expert
-once for more rows, and its workspace leaves fewer expert slots) its seconds, the GB copied to the GPU (streamed turns and refills),
-the (row, expert) pairs that hit, were uploaded, or ran on the CPU, the CPU pool's busy
-seconds, the executor's read-back idle estimate after it (`read_back_s`, ms), the kernels Triton
-compiled in it (engine/bench/compiles.py) and its MoE layer steps by route (streamed, resident,
-read back). Writes chunks.json to --out, and with --profile
-torch profiles of a new prompt's fourth chunk as the engine routes it and of its first chunk
-read back.
+once for more rows, and its workspace leaves fewer expert slots) its seconds, the GB copied to
+the GPU (streamed turns and refills), the (row, expert) pairs that hit, were uploaded, or ran on
+the CPU, the CPU pool's busy seconds, the executor's read-back idle estimate after it
+(`read_back_s`, ms), the kernels Triton compiled in it (engine/bench/compiles.py) and its MoE
+layer steps by route (streamed, resident, read back). Writes chunks.json to --out, and with
+--profile torch profiles of a new prompt's fourth chunk as the engine routes it and of its first
+chunk read back.
 """
 from __future__ import annotations
 
