@@ -135,7 +135,7 @@ def _cpu_plan(hw: Hardware, g: Geometry, s: Config, o: PlanOptions, threads: int
     ram_gbs, ram_gbs_1, ram_src = ram
     ctx = resolve_ctx(s.ctx, g.n_ctx_train)
     kv, work = g.kv_bytes(ctx, o.kv_type), workspace_bytes(g, ctx, s.prefill_chunk)
-    est = speed.estimate_cpu(g, engine, threads, ram_gbs, ram_gbs_1)
+    est = speed.estimate_cpu(g, engine, threads, ram_gbs, ram_gbs_1, hw.cpu_simd)
     decode_line, decode = _decode(est, condition(engine, "cpu", threads, 0), measured,
                                   {"vram": 0, "pcie": 0, "ram": g.dense_bytes + g.active_expert_bytes}, 0.0)
     need = g.file_bytes + kv + work

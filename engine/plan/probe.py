@@ -8,6 +8,7 @@ same thing to the planner: an empty GPU list, and a CPU-only plan.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from types import ModuleType
 from typing import Any, Callable
 
@@ -40,6 +41,8 @@ class Hardware:
     # None when not measured (a machine described rather than probed): the planner assumes then.
     ram_read_gbs_1: float | None = None
     ram_read_gbs: float | None = None
+    # The widest vector extension ggml's CPU kernels use here (cpu_simd): "avx512", "avx2" or None.
+    cpu_simd: str | None = None
 
     @property
     def gpu(self) -> GpuInfo | None:
@@ -127,6 +130,17 @@ def measure_ram_read_gbs(threads: int) -> float | None:
     return round(data.nbytes / best / 1e9, 1)
 
 
+def cpu_simd(cpuinfo: Path = Path("/proc/cpuinfo")) -> str | None:
+    """The widest vector extension of this CPU that ggml's kernels use: "avx512" (AVX-512 F and
+    BW), "avx2", or None where `cpuinfo` does not say (another system or architecture)."""
+    try:
+        line = next(line for line in cpuinfo.read_text().splitlines() if line.startswith("flags"))
+    except (OSError, StopIteration):
+        return None
+    flags = set(line.partition(":")[2].split())
+    return "avx512" if {"avx512f", "avx512bw"} <= flags else "avx2" if "avx2" in flags else None
+
+
 def probe_hardware(nvml: ModuleType | None | bool = True, bandwidth: bool = True) -> Hardware:
     """`nvml`: True = the real pynvml (when installed), None = no GPUs, or a module-like fake.
     `bandwidth`: measure the RAM read bandwidth (~0.3 s the first time in a process)."""
@@ -138,4 +152,5 @@ def probe_hardware(nvml: ModuleType | None | bool = True, bandwidth: bool = True
     # Every core reads at least as fast as one: less means other work took the cores meanwhile.
     every = max(one, measure_ram_read_gbs(physical)) if one else None
     return Hardware(gpus=probe_gpus(module), ram_total_bytes=int(vm.total), ram_available_bytes=int(vm.available),
-                    physical_cores=physical, logical_cores=logical, ram_read_gbs_1=one, ram_read_gbs=every)
+                    physical_cores=physical, logical_cores=logical, ram_read_gbs_1=one, ram_read_gbs=every,
+                    cpu_simd=cpu_simd())

@@ -20,7 +20,7 @@ from typing import Any
 
 from engine.plan.geometry import Geometry
 
-# --- the CPU engines, measured on the CI VM (2-core AMD EPYC, 1 and 2 threads) ---
+# --- the CPU engines, measured on the CI VM (2-core AMD EPYC with AVX2, 1 and 2 threads) ---
 # Weight bytes one thread's kernels consume per second: ggml's quantized dot products
 # (llama.cpp: 5.1-5.7 GB/s on the demo and a 4-layer Qwen3-30B-A3B; the hybrid engine's CPU
 # expert pool) and torch's float32 products (the hybrid engine's dense layers on the CPU:
@@ -30,6 +30,13 @@ CPU_THREAD_GBS = 6.0
 # decoder layer plus a CPU pool call (1.1-4 ms there, more on the demo than on the tiny model);
 # llama.cpp's graph of a layer (too small to tell apart from its weight reads).
 CPU_LAYER_S = {"hybrid": 2.5e-3, "llamacpp": 0.05e-3}
+# A CPU with AVX-512 (ggml's wider kernels), measured on the CI kind with an AMD EPYC (Zen 4),
+# scripts/check_decode_estimate.py: llama.cpp's one thread consumed 11.6 GB/s of weights on the
+# demo and ~17 on the 4-layer Qwen3-30B-A3B; the hybrid engine's layers took ~1.4 ms of fixed
+# time on the demo. The estimate takes these figures; its low end stays the AVX2 VM's, as
+# AVX-512 CPUs of other makes were not measured.
+CPU_THREAD_GBS_AVX512 = 12.0
+CPU_LAYER_S_AVX512 = {"hybrid": 1.5e-3, "llamacpp": 0.05e-3}
 # The demo and the 4-layer Qwen3-30B model measured within it on both engines, at 1 and 2
 # threads, beside other work on the machine. A model whose weights fit the CPU's last-level
 # cache (the 4 MiB test model) decodes faster on llama.cpp than RAM reads would allow.
@@ -72,10 +79,11 @@ class DecodeEstimate:
                 "seconds": {k: round(v, 6) for k, v in self.seconds.items()}, "explain": self.explain}
 
 
-def cpu_gbs(threads: int, ram_gbs: float, ram_gbs_1: float) -> float:
+def cpu_gbs(threads: int, ram_gbs: float, ram_gbs_1: float, thread_gbs: float = CPU_THREAD_GBS) -> float:
     """Weight bytes per second `threads` CPU threads consume: each as fast as its kernels compute
-    (or as one thread reads, if that is slower), all together at most the RAM bandwidth."""
-    return min(ram_gbs, threads * min(ram_gbs_1, CPU_THREAD_GBS))
+    (`thread_gbs`, or as one thread reads, if that is slower), all together at most the RAM
+    bandwidth."""
+    return min(ram_gbs, threads * min(ram_gbs_1, thread_gbs))
 
 
 def _mib(n: float) -> str:
@@ -86,20 +94,29 @@ def _rates(t: float, t_low: float, t_high: float, factor: float) -> tuple[float,
     return round(1 / t, 1), round(1 / (t_low * factor), 1), round(factor / t_high, 1)
 
 
-def estimate_cpu(g: Geometry, engine: str, threads: int, ram_gbs: float, ram_gbs_1: float) -> DecodeEstimate:
+def estimate_cpu(g: Geometry, engine: str, threads: int, ram_gbs: float, ram_gbs_1: float,
+                 simd: str | None = None) -> DecodeEstimate:
     """Every weight in RAM, read by `threads` CPU threads (llama.cpp's CPU build, or this engine
-    without a GPU: its dense weights then float32, its experts through ggml)."""
+    without a GPU: its dense weights then float32, its experts through ggml); `simd`: the CPU's
+    widest vector extension (probe.cpu_simd), "avx512" taking that kind's measured figures."""
     dense = g.dense_values * 4 if engine == "hybrid" and g.dense_values else g.dense_bytes
-    gbs = cpu_gbs(threads, ram_gbs, ram_gbs_1)
-    t_weights = (dense + g.active_expert_bytes) / (gbs * 1e9)
-    t_fixed = g.n_layer * CPU_LAYER_S[engine]
+    wide = simd == "avx512"
+
+    def seconds(thread_gbs: float, layer_s: dict[str, float]) -> tuple[float, float]:  # weights, fixed
+        gbs = cpu_gbs(threads, ram_gbs, ram_gbs_1, thread_gbs)
+        return (dense + g.active_expert_bytes) / (gbs * 1e9), g.n_layer * layer_s[engine]
+
+    reference = seconds(CPU_THREAD_GBS, CPU_LAYER_S)
+    t_weights, t_fixed = seconds(CPU_THREAD_GBS_AVX512, CPU_LAYER_S_AVX512) if wide else reference
     t = t_weights + t_fixed
-    tps, low, high = _rates(t, t, t, CPU_RANGE)
+    tps, low, high = _rates(t, sum(reference), t, CPU_RANGE)
     what = "float32 dense" if engine == "hybrid" else "dense"
+    gbs = cpu_gbs(threads, ram_gbs, ram_gbs_1, CPU_THREAD_GBS_AVX512 if wide else CPU_THREAD_GBS)
+    kind = "AVX-512, measured on a Zen 4 VM; the low end the AVX2 VM's" if wide else "measured on a 2-core VM"
     return DecodeEstimate(tps, low, high, {"weights": t_weights, "fixed": t_fixed}, (
         f"estimate: {what} {_mib(dense)} + experts {_mib(g.active_expert_bytes)} a token at {gbs:.1f} GB/s "
         f"({threads} thread{'s' * (threads != 1)}) = {t_weights * 1e3:.2f} ms, plus {g.n_layer} layers x "
-        f"{CPU_LAYER_S[engine] * 1e3:g} ms fixed (measured on a 2-core VM); range x/{CPU_RANGE:g}..x{CPU_RANGE:g}"))
+        f"{t_fixed / g.n_layer * 1e3:g} ms fixed ({kind}); range x/{CPU_RANGE:g}..x{CPU_RANGE:g}"))
 
 
 def estimate_hybrid_gpu(g: Geometry, share: float, threads: int, vram_gbs: float, ram_gbs: float,

@@ -15,7 +15,7 @@ from engine.config import Config
 from engine.plan import speed
 from engine.plan.planner import PlanOptions, make_plan
 from engine.plan.sizing import HEADROOM_BYTES
-from engine.plan.probe import Hardware, probe_hardware
+from engine.plan.probe import Hardware, cpu_simd, probe_hardware
 
 GIB, MIB = 1 << 30, 1 << 20
 
@@ -79,6 +79,17 @@ def test_probe_seam_reads_a_fake_8gib_gpu():
     assert (gpu.pcie_generation, gpu.pcie_width, gpu.memory_bandwidth_gbs) == (4, 8, 272.0)
     assert hw.physical_cores >= 1 and hw.ram_total_bytes >= hw.ram_available_bytes > 0
     assert probe_hardware(None).gpus == ()
+
+
+def test_the_cpu_vector_extension_is_read_from_cpuinfo(tmp_path):
+    def simd(flags: str | None):
+        path = tmp_path / "cpuinfo"
+        path.write_text("processor\t: 0\nmodel name\t: x\n" + (f"flags\t\t: {flags}\n" if flags is not None else ""))
+        return cpu_simd(path)
+
+    assert simd("fpu sse2 avx2 fma avx512f avx512dq avx512bw avx512_vnni") == "avx512"
+    assert simd("fpu sse2 avx2 fma avx512f") == "avx2"  # AVX-512 here: F and BW, as every server CPU since Skylake
+    assert simd("fpu sse2 avx") is None and simd(None) is None and cpu_simd(tmp_path / "missing") is None
 
 
 def test_cpu_plan_json_on_this_machine(make_model):

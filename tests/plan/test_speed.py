@@ -48,11 +48,16 @@ def test_the_estimate_holds_what_each_engine_decodes_here(kind, make_model):
         close = getattr(getattr(engine, "model", None), "experts", None)
         if close is not None and hasattr(close, "close"):
             close.close()
-    plan = make_plan(probe_hardware(nvml=None), read_geometry(path), cfg, engine=kind)
+    hw, g = probe_hardware(nvml=None), read_geometry(path)
+    plan = make_plan(hw, g, cfg, engine=kind)
     est = plan.decode["estimate"]
     assert plan.decode["source"] == "estimate" and plan.decode["tokens_per_s"] == est["tokens_per_s"]
-    # the stated range: the estimate x/2 .. x2 (engine/plan/speed.CPU_RANGE)
-    assert est["low"] == pytest.approx(est["tokens_per_s"] / speed.CPU_RANGE, rel=0.01)
+    # the stated range: the estimate x2 above, x/2 below, or below the AVX2 VM's estimate where the
+    # CPU's AVX-512 figures made it (engine/plan/speed.CPU_RANGE)
+    bandwidth = plan.bandwidth_gbs
+    floor = speed.estimate_cpu(g, kind, 1, bandwidth["ram"], bandwidth["ram_1_thread"]).tokens_per_s
+    assert est["high"] == pytest.approx(est["tokens_per_s"] * speed.CPU_RANGE, rel=0.01)
+    assert est["low"] == pytest.approx(min(floor, est["tokens_per_s"]) / speed.CPU_RANGE, rel=0.01)
     assert est["low"] <= rate <= est["high"], (kind, rate, est)
     assert time.monotonic() - started < 240
 
@@ -68,6 +73,15 @@ def test_the_estimate_follows_bytes_threads_and_the_engine():
     assert one["estimate"]["seconds"]["weights"] == pytest.approx(
         (Q3.dense_bytes + Q3.active_expert_bytes) / (speed.CPU_THREAD_GBS * 1e9), rel=1e-4)
     assert hybrid["tokens_per_s"] < llama["tokens_per_s"] and one["tokens_per_s"] < llama["tokens_per_s"]
+    # an AVX-512 CPU: that kind's measured figures, the low end still the AVX2 VM's
+    wide = Hardware((), 64 << 30, 60 << 30, 8, 16, ram_read_gbs_1=30.0, ram_read_gbs=40.0, cpu_simd="avx512")
+    wide_one = make_plan(wide, Q3, Config(threads=1), engine="hybrid").decode["estimate"]
+    avx2_one = make_plan(Hardware((), 64 << 30, 60 << 30, 8, 16, ram_read_gbs_1=30.0, ram_read_gbs=40.0),
+                         Q3, Config(threads=1), engine="hybrid").decode["estimate"]
+    assert wide_one["seconds"]["weights"] == pytest.approx(
+        (Q3.dense_values * 4 + Q3.active_expert_bytes) / (speed.CPU_THREAD_GBS_AVX512 * 1e9), rel=1e-4)
+    assert wide_one["seconds"]["fixed"] == pytest.approx(Q3.n_layer * speed.CPU_LAYER_S_AVX512["hybrid"], rel=1e-4)
+    assert wide_one["tokens_per_s"] > avx2_one["tokens_per_s"] and wide_one["low"] == avx2_one["low"]
     # on a GPU: more VRAM, more hits, faster, and the range spans uniform routing to skewed
     speeds = [make_plan(machine(m), Q3).decode for m in (8192, 12288, 24576)]
     assert [d["tokens_per_s"] for d in speeds] == sorted(d["tokens_per_s"] for d in speeds)
