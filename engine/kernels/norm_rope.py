@@ -372,15 +372,15 @@ def aot_report(arch: int = 90) -> list[dict]:
             sig = {"x_ptr": "*fp32", "w_ptr": "*fp32", "out_ptr": "*fp32", "stride_a": "i64", "stride_b": "i64",
                    "n_b": "i32", "D": "i32", "eps": "fp32"}
             compile_later(f"rms_norm D={d} w={int(has_w)}", _rms_norm_kernel, sig,
-                        {"HAS_W": has_w, "BLOCK": block, "INTERP": False}, _norm_warps(block),
-                        ("D", "stride_a", "stride_b") if d % 16 == 0 else ())
+                          {"HAS_W": has_w, "BLOCK": block, "INTERP": False}, _norm_warps(block),
+                          ("D", "stride_a", "stride_b") if d % 16 == 0 else ())
     for d in AOT_ADD_NORM_DIMS:
         block = triton.next_power_of_2(d)
         sig = {"h_ptr": "*fp32", "d_ptr": "*fp32", "w_ptr": "*fp32", "ho_ptr": "*fp32", "out_ptr": "*fp32",
                "stride_h": "i64", "stride_d": "i64", "D": "i32", "eps": "fp32"}
         compile_later(f"add_rms_norm D={d}", _add_rms_norm_kernel, sig,
-                    {"HAS_W": True, "BLOCK": block, "INTERP": False}, _norm_warps(block),
-                    ("D", "stride_h", "stride_d") if d % 16 == 0 else ())
+                      {"HAS_W": True, "BLOCK": block, "INTERP": False}, _norm_warps(block),
+                      ("D", "stride_h", "stride_d") if d % 16 == 0 else ())
     for label, head_dim, n_rot, neox, qk_norm in AOT_ROPE:
         sig = {"q_ptr": "*fp32", "k_ptr": "*fp32", "qo_ptr": "*fp32", "ko_ptr": "*fp32", "pos_ptr": "*i64",
                "cos_ptr": "*fp32", "sin_ptr": "*fp32", "qn_ptr": "*fp32", "kn_ptr": "*fp32", "v_ptr": "*fp32",
@@ -392,12 +392,12 @@ def aot_report(arch: int = 90) -> list[dict]:
         # the GQA families store k and v in the launch (head dims alike); MLA's rope part does not
         for store in (False, True) if label != "deepseek2" else (False,):
             compile_later(f"rope {label}{' +kv' if store else ''}", _rope_kernel, sig,
-                        {"HEAD_DIM": head_dim, "N_ROT": n_rot, "NEOX": neox, "BLOCK_H": _ROPE_BLOCK_H,
-                         "BLOCK_HALF": triton.next_power_of_2(n_rot // 2),
-                         "BLOCK_REST": triton.next_power_of_2(max(1, head_dim - n_rot)), "QK_NORM": qk_norm,
-                         "STORE_KV": store, "BLOCK_D": triton.next_power_of_2(head_dim), "INTERP": False,
-                         **one_k_head}, 4,
-                        ("q_stride_t", "q_stride_h", "k_stride_t", "k_stride_h", "v_stride_t", "v_stride_h"))
+                          {"HEAD_DIM": head_dim, "N_ROT": n_rot, "NEOX": neox, "BLOCK_H": _ROPE_BLOCK_H,
+                           "BLOCK_HALF": triton.next_power_of_2(n_rot // 2),
+                           "BLOCK_REST": triton.next_power_of_2(max(1, head_dim - n_rot)), "QK_NORM": qk_norm,
+                           "STORE_KV": store, "BLOCK_D": triton.next_power_of_2(head_dim), "INTERP": False,
+                           **one_k_head}, 4,
+                          ("q_stride_t", "q_stride_h", "k_stride_t", "k_stride_h", "v_stride_t", "v_stride_h"))
     return in_parallel(jobs)
 
 

@@ -102,16 +102,16 @@ def estimate_cpu(g: Geometry, engine: str, threads: int, ram_gbs: float, ram_gbs
     dense = g.dense_values * 4 if engine == "hybrid" and g.dense_values else g.dense_bytes
     wide = simd == "avx512"
 
-    def seconds(thread_gbs: float, layer_s: dict[str, float]) -> tuple[float, float]:  # weights, fixed
+    def seconds(thread_gbs: float, layer_s: dict[str, float]) -> tuple[float, float, float]:
+        """(GB/s the threads consume, weight seconds, fixed seconds) of a token."""
         gbs = cpu_gbs(threads, ram_gbs, ram_gbs_1, thread_gbs)
-        return (dense + g.active_expert_bytes) / (gbs * 1e9), g.n_layer * layer_s[engine]
+        return gbs, (dense + g.active_expert_bytes) / (gbs * 1e9), g.n_layer * layer_s[engine]
 
     reference = seconds(CPU_THREAD_GBS, CPU_LAYER_S)
-    t_weights, t_fixed = seconds(CPU_THREAD_GBS_AVX512, CPU_LAYER_S_AVX512) if wide else reference
+    gbs, t_weights, t_fixed = seconds(CPU_THREAD_GBS_AVX512, CPU_LAYER_S_AVX512) if wide else reference
     t = t_weights + t_fixed
-    tps, low, high = _rates(t, sum(reference), t, CPU_RANGE)
+    tps, low, high = _rates(t, reference[1] + reference[2], t, CPU_RANGE)
     what = "float32 dense" if engine == "hybrid" else "dense"
-    gbs = cpu_gbs(threads, ram_gbs, ram_gbs_1, CPU_THREAD_GBS_AVX512 if wide else CPU_THREAD_GBS)
     kind = "AVX-512, measured on a Zen 4 VM; the low end the AVX2 VM's" if wide else "measured on a 2-core VM"
     return DecodeEstimate(tps, low, high, {"weights": t_weights, "fixed": t_fixed}, (
         f"estimate: {what} {_mib(dense)} + experts {_mib(g.active_expert_bytes)} a token at {gbs:.1f} GB/s "
