@@ -215,7 +215,7 @@ def bench_dense(name: str, n_out: int, K: int, qtype: QT, rows: list[int], dev: 
         new = tk.dense(x, raws[0], qtype, n_out)
         old = legacy_dense(x, raws[0], qtype, n_out)
         err = ((new - old).abs().max() / old.abs().max()).item()
-        split = tk.DenseSplit.choose(n_out, K, tk.sm_count(str(dev)), tk.DENSE_CONFIG[qtype].block_n)
+        split = tk.SplitK.choose(n_out, K, tk.sm_count(str(dev)), tk.DENSE_CONFIG[qtype].block_n)
 
         def calls(fn, *extra):
             return [lambda i=i: fn(x, raws[i % n_copies], qtype, n_out, *extra) for i in range(calls_per_graph)]
@@ -235,7 +235,7 @@ def bench_dense(name: str, n_out: int, K: int, qtype: QT, rows: list[int], dev: 
         if sweep:
             row["sweep"] = []
             for cfg, per_sm in sweep:
-                sp = tk.DenseSplit.choose(n_out, K, tk.sm_count(str(dev)), cfg.block_n, per_sm)
+                sp = tk.SplitK.choose(n_out, K, tk.sm_count(str(dev)), cfg.block_n, per_sm)
                 tk.dense(x, raws[0], qtype, n_out, cfg, sp)
                 row["sweep"].append({"config": f"{cfg_name(cfg)} {per_sm}/SM", "split": [sp.split, sp.steps],
                                      **rate(one.numel(), graph_us(calls(tk.dense, cfg, sp), replays), copy)})
@@ -638,7 +638,7 @@ def _dense_sweep() -> list:
     """(tile, programs per SM) pairs --sweep times for the dense kernel."""
     from engine.quant import triton_kernels as tk
 
-    return ([(t, tk.DENSE_PROGRAMS_PER_SM) for t in _sweep_tiles()]
+    return ([(t, tk.PROGRAMS_PER_SM) for t in _sweep_tiles()]
             + [(tk.TileConfig(32, 2), n) for n in (2, 8, 16)])
 
 

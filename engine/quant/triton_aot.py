@@ -137,6 +137,10 @@ def _target(arch: int = 90):
     return GPUTarget("cuda", arch, 32)
 
 
+H200_SMS = 132  # the variants are compiled with the splits they take on an H200
+ONE_TOKEN_PAIRS = 8  # a decode token's expert pairs (Qwen3-30B's top-8)
+
+
 def slot_type(q: QT) -> int:
     """The kernels' type id of expert rows as engine/moe/slots.LayerSlots holds them (Q6_K padded)."""
     return tk.Q6_K_PADDED if q == QT.Q6_K else int(q)
@@ -153,10 +157,14 @@ def decode_variants(gate: QT, up: QT, down: QT, n_embd: int, n_ff: int, activati
     dn = down_cfg or tk.DOWN_CONFIG[down]
     out = [("round_x", tk._round_rows_kernel, {"K": n_embd, "VT": vt(gate), "INTERP": False, "SUMS": False},
             tk.TileConfig(0, 4))]
-    out.append(("gate_up", tk._gate_up_kernel,
-                {"N": n_ff, "K": n_embd, "QG": slot_type(gate), "QU": slot_type(up), "SAME_X": vt(gate) == vt(up),
-                 "VT_DOWN": vt(down), "ACT": activation, "HAS_BIAS": bias, "BLOCK_N": gu.block_n, "UNROLL": gu.unroll,
-                 "INTERP": False, "REV": rev}, gu))
+    # gate/up unsplit (many pairs: Triton specializes the split of 1 as a constant) and split
+    # over K (one token's top-8 on an H200; the split a runtime argument)
+    one_token = tk.SplitK.choose(ONE_TOKEN_PAIRS * -(-n_ff // gu.block_n) * gu.block_n, n_embd, H200_SMS, gu.block_n)
+    for split in ({"split": 1}, {}) if one_token.split > 1 else ({"split": 1},):
+        out.append((f"gate_up s{split.get('split', one_token.split)}", tk._gate_up_kernel,
+                    {"N": n_ff, "K": n_embd, "QG": slot_type(gate), "QU": slot_type(up), "SAME_X": vt(gate) == vt(up),
+                     "VT_DOWN": vt(down), "ACT": activation, "HAS_BIAS": bias, "BLOCK_N": gu.block_n,
+                     "UNROLL": gu.unroll, "INTERP": False, "REV": rev, **split}, gu))
     out.append(("down", tk._down_kernel,
                 {"K": n_ff, "QD": slot_type(down), "HAS_BIAS": bias, "WEIGHTED": True, "BLOCK_N": dn.block_n,
                  "UNROLL": dn.unroll, "INTERP": False, "REV": rev}, dn))
@@ -172,7 +180,6 @@ STANDARD_GEOMETRIES = {
 
 # Dense products compiled for the report: (name, n_out, K) at the SM count of an H200, so the
 # split each gets is the one it runs with there (the output head: none; the rest: split-K).
-H200_SMS = 132
 DENSE_GEOMETRIES = [("attn_q", 4096, 2048), ("output", 151936, 2048)]
 DENSE_ROWS = (1, tk.DENSE_MAX_ROWS)
 
@@ -183,10 +190,10 @@ def dense_variants(qtype: QT, n_out: int, K: int, rows: int, cfg: tk.TileConfig 
     (the rounding launch is round_x of the expert geometries); `padded`: Q6_K rows as
     layout.pad_q6_k lays them out."""
     cfg = cfg or tk.DENSE_CONFIG[qtype]
-    split = tk.DenseSplit.choose(n_out, K, sm_count, cfg.block_n)
+    split = tk.SplitK.choose(n_out, K, sm_count, cfg.block_n)
     return [(f"dense r{rows} s{split.split}", tk._dense_kernel,
-             {"K": K, "QW": tk.Q6_K_PADDED if padded else int(qtype), "ROWS": rows, "SPLIT": split.split, "STEPS": split.steps,
-              "BLOCK_N": cfg.block_n, "INTERP": False, "REV": tk.reversed_ties(_target(arch))}, cfg)]
+             {"K": K, "QW": tk.Q6_K_PADDED if padded else int(qtype), "ROWS": rows, "SPLIT": split.split,
+              "STEPS": split.steps, "BLOCK_N": cfg.block_n, "INTERP": False, "REV": tk.reversed_ties(_target(arch))}, cfg)]
 
 
 def grouped_variants(gate: QT, up: QT, down: QT, n_embd: int, n_ff: int, activation: int = 0, bias: bool = False):

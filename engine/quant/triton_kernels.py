@@ -10,17 +10,19 @@ engine/quant/layout.py). Three launches per batch of pairs
 0. `_round_rows_kernel`, grid (tokens, K / 256): the activation rows rounded as
    engine/quant/activation.round_activation rounds them for the gate/up type (values; for Q8_K
    also the int8 quants and per-256 scales), zero-padded to whole K steps.
-1. `_gate_up_kernel`, grid (pairs, n_ff / BLOCK_N): the gate and up rows of the pair's expert
-   against the token's rounded activation, biases, the activation function (SiLU, or gpt-oss's
-   SWIGLU_OAI) -> h [pairs, n_ff]; the last program of each pair to finish (a semaphore) then
-   rounds the whole h row for the down type.
+1. `_gate_up_kernel`, grid (pairs, n_ff / BLOCK_N, split): the gate and up rows of the pair's
+   expert against the token's rounded activation, biases, the activation function (SiLU, or
+   gpt-oss's SWIGLU_OAI) -> h [pairs, n_ff]; the last program of each pair to finish (a
+   semaphore) then rounds the whole h row for the down type. A launch of few pairs (one token's
+   8: 192 programs of 32 rows for 132 SMs) splits its K steps over `split` programs (SplitK),
+   whose partial sums the last of them adds, in order, before the activation.
 2. `_down_kernel`, grid (pairs, n_embd / BLOCK_N): the rounded h against the down rows, plus
    bias, times the routing weight, stored straight into the executor's per_slot[j, t, :].
 
 A dense product (attention projections, output head, shared experts at decode) is two
 launches: `_round_rows_kernel`, then `_dense_kernel`, grid (n_out / BLOCK_N, split): each
 program a block of weight rows times a slice of the K steps against every activation row,
-the slices' partial sums added by the last program of each row block (DenseSplit).
+the slices' partial sums added by the last program of each row block (SplitK).
 
 Exactness: the rounding is bit-exact with round_activation (correctly rounded divisions,
 half-to-even); weights decode with dequant.py's arithmetic; products are summed in float32
@@ -627,17 +629,34 @@ if triton is not None:
         return h
 
     @triton.jit
+    def _fence_stores(rows, INTERP: tl.constexpr):
+        """Before a split-K semaphore's atomic: every thread fences its stores, then the CTA
+        syncs, so the program that counts last sees every store of the programs before it."""
+        if not INTERP:
+            tl.inline_asm_elementwise("fence.acq_rel.gpu;\n\tmov.u32 $0, $1;", "=r,r", [rows], dtype=tl.int32,
+                                      is_pure=False, pack=1)
+        tl.debug_barrier()
+
+    # The split is a runtime argument: it follows the launch's pair count, and a constexpr would
+    # compile a variant per count class (Triton still gives split 1 a variant of its own).
+    @triton.jit(do_not_specialize=["n_pairs", "steps"])
     def _gate_up_kernel(xg_ptr, xgq_ptr, xgd_ptr, xu_ptr, xuq_ptr, xud_ptr,
                         g_ptr, g_slot_bytes, g_row_bytes, u_ptr, u_slot_bytes, u_row_bytes,
-                        gb_ptr, ub_ptr, h_ptr, hr_ptr, hq_ptr, hd_ptr, count_ptr, pair_tok, pair_slot, pair_exp,
+                        gb_ptr, ub_ptr, h_ptr, hr_ptr, hq_ptr, hd_ptr, part_ptr, count_ptr,
+                        pair_tok, pair_slot, pair_exp, n_pairs, split, steps,
                         N: tl.constexpr, K: tl.constexpr, QG: tl.constexpr, QU: tl.constexpr, SAME_X: tl.constexpr,
                         VT_DOWN: tl.constexpr, ACT: tl.constexpr, HAS_BIAS: tl.constexpr,
                         BLOCK_N: tl.constexpr, UNROLL: tl.constexpr, INTERP: tl.constexpr, REV: tl.constexpr):
-        """Grid (pairs, N / BLOCK_N). x*: the rounded activations [T, K] (values, Q8_K quants,
-        Q8_K scales [T, K / 256]) for the gate and the up type; h [pairs, N] and, rounded for
-        the down type, hr (values), hq, hd (Q8_K quants and scales)."""
+        """Grid (pairs, N / BLOCK_N, split). x*: the rounded activations [T, K] (values, Q8_K
+        quants, Q8_K scales [T, K / 256]) for the gate and the up type; h [pairs, N] and, rounded
+        for the down type, hr (values), hq, hd (Q8_K quants and scales). Program (p, nb, s) takes
+        K steps s * steps ... (s + 1) * steps of its rows; with split > 1 it stores its partial
+        sums in part [pairs, split, 2, N] and the last program of the row block to finish (a
+        semaphore per pair and row block, after the pairs' own) adds them in split order, so
+        the result does not depend on which program finishes last, then activates."""
         p = tl.program_id(0)
         nb = tl.program_id(1)
+        s = tl.program_id(2)
         tok = tl.load(pair_tok + p).to(tl.int64)
         # A pair whose expert has no slot (-1: it runs on the CPU) reads slot 0 and its result is
         # never stored (see _down_kernel): one expert's read instead of a second graph shape.
@@ -660,7 +679,9 @@ if triton is not None:
         u_rows = u_ptr + slot * u_slot_bytes + rows_c * u_row_bytes
         acc_g = _zero_acc(BLOCK_N, QG)
         acc_u = _zero_acc(BLOCK_N, QU)
-        if UNROLL:
+        k0 = s * steps
+        k1 = tl.minimum(k0 + steps, NS)
+        if UNROLL:  # every K step: gate_up never splits an unrolled tile
             for ks in tl.static_range(0, NS):
                 ga, gb, gc, gd = _load_step(g_rows, ks, K, BLOCK_N, QG, REV)
                 ua, ub, uc, ud = _load_step(u_rows, ks, K, BLOCK_N, QU, REV)
@@ -668,16 +689,16 @@ if triton is not None:
                 acc_u = _use_step(acc_u, ua, ub, uc, ud, xu_row, xuq_row, xud_row, ks, K, BLOCK_N, QU, INTERP, REV)
         elif QG == _F16 or QG == _BF16 or QU == _F16 or QU == _BF16:
             # 16-bit weights: a lane's bytes of a step fill 64 registers a matrix; no second set
-            for ks in range(0, NS):
+            for ks in range(k0, k1):
                 ga, gb, gc, gd = _load_step(g_rows, ks, K, BLOCK_N, QG, REV)
                 ua, ub, uc, ud = _load_step(u_rows, ks, K, BLOCK_N, QU, REV)
                 acc_g = _use_step(acc_g, ga, gb, gc, gd, xg_row, xgq_row, xgd_row, ks, K, BLOCK_N, QG, INTERP, REV)
                 acc_u = _use_step(acc_u, ua, ub, uc, ud, xu_row, xuq_row, xud_row, ks, K, BLOCK_N, QU, INTERP, REV)
         else:  # the next step's bytes of both matrices are loaded ahead (register double-buffering)
-            ga, gb, gc, gd = _load_step(g_rows, 0, K, BLOCK_N, QG, REV)
-            ua, ub, uc, ud = _load_step(u_rows, 0, K, BLOCK_N, QU, REV)
-            for ks in range(0, NS):
-                nk = tl.minimum(ks + 1, NS - 1)
+            ga, gb, gc, gd = _load_step(g_rows, k0, K, BLOCK_N, QG, REV)
+            ua, ub, uc, ud = _load_step(u_rows, k0, K, BLOCK_N, QU, REV)
+            for ks in range(k0, k1):
+                nk = tl.minimum(ks + 1, k1 - 1)
                 nga, ngb, ngc, ngd = _load_step(g_rows, nk, K, BLOCK_N, QG, REV)
                 nua, nub, nuc, nud = _load_step(u_rows, nk, K, BLOCK_N, QU, REV)
                 acc_g = _use_step(acc_g, ga, gb, gc, gd, xg_row, xgq_row, xgd_row, ks, K, BLOCK_N, QG, INTERP, REV)
@@ -688,28 +709,41 @@ if triton is not None:
         u = _reduce_acc(acc_u)
         rows = nb * BLOCK_N + tl.arange(0, BLOCK_N)
         live = rows < N
-        if HAS_BIAS:
-            e = tl.load(pair_exp + p).to(tl.int64)
-            g = g + tl.load(gb_ptr + e * N + rows, mask=live, other=0.0)
-            u = u + tl.load(ub_ptr + e * N + rows, mask=live, other=0.0)
-        h = _activate(g, u, ACT)
-        h_row = h_ptr + p.to(tl.int64) * N
-        tl.store(h_row + rows, h, mask=live)
-        # The last program of this pair to finish rounds the whole h row for the down weights
-        # (the split-K semaphore pattern: every thread fences its stores, the CTA syncs, one
-        # atomic counts; the last program resets the counter for the next launch).
-        if not INTERP:
-            tl.inline_asm_elementwise("fence.acq_rel.gpu;\n\tmov.u32 $0, $1;", "=r,r", [rows], dtype=tl.int32,
-                                      is_pure=False, pack=1)
-        tl.debug_barrier()
-        done = tl.atomic_add(count_ptr + p, 1, sem="acq_rel", scope="gpu")
-        if done == tl.num_programs(1) - 1:
-            tl.store(count_ptr + p, 0)
-            p64 = p.to(tl.int64)
-            NSH: tl.constexpr = (N + 255) // 256
-            for c in tl.static_range(0, NSH):
-                _round_chunk(h_row, hr_ptr + p64 * (NSH * 256), hq_ptr + p64 * (NSH * 256), hd_ptr + p64 * (NSH * 8),
-                             hd_ptr, c, N, VT_DOWN, INTERP, False)
+        p64 = p.to(tl.int64)
+        finish = split == 1  # constexpr where Triton specialized split to 1, else a runtime flag
+        if split > 1:
+            part = part_ptr + (p64 * split + s) * (2 * N)
+            tl.store(part + rows, g, mask=live)
+            tl.store(part + N + rows, u, mask=live)
+            _fence_stores(rows, INTERP)
+            block_sem = count_ptr + n_pairs + p * tl.num_programs(1) + nb
+            finish = tl.atomic_add(block_sem, 1, sem="acq_rel", scope="gpu") == split - 1
+            if finish:
+                tl.store(block_sem, 0)
+                part = part_ptr + p64 * (split * 2 * N)
+                g = tl.load(part + rows, mask=live, other=0.0, cache_modifier=".cg")
+                u = tl.load(part + N + rows, mask=live, other=0.0, cache_modifier=".cg")
+                for j in range(1, split):
+                    g += tl.load(part + j * 2 * N + rows, mask=live, other=0.0, cache_modifier=".cg")
+                    u += tl.load(part + j * 2 * N + N + rows, mask=live, other=0.0, cache_modifier=".cg")
+        if finish:
+            if HAS_BIAS:
+                e = tl.load(pair_exp + p).to(tl.int64)
+                g = g + tl.load(gb_ptr + e * N + rows, mask=live, other=0.0)
+                u = u + tl.load(ub_ptr + e * N + rows, mask=live, other=0.0)
+            h = _activate(g, u, ACT)
+            h_row = h_ptr + p64 * N
+            tl.store(h_row + rows, h, mask=live)
+            # The last row block of this pair to finish rounds the whole h row for the down
+            # weights (the same semaphore pattern, one per pair; reset by that program).
+            _fence_stores(rows, INTERP)
+            done = tl.atomic_add(count_ptr + p, 1, sem="acq_rel", scope="gpu")
+            if done == tl.num_programs(1) - 1:
+                tl.store(count_ptr + p, 0)
+                NSH: tl.constexpr = (N + 255) // 256
+                for c in tl.static_range(0, NSH):
+                    _round_chunk(h_row, hr_ptr + p64 * (NSH * 256), hq_ptr + p64 * (NSH * 256),
+                                 hd_ptr + p64 * (NSH * 8), hd_ptr, c, N, VT_DOWN, INTERP, False)
 
     @triton.jit
     def _down_kernel(hr_ptr, hq_ptr, hd_ptr, d_ptr, d_slot_bytes, d_row_bytes, db_ptr, wt_ptr, wt_stride_tok,
@@ -834,12 +868,8 @@ if triton is not None:
         _dense_out(acc6, 6, ROWS, dst, N, rows, live)
         _dense_out(acc7, 7, ROWS, dst, N, rows, live)
         if SPLIT > 1:
-            # The split-K semaphore, as in _gate_up_kernel: every thread fences its stores,
-            # the CTA syncs, one atomic counts; the last program reads the partials from L2.
-            if not INTERP:
-                tl.inline_asm_elementwise("fence.acq_rel.gpu;\n\tmov.u32 $0, $1;", "=r,r", [rows], dtype=tl.int32,
-                                          is_pure=False, pack=1)
-            tl.debug_barrier()
+            # The split-K semaphore, as in _gate_up_kernel; the last program reads the partials from L2.
+            _fence_stores(rows, INTERP)
             done = tl.atomic_add(count_ptr + nb, 1, sem="acq_rel", scope="gpu")
             if done == SPLIT - 1:
                 tl.store(count_ptr + nb, 0)
@@ -985,12 +1015,48 @@ def round_rows(x: torch.Tensor, weight_qtype: QT, sums: bool = False) -> Rounded
     return out
 
 
+# Split-K: a product of few weight rows (one token's experts, a small projection) puts a
+# slice of its K steps on each of several programs, so that every SM has loads in flight.
+PROGRAMS_PER_SM = 4  # programs wanted per SM: enough loads in flight to cover HBM latency
+
+
+@dataclass(frozen=True)
+class SplitK:
+    split: int  # programs along K per block of weight rows
+    steps: int  # K steps (of 256) per program
+
+    @classmethod
+    def choose(cls, n_out: int, K: int, sm_count: int, block_n: int,
+               programs_per_sm: int = PROGRAMS_PER_SM) -> "SplitK":
+        """The fewest K slices that give `n_out` weight rows (in blocks of `block_n`) about
+        `programs_per_sm` programs per SM, at least one K step each: a wide product (an output
+        head) is not split and needs no reduction; a 4096 x 2048 projection on 132 SMs takes 4
+        slices of 2 steps (512 programs); a 512-row k/v projection one step per program (8
+        slices); one token's Qwen3-30B gate/up (8 experts x 768 rows x 2048) 3 slices of 3, 3
+        and 2 steps."""
+        n_steps = -(-K // KSTEP)
+        blocks = -(-n_out // block_n)
+        wanted = -(-programs_per_sm * sm_count // blocks)
+        steps = -(-n_steps // max(1, min(wanted, n_steps)))
+        return cls(-(-n_steps // steps), steps)
+
+
+@functools.lru_cache(maxsize=None)
+def sm_count(device: str) -> int:
+    """Streaming multiprocessors of a CUDA device (1 elsewhere: the interpreter runs programs
+    one after another, so splitting K there only adds work)."""
+    dev = torch.device(device)
+    return torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 1
+
+
 def gate_up(xg: Rounded, xu: Rounded, gate_buf: torch.Tensor, up_buf: torch.Tensor, w,
             pair_tok: torch.Tensor, pair_slot: torch.Tensor, pair_exp: torch.Tensor,
-            cfg: TileConfig | None = None) -> tuple[torch.Tensor, Rounded]:
+            cfg: TileConfig | None = None, split: SplitK | None = None) -> tuple[torch.Tensor, Rounded]:
     """h [pairs, n_ff] = act(x[tok] . gate[slot] (+bias), x[tok] . up[slot] (+bias)), and h
     rounded for the down weights. xg, xu: the token rows rounded (round_rows) for the gate and
-    the up type (pass the same object when the two round alike)."""
+    the up type (pass the same object when the two round alike). `split` over K defaults to
+    SplitK.choose for the launch's row blocks on this device (a few pairs, one token's,
+    would leave most SMs idle)."""
     n_ff, d_in = w.gate.shape[1], w.gate.shape[2]
     P = pair_tok.numel()
     h = torch.empty((P, n_ff), dtype=torch.float32, device=xg.values.device)
@@ -999,18 +1065,24 @@ def gate_up(xg: Rounded, xu: Rounded, gate_buf: torch.Tensor, up_buf: torch.Tens
         return h, hr
     assert xg.values.shape[1] == d_in
     cfg = cfg or GATE_UP_CONFIG[w.gate.qtype]
+    blocks = triton.cdiv(n_ff, cfg.block_n)
+    if split is None:
+        split = SplitK.choose(P * blocks * cfg.block_n, d_in, sm_count(str(h.device)), cfg.block_n)
+        if cfg.unroll or P * (blocks + 1) > COUNTERS:
+            split = SplitK(1, -(-d_in // KSTEP))
+    assert split.split == 1 or not cfg.unroll, "an unrolled tile takes every K step"
+    part = torch.empty((P, split.split, 2, n_ff), dtype=torch.float32, device=h.device) if split.split > 1 else h
     has_bias = w.gate.bias is not None
     gb = w.gate.bias if has_bias else h
     ub = w.up.bias if w.up.bias is not None else gb
-    grid = (P, triton.cdiv(n_ff, cfg.block_n))
-    _gate_up_kernel[grid](
+    _gate_up_kernel[(P, blocks, split.split)](
         xg.padded, xg.quants, xg.scales, xu.padded, xu.quants, xu.scales,
         gate_buf, gate_buf.stride(0), gate_buf.stride(1), up_buf, up_buf.stride(0), up_buf.stride(1),
-        gb, ub, h, hr.padded, hr.quants, hr.scales, _counter(h.device, P), pair_tok, pair_slot, pair_exp,
+        gb, ub, h, hr.padded, hr.quants, hr.scales, part, _counter(h.device, P * (blocks + 1)),
+        pair_tok, pair_slot, pair_exp, P, split.split, split.steps,
         N=n_ff, K=d_in, QG=kernel_type(w.gate.qtype, gate_buf, d_in), QU=kernel_type(w.up.qtype, up_buf, d_in),
-        SAME_X=xg is xu, VT_DOWN=_vt(w.down.qtype),
-        ACT=_ACT[w.activation], HAS_BIAS=has_bias, BLOCK_N=cfg.block_n, UNROLL=cfg.unroll, INTERP=INTERPRETED,
-        REV=reversed_ties(), **_launch_opts(cfg))
+        SAME_X=xg is xu, VT_DOWN=_vt(w.down.qtype), ACT=_ACT[w.activation], HAS_BIAS=has_bias,
+        BLOCK_N=cfg.block_n, UNROLL=cfg.unroll, INTERP=INTERPRETED, REV=reversed_ties(), **_launch_opts(cfg))
     return h, hr
 
 
@@ -1041,7 +1113,7 @@ def down(hr: Rounded, down_buf: torch.Tensor, w, pair_tok: torch.Tensor, pair_po
 def experts_forward(x: torch.Tensor, buffers, w, pair_tok: torch.Tensor, pair_pos: torch.Tensor,
                     pair_slot: torch.Tensor, pair_exp: torch.Tensor, weights: torch.Tensor | None,
                     out: torch.Tensor, gate_up_cfg: TileConfig | None = None,
-                    down_cfg: TileConfig | None = None) -> None:
+                    down_cfg: TileConfig | None = None, gate_up_split: SplitK | None = None) -> None:
     """Every pair's expert output, weighted, into out[pos, tok, :]: three launches in all
     (round x; gate/up + activation + round h; down).
 
@@ -1052,7 +1124,7 @@ def experts_forward(x: torch.Tensor, buffers, w, pair_tok: torch.Tensor, pair_po
         return
     xg = round_rows(x, w.gate.qtype)
     xu = xg if _vt(w.up.qtype) == _vt(w.gate.qtype) else round_rows(x, w.up.qtype)
-    _, hr = gate_up(xg, xu, buffers[0], buffers[1], w, pair_tok, pair_slot, pair_exp, gate_up_cfg)
+    _, hr = gate_up(xg, xu, buffers[0], buffers[1], w, pair_tok, pair_slot, pair_exp, gate_up_cfg, gate_up_split)
     down(hr, buffers[2], w, pair_tok, pair_pos, pair_slot, pair_exp, weights, out, down_cfg)
 
 
@@ -1067,42 +1139,14 @@ def dense_supported(qtype: QT) -> bool:
 # product of few output rows still puts work on every SM.
 DENSE_MAX_ROWS = 8  # activation rows one launch multiplies (the kernel's accumulators)
 DENSE_CONFIG: dict[QT, TileConfig] = {t: TileConfig(32, 2) for t in KERNEL_TYPES}
-DENSE_PROGRAMS_PER_SM = 4  # programs wanted per SM: enough loads in flight to cover HBM latency
-
-
-@dataclass(frozen=True)
-class DenseSplit:
-    split: int  # programs along K per block of weight rows
-    steps: int  # K steps (of 256) per program
-
-    @classmethod
-    def choose(cls, n_out: int, K: int, sm_count: int, block_n: int,
-               programs_per_sm: int = DENSE_PROGRAMS_PER_SM) -> "DenseSplit":
-        """The fewest K slices that give about `programs_per_sm` programs per SM, at least
-        one K step each: a wide product (an output head) is not split and needs no reduction;
-        a 4096 x 2048 projection on 132 SMs takes 4 slices of 2 steps (512 programs); a
-        512-row k/v projection one step per program (8 slices)."""
-        n_steps = -(-K // KSTEP)
-        blocks = -(-n_out // block_n)
-        wanted = -(-programs_per_sm * sm_count // blocks)
-        steps = -(-n_steps // max(1, min(wanted, n_steps)))
-        return cls(-(-n_steps // steps), steps)
-
-
-@functools.lru_cache(maxsize=None)
-def sm_count(device: str) -> int:
-    """Streaming multiprocessors of a CUDA device (1 elsewhere: the interpreter runs programs
-    one after another, so splitting K there only adds work)."""
-    dev = torch.device(device)
-    return torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 1
 
 
 def dense(x: torch.Tensor, raw: torch.Tensor, qtype: QT, n_out: int, cfg: TileConfig | None = None,
-          split: DenseSplit | None = None) -> torch.Tensor:
+          split: SplitK | None = None) -> torch.Tensor:
     """round(x) @ W.T for x [T, K] float32 (T <= DENSE_MAX_ROWS, rows contiguous) and a dense
     weight W [n_out, K] kept as its GGUF rows raw [1, n_out, row_bytes] (Q6_K also as
     layout.pad_q6_k made them): two launches (round x; the split-K product). `split` defaults to
-    DenseSplit.choose for this device."""
+    SplitK.choose for this device."""
     T, K = x.shape
     if T > DENSE_MAX_ROWS:
         raise ValueError(f"dense takes at most {DENSE_MAX_ROWS} rows, got {T}: use dequantize + matmul")
@@ -1110,7 +1154,7 @@ def dense(x: torch.Tensor, raw: torch.Tensor, qtype: QT, n_out: int, cfg: TileCo
     if T == 0:
         return out
     cfg = cfg or DENSE_CONFIG[qtype]
-    split = split or DenseSplit.choose(n_out, K, sm_count(str(x.device)), cfg.block_n)
+    split = split or SplitK.choose(n_out, K, sm_count(str(x.device)), cfg.block_n)
     xr = round_rows(x, qtype)
     blocks = triton.cdiv(n_out, cfg.block_n)
     if split.split > 1:

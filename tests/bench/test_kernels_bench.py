@@ -51,7 +51,7 @@ def test_baseline_and_new_dense_kernels_compute_the_same_product(monkeypatch, qt
     x = torch.from_numpy(rng.standard_normal((3, 512)).astype(np.float32))
     want = round_activation(x, qtype) @ dequantize(raw[0], qtype, (160, 512)).T
     old = kb.legacy_dense(x, raw, qtype, 160)
-    new = tk.dense(x, raw, qtype, 160, split=tk.DenseSplit(2, 1))
+    new = tk.dense(x, raw, qtype, 160, split=tk.SplitK(2, 1))
     for got in (old, new):
         assert ((got - want).abs().max() / want.abs().max()).item() < 2e-5
 

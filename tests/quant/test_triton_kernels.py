@@ -128,13 +128,14 @@ def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
     return ((got - want).abs().max() / want.abs().max().clamp_min(1e-30)).item()
 
 
-def check_case(case: Case, gate_up_cfg=None, down_cfg=None, tol: float = REL_TOL, whole: bool = True) -> dict:
+def check_case(case: Case, gate_up_cfg=None, down_cfg=None, tol: float = REL_TOL, whole: bool = True,
+               split: tk.SplitK | None = None) -> dict:
     w = case.w
     h_ref, out_ref = case.reference()
     xg = tk.round_rows(case.x, w.gate.qtype)
     xu = tk.round_rows(case.x, w.up.qtype)
     assert torch.equal(xg.values, round_activation(case.x, w.gate.qtype))
-    h, hr = tk.gate_up(xg, xu, case.buffers[0], case.buffers[1], w, case.tok, case.slot, case.exp, gate_up_cfg)
+    h, hr = tk.gate_up(xg, xu, case.buffers[0], case.buffers[1], w, case.tok, case.slot, case.exp, gate_up_cfg, split)
     assert torch.isfinite(h).all()
     err_h = rel_err(h, h_ref)
     assert err_h < tol, f"gate/up + activation: relative error {err_h:.2e}"
@@ -153,7 +154,7 @@ def check_case(case: Case, gate_up_cfg=None, down_cfg=None, tol: float = REL_TOL
         return {"h": err_h, "down": err_d, "all": err_all}
     out2 = torch.zeros_like(out_ref)
     tk.experts_forward(case.x, case.buffers, w, case.tok, case.pos, case.slot, case.exp, case.weights, out2,
-                       gate_up_cfg, down_cfg)
+                       gate_up_cfg, down_cfg, split)
     assert torch.equal(out, out2), "experts_forward differs from its parts"
     return {"h": err_h, "down": err_d, "all": err_all}
 
@@ -240,6 +241,22 @@ def test_interpreter_kernels_match_reference(name: str) -> None:
 
 
 @interp
+@pytest.mark.parametrize("name,n_embd,split", [("Q4_K", 512, tk.SplitK(2, 1)), ("Q8_0", 768, tk.SplitK(2, 2)),
+                                               ("Q4_K-Q5_K-Q8_0", 768, tk.SplitK(3, 1)), ("F16", 512, tk.SplitK(2, 1))])
+def test_interpreter_gate_up_split_over_k(name: str, n_embd: int, split: tk.SplitK) -> None:
+    """gate/up with its K steps on several programs (one token's few pairs on a GPU): the last
+    program of a row block adds the slices' sums, activates, and the pair's last rounds h."""
+    w = make_weights(INTERP_CASES[name][0], n_expert=6, n_embd=n_embd, n_ff=256, seed=11)
+    check_case(Case(w, n_tok=2, k=2, device="cpu", seed=4), SMALL, SMALL, split=split)
+
+
+@interp
+def test_interpreter_gpt_oss_gate_up_split_with_biases() -> None:
+    w = make_weights((QT.MXFP4,) * 3, n_expert=5, n_embd=576, n_ff=192, activation=SWIGLU_OAI, bias=True, seed=3)
+    check_case(Case(w, n_tok=1, k=3, device="cpu", seed=2), SMALL, SMALL, whole=False, split=tk.SplitK(3, 1))
+
+
+@interp
 def test_interpreter_kernels_read_q6_k_experts_in_either_layout() -> None:
     """Slot buffers hold Q6_K padded (LayerSlots); the kernels still read the GGUF layout."""
     w = make_weights(INTERP_CASES["Q4_K-Q4_K-Q6_K"][0], n_expert=4, n_embd=256, n_ff=256, seed=9)
@@ -293,7 +310,9 @@ def test_kernels_compile_for_hopper_without_spills(aot_report) -> None:
         assert r["spill_ops"] <= 16 and r["loop_spill_ops"] <= 8, f"{where} spills: {r}"
         if r["kernel"] == "round_x":
             continue
-        assert len(r["loop_instructions"]) <= 1, f"{where}: one K loop expected, {r['loop_instructions']}"
+        # one K loop; a split over K also loops over the slices' partial sums once, at the end
+        k_loops = [n for n in r["loop_instructions"] if n >= 64]
+        assert len(k_loops) <= 1, f"{where}: one K loop expected, {r['loop_instructions']}"
         assert r["loop_smem_or_barrier"] == 0, f"{where}: shared memory or barriers in the K loop: {r}"
         if not r["loop_instructions"]:  # a short loop the compiler unrolled: barriers only at the end
             assert r["bar_sync"] <= 2, f"{where}: {r['bar_sync']} barriers"
@@ -386,6 +405,32 @@ def test_gpu_kernels_read_q6_k_experts_in_the_gguf_layout(n_tok: int) -> None:
     check_case(Case(w, n_tok=n_tok, k=8, device="cuda", seed=n_tok, gguf_layout=True))
 
 
+@gpu
+@pytest.mark.parametrize("split", [tk.SplitK(8, 1), tk.SplitK(3, 3)], ids=lambda s: f"split{s.split}")
+def test_gpu_gate_up_split_over_k_and_replayed_in_a_graph(split: tk.SplitK) -> None:
+    """Forced splits compute the reference; the semaphores (a row block's, then its pair's) are
+    left at zero by every launch, so a graph replayed many times gives the eager result."""
+    _needs_compiled()
+    w = make_weights((QT.Q4_K, QT.Q4_K, QT.Q6_K), n_expert=16, n_embd=2048, n_ff=768, seed=3)
+    case = Case(w, n_tok=1, k=8, device="cuda", seed=3)
+    check_case(case, split=split)
+    out = torch.zeros(case.ids.shape[1], *case.x.shape, device="cuda")
+    tk.experts_forward(case.x, case.buffers, w, case.tok, case.pos, case.slot, case.exp, case.weights, out,
+                       gate_up_split=split)
+    want = out.clone()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        tk.experts_forward(case.x, case.buffers, w, case.tok, case.pos, case.slot, case.exp, case.weights, out,
+                           gate_up_split=split)
+    for _ in range(20):
+        out.zero_()
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, want)
+
+
 OTHER_CONFIGS = [tk.TileConfig(8, 2), tk.TileConfig(16, 1), tk.TileConfig(64, 2, unroll=True),
                  tk.TileConfig(128, 8, num_stages=3)]
 
@@ -460,7 +505,7 @@ DENSE_TYPES = [QT.Q4_K, QT.Q5_K, QT.Q6_K, QT.Q8_0, QT.MXFP4, QT.F16, QT.BF16]
 
 
 def check_dense(qtype: QT, n_out: int, K: int, rows: int, device: str, cfg: tk.TileConfig | None = None,
-                split: tk.DenseSplit | None = None, padded: bool = False) -> float:
+                split: tk.SplitK | None = None, padded: bool = False) -> float:
     """tk.dense (a dense weight read in its GGUF bytes; Q6_K with `padded` as pad_q6_k lays
     them out) against round_activation(x) @ dequantize(W).T."""
     rng = np.random.default_rng(int(qtype) + n_out + rows)
@@ -474,13 +519,13 @@ def check_dense(qtype: QT, n_out: int, K: int, rows: int, device: str, cfg: tk.T
     return err
 
 
-def dense_splits(K: int) -> list[tk.DenseSplit]:
+def dense_splits(K: int) -> list[tk.SplitK]:
     """No split; one K step per program; and, where there are 3 or more steps, an uneven
     split (the last slice shorter)."""
     n = -(-K // tk.KSTEP)
-    out = [tk.DenseSplit(1, n), tk.DenseSplit(n, 1)]
+    out = [tk.SplitK(1, n), tk.SplitK(n, 1)]
     if n >= 3:
-        out.append(tk.DenseSplit(-(-n // 2), 2))
+        out.append(tk.SplitK(-(-n // 2), 2))
     return out
 
 
@@ -543,7 +588,7 @@ def test_interpreter_linear_uses_the_kernel_layout(qtype: QT, monkeypatch) -> No
 @pytest.mark.parametrize("qtype", [QT.Q4_K, QT.Q8_0], ids=lambda t: t.name)
 def test_interpreter_dense_eight_rows_and_default_split(qtype: QT) -> None:
     check_dense(qtype, n_out=96, K=512, rows=tk.DENSE_MAX_ROWS, device="cpu", cfg=SMALL,
-                split=tk.DenseSplit(2, 1))
+                split=tk.SplitK(2, 1))
     check_dense(qtype, n_out=96, K=512, rows=2, device="cpu", cfg=SMALL)
 
 
@@ -554,15 +599,17 @@ def test_dense_rejects_more_rows_than_it_takes() -> None:
 
 
 @pytest.mark.parametrize("n_out,K,sms,want", [
-    (4096, 2048, 132, tk.DenseSplit(4, 2)),       # Qwen3-30B-A3B q projection
-    (512, 2048, 132, tk.DenseSplit(8, 1)),        # its k / v projections: one step per program
-    (2048, 4096, 132, tk.DenseSplit(8, 2)),       # its o projection
-    (151936, 2048, 132, tk.DenseSplit(1, 8)),     # its output head: no split, no reduction
-    (4096, 14336, 132, tk.DenseSplit(5, 12)),     # Mixtral's down projection
-    (4096, 2048, 1, tk.DenseSplit(1, 8)),         # one SM: nothing to spread
+    (4096, 2048, 132, tk.SplitK(4, 2)),       # Qwen3-30B-A3B q projection
+    (512, 2048, 132, tk.SplitK(8, 1)),        # its k / v projections: one step per program
+    (2048, 4096, 132, tk.SplitK(8, 2)),       # its o projection
+    (151936, 2048, 132, tk.SplitK(1, 8)),     # its output head: no split, no reduction
+    (4096, 14336, 132, tk.SplitK(5, 12)),     # Mixtral's down projection
+    (4096, 2048, 1, tk.SplitK(1, 8)),         # one SM: nothing to spread
+    (8 * 768, 2048, 132, tk.SplitK(3, 3)),    # one token's gate/up (top-8 pairs x 768 rows)
+    (64 * 768, 2048, 132, tk.SplitK(1, 8)),   # eight tokens' gate/up: 1,536 row blocks fill the GPU
 ])
-def test_dense_split_heuristic(n_out: int, K: int, sms: int, want) -> None:
-    got = tk.DenseSplit.choose(n_out, K, sms, 32)
+def test_split_heuristic(n_out: int, K: int, sms: int, want) -> None:
+    got = tk.SplitK.choose(n_out, K, sms, 32)
     assert got == want
     n_steps = -(-K // tk.KSTEP)
     assert (got.split - 1) * got.steps < n_steps <= got.split * got.steps, "every slice has a step"
