@@ -25,8 +25,10 @@ layer.
 """
 from __future__ import annotations
 
+import copy
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import numpy as np
@@ -108,6 +110,8 @@ class HybridExperts:
         self.read_back_s = 0.0
         self._read_back_marks: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
         self.prompt_id = 0  # bumped by every decode token (end_prompt): a many-row step after it is a new prompt's
+        self.learning = True  # False inside learning_paused: steps run, nothing is counted or learnt
+        self._token_step = None  # the decode graph's TokenExperts, once made
         self.copier = Copier(self.device, options.copy_delay_s)
         self.pool = pool if pool is not None else CpuExpertPool(expert_weights, options.threads)
         self.layer_ids = sorted(expert_weights)
@@ -142,12 +146,42 @@ class HybridExperts:
             return None
         from engine.moe.token_step import TokenExperts
 
-        return TokenExperts(self, k, n_embd)
+        self._token_step = TokenExperts(self, k, n_embd)
+        return self._token_step
 
     def end_prompt(self) -> None:
         """A decode token ran (in the token graph, which reports no step here): the next many-row
         step is another prompt's, whose experts its layers know nothing of."""
         self.prompt_id += 1
+
+    @contextmanager
+    def learning_paused(self) -> Iterator[None]:
+        """Steps inside compute as usual but teach nothing: no policy hears of them, so no refill
+        starts, and the counters, the copier's and the CPU pool's totals and what the steps
+        measured (read-back idle, a prompt's routing for its next chunk) are put back after. For
+        the load's warm-up (Engine.warm_up), whose made-up tokens must neither evict the experts
+        a profile or the placeholders put in the cache nor show in the dashboard's figures."""
+        c = self.counters
+        saved = ({name: copy.deepcopy(getattr(c, name)) for name in _LEARNT}, self.prompt_id, self.read_back_s,
+                 self.pool.busy_seconds, self.copier.bytes_copied,
+                 {layer: (L.upload_credit, L.last_many) for layer, L in self.layers.items()})
+        self.learning = False
+        try:
+            yield
+        finally:
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            self._learn_unlearnt(wait=True)
+            self._read_back_marks.clear()
+            self._prefetched = None
+            if self._token_step is not None:
+                self._token_step.forget_counts()
+            counters, self.prompt_id, self.read_back_s, self.pool.busy_seconds, self.copier.bytes_copied, layers = saved
+            for name, value in counters.items():  # in place: the telemetry holds this object
+                setattr(c, name, value)
+            for layer, (credit, last_many) in layers.items():
+                self.layers[layer].upload_credit, self.layers[layer].last_many = credit, last_many
+            self.learning = True
 
     # --- residency -----------------------------------------------------------------------------
     def prefill_residency(self, ranking: list[tuple[int, int]],
@@ -510,6 +544,8 @@ class HybridExperts:
 
     def _account(self, layer: int, L: _Layer, rows_of: np.ndarray, experts: np.ndarray, hits: np.ndarray,
                  uploads: np.ndarray, cpu: np.ndarray, tokens: int) -> None:
+        if not self.learning:
+            return
         c, i = self.counters, self.index[layer]
         c.gpu_hit[i] += rows_of[hits].sum()
         c.uploaded[i] += rows_of[uploads].sum()
@@ -535,6 +571,11 @@ class HybridExperts:
     def close(self) -> None:
         self.copier.close()
         self.pool.close()
+
+
+# CacheCounters' fields that steps move (learning_paused puts them back); residency moves with
+# refills only, decode_path once per capture.
+_LEARNT = ("gpu_hit", "uploaded", "cpu_computed", "swaps", "heat", "bytes_uploaded", "cpu_busy_s", "prompt_steps")
 
 
 def _combine(per_slot: torch.Tensor) -> torch.Tensor:

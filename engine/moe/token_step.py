@@ -85,9 +85,11 @@ class TokenExperts:
         self.mailbox.snapshot_stats()
         self._start_refills()
 
-    def after_warmup(self) -> None:
-        """The unarmed warm-up counted one token on the GPU that is not one: skip it (the read-back
-        holds it too, so the first token's learning sees no change until its own read-back)."""
+    @torch.inference_mode()  # the mailbox's tensors were made in it (the capture's forward)
+    def forget_counts(self) -> None:
+        """The tokens the GPU has counted so far teach nothing: the capture's unarmed warm-up (one
+        token that is not one), the engine's warm-up at load (the read-back holds them too, so the
+        next token's learning sees no change until its own read-back). The GPU must be idle."""
         self.mailbox.stats_host.copy_(self.mailbox.stats)
         self._seen = self.mailbox.stats_host.numpy().astype(np.int64)
 
@@ -119,6 +121,8 @@ class TokenExperts:
         if not chosen.any():
             return
         h = self.hybrid
+        if not h.learning:  # the engine's warm-up (HybridExperts.learning_paused)
+            return
         c = h.counters
         c.gpu_hit += hits
         c.cpu_computed += chosen.sum(axis=1) - hits

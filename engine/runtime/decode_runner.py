@@ -68,7 +68,7 @@ class DecodeRunner:
         tx.before_token()
         self._token_forward()
         torch.cuda.synchronize(self.device)
-        tx.after_warmup()
+        tx.forget_counts()
         tx.arm(True)
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import threading
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator, Union
@@ -206,8 +207,35 @@ class Engine:
         if executor is not None:
             engine.telemetry.engine = executor.kind
             engine.telemetry.cache = executor.counters
+        if torch.device(config.device).type == "cuda":
+            report("compiling the GPU kernels (about a minute the first time on this machine)", 0.95)
+            engine.warm_up()
         report("ready", 1.0)
         return engine
+
+    def warm_up(self) -> None:
+        """Launches every kernel a request launches, once, so that the first reply does not wait
+        for Triton to compile them (tens of seconds with an empty cache: ~32 s on the H200 for
+        Qwen3-30B-A3B geometry; milliseconds from its disk cache). Triton compiles a variant per divisibility by 16 of each integer argument,
+        and the one-token-to-eight-row products one per row count: so a chunk-long prompt step,
+        one of an odd length at an odd position, one of each row count from 8 down to 2, then
+        decode tokens (the decode graph's capture). Made-up tokens: the expert cache learns
+        nothing from them (HybridExperts.learning_paused) and the KV cache is emptied after."""
+        from engine.quant.triton_kernels import DENSE_MAX_ROWS
+
+        lengths = [self.config.prefill_chunk, 37, *range(DENSE_MAX_ROWS, 1, -1), 1, 1]
+        lengths[0] = min(lengths[0], self.n_ctx - 1 - sum(lengths[1:]))
+        if lengths[0] < 1:
+            return  # a context too small to hold the warm-up: the first request compiles instead
+        tokens = torch.arange(sum(lengths)) * 7919 % self.model.config.n_vocab
+        learning_paused = getattr(self.model.experts, "learning_paused", nullcontext)
+        with learning_paused():
+            start = 0
+            for n in lengths:
+                self.model.forward(tokens[start:start + n], self.cache, start, last_only=n > 1)
+                start += n
+            self.model.settle()
+        self.forget()
 
     def prompt_tokens(self, request: Request) -> list[int]:
         if request.messages is not None:

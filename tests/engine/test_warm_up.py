@@ -1,0 +1,96 @@
+"""The load's warm-up (Engine.warm_up): every kernel a request launches runs once at load, so the
+first reply does not wait for Triton's compiles, and the expert cache learns nothing from its
+made-up tokens: after it, a request decodes, counts and refills exactly as without it."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from engine.layers.sampler import SamplingParams
+from engine.moe.hybrid import attach_hybrid
+from engine.runtime.engine import Engine, EngineConfig, Request, TokenEvent
+from engine.runtime.tokenizer import tokenize_text
+
+
+def _generate(engine: Engine, prompt: list[int]) -> list[int]:
+    request = Request(prompt=prompt, max_tokens=24, ignore_eos=True, sampling=SamplingParams(temperature=0.0))
+    return [e.token for e in engine.generate(request) if isinstance(e, TokenEvent) and e.token is not None]
+
+
+def _cache_state(engine: Engine) -> dict:
+    """What the expert cache learnt and counted: residency, policies, counters, totals."""
+    h = engine.model.experts
+    c = h.counters
+    state = {name: np.array(getattr(c, name)).tolist() for name in
+             ("gpu_hit", "uploaded", "cpu_computed", "swaps", "heat", "residency")}
+    state.update(prompt_steps=dict(c.prompt_steps), bytes_uploaded=c.bytes_uploaded, prompt_id=h.prompt_id,
+                 slot_expert=[L.slots.slot_expert.tolist() for L in h.layers.values()],
+                 policy=[(L.policy.counts.tolist(), L.policy.last_use.tolist(), L.policy.step, L.policy.tokens)
+                         for L in h.layers.values()])
+    return state
+
+
+def test_the_warm_up_teaches_the_cache_nothing_and_leaves_the_replies_as_they_were(tiny, prompt_text):
+    """Two engines on one file, a partial cache whose policy refills at every miss: the one that
+    warmed up first (as a CUDA load does) gives the same tokens and ends with the same cache,
+    counters and policies as the one that did not."""
+    config = EngineConfig(n_ctx=256, moe_expert_cache_size=3, moe_profile_adapt="lru")
+    prompt = tokenize_text(tiny, prompt_text)[:40]
+    cold = Engine.load(tiny, config, attach_experts=attach_hybrid)
+    warm = Engine.load(tiny, config, attach_experts=attach_hybrid)
+    try:
+        before = _cache_state(warm)
+        warm.warm_up()
+        assert warm.cache.length == 0 and warm._cached == []
+        assert _cache_state(warm) == before
+        tokens = _generate(cold, prompt)
+        assert _generate(warm, prompt) == tokens
+        after = _cache_state(cold)
+        assert after["swaps"] != before["swaps"]  # the request did teach the cache: the test can tell
+        assert _cache_state(warm) == after
+    finally:
+        cold.model.experts.close()
+        warm.model.experts.close()
+
+
+# In a process of its own, so that no earlier test's launches have compiled the variants: the
+# load (with its warm-up), then requests of other shapes, counting the kernels they compile.
+_REQUESTS_AFTER_LOAD = """
+import json, sys
+from engine.bench.compiles import counting_compiles
+from engine.layers.sampler import SamplingParams
+from engine.moe.hybrid import attach_hybrid
+from engine.runtime.engine import Engine, EngineConfig, Request
+
+path, cache = sys.argv[1], sys.argv[2]
+with counting_compiles() as at_load:
+    engine = Engine.load(path, EngineConfig(device="cuda", n_ctx=2048,
+                                            moe_expert_cache_size=int(cache) if cache.isdigit() else cache),
+                         attach_experts=attach_hybrid)
+text = [(i * 131 + 7) % engine.model.config.n_vocab for i in range(1200)]
+greedy = SamplingParams(temperature=0.0)
+with counting_compiles() as requests:
+    for n in (5, 2, 45, 100, 700):  # 700: two chunks, the second at position 512
+        events = list(engine.generate(Request(prompt=text[:n], max_tokens=5, ignore_eos=True, sampling=greedy)))
+    # a follow-up that reuses the cache: its new tokens start at an odd position
+    follow_up = text[:700] + [e.token for e in events if getattr(e, "token", None) is not None] + text[1000:1016]
+    list(engine.generate(Request(prompt=follow_up, max_tokens=5, ignore_eos=True, sampling=greedy)))
+print(json.dumps({"load": at_load.as_dict(), "requests": requests.as_dict()}))
+"""
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cache", ["all", "4"])
+def test_gpu_after_the_load_s_warm_up_no_request_compiles_a_kernel(tiny, cache):
+    """Prompts of other lengths, at other positions (a second chunk, a follow-up that reuses the
+    cache), then decode tokens: every kernel variant they launch was launched by the warm-up."""
+    run = subprocess.run([sys.executable, "-c", _REQUESTS_AFTER_LOAD, str(tiny), cache], capture_output=True,
+                         text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    seen = json.loads(run.stdout.strip().splitlines()[-1])
+    assert seen["load"]["counted"] and seen["load"]["count"] > 0  # the counter sees the warm-up's launches
+    assert seen["requests"]["count"] == 0, seen["requests"]["kernels"]
