@@ -96,6 +96,12 @@ if has wait; then
   [ "$(cat /tmp/build_cuda.rc)" = 0 ] || tail -20 /tmp/build_cuda.log >> "$OUT/steps.log"
 fi
 
+if has engine && [ ! -f /tmp/build_cuda.rc ] && pgrep -f "target /tmp/site_cuda" > /dev/null; then
+  # The CUDA build's compilers take the cores the CPU pool decodes on: an engine run beside it
+  # decoded at 1 tok/s instead of ~130 (session 15).
+  log "the engine's runs wait for the CUDA build"
+  while [ ! -f /tmp/build_cuda.rc ]; do sleep 2; done
+fi
 for phase in engine llama report; do
   if has $phase; then
     log "scenarios: $phase"

@@ -146,7 +146,7 @@ def run(model: Path, budget: int | None, tokens: int, threads: int, ctx: int, ou
     torch.cuda.synchronize()
     first_prompt["wall"] = time.perf_counter() - t
     m.experts.pool.__dict__.pop("compute")
-    _stage("warm-up, graph capture, prompt (the first runs compile their kernels)", t0)
+    _stage("warm-up, graph capture, prompt (a kernel the load's warm-up missed compiles here)", t0)
     c = engine.telemetry.cache
     first_ms, first_cpu = [], []  # each of the first 32 tokens after the prompt: adaptation shows here
     for p in range(512, 544):
