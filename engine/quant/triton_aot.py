@@ -160,7 +160,7 @@ def decode_variants(gate: QT, up: QT, down: QT, n_embd: int, n_ff: int, activati
     # gate/up unsplit (many pairs: Triton specializes the split of 1 as a constant) and split
     # over K (one token's top-8 on an H200; the split a runtime argument)
     one_token = tk.SplitK.choose(ONE_TOKEN_PAIRS * -(-n_ff // gu.block_n) * gu.block_n, n_embd, H200_SMS, gu.block_n)
-    for split in ({"split": 1}, {}) if one_token.split > 1 else ({"split": 1},):
+    for split in ({"split": 1}, {}) if one_token.split > 1 and not gu.unroll else ({"split": 1},):
         out.append((f"gate_up s{split.get('split', one_token.split)}", tk._gate_up_kernel,
                     {"N": n_ff, "K": n_embd, "QG": slot_type(gate), "QU": slot_type(up), "SAME_X": vt(gate) == vt(up),
                      "VT_DOWN": vt(down), "ACT": activation, "HAS_BIAS": bias, "BLOCK_N": gu.block_n,
@@ -193,7 +193,8 @@ def dense_variants(qtype: QT, n_out: int, K: int, rows: int, cfg: tk.TileConfig 
     split = tk.SplitK.choose(n_out, K, sm_count, cfg.block_n)
     return [(f"dense r{rows} s{split.split}", tk._dense_kernel,
              {"K": K, "QW": tk.Q6_K_PADDED if padded else int(qtype), "ROWS": rows, "SPLIT": split.split,
-              "STEPS": split.steps, "BLOCK_N": cfg.block_n, "INTERP": False, "REV": tk.reversed_ties(_target(arch))}, cfg)]
+              "STEPS": split.steps, "BLOCK_N": cfg.block_n, "INTERP": False,
+              "REV": tk.reversed_ties(_target(arch))}, cfg)]
 
 
 def grouped_variants(gate: QT, up: QT, down: QT, n_embd: int, n_ff: int, activation: int = 0, bias: bool = False):
