@@ -52,8 +52,10 @@ def _timed_prefill(engine, prompt: list[int], sync) -> tuple[float, float, dict[
 
 
 def warm_up(model, kv, warmup: list[int], sync) -> None:
-    """The warm-up every timed run starts with: `warmup` as a prompt (the prompt's kernels, the
-    CPU pool), then one decode token (the decode graph's capture)."""
+    """The warm-up every timed run starts with, llama.cpp's as well (llama_runner.py): `warmup` as
+    a prompt, then one decode token. On CUDA the engine's load has already launched every kernel
+    (Engine.warm_up, which learns nothing); this one, like llama.cpp's, also lets the expert cache
+    see text other than the timed prompt's, and wakes the CPU pool's threads."""
     import torch
 
     model.forward(torch.tensor(warmup), kv, 0, last_only=True)
