@@ -208,16 +208,17 @@ class Engine:
             engine.telemetry.engine = executor.kind
             engine.telemetry.cache = executor.counters
         if torch.device(config.device).type == "cuda":
-            report("compiling the GPU kernels (about a minute the first time on this machine)", 0.95)
+            report("compiling the GPU kernels (minutes the first time on this machine)", 0.95)
             engine.warm_up()
         report("ready", 1.0)
         return engine
 
     def warm_up(self) -> None:
         """Launches every kernel a request launches, once, so that the first reply does not wait
-        for Triton to compile them (tens of seconds with an empty cache: ~32 s on the H200 for
-        Qwen3-30B-A3B geometry; milliseconds from its disk cache). Triton compiles a variant per divisibility by 16 of each integer argument,
-        and the one-token-to-eight-row products one per row count: so a chunk-long prompt step,
+        for Triton to compile them (with an empty cache ~99 s on the H200 for Qwen3-30B-A3B
+        geometry, 89 s of it the prompt's dense-product variants; milliseconds from its disk
+        cache). Triton compiles a variant per divisibility by 16 of each integer argument, and
+        the one-token-to-eight-row products one per row count: so a chunk-long prompt step,
         one of an odd length at an odd position, one of each row count from 8 down to 2, then
         decode tokens (the decode graph's capture). Made-up tokens: the expert cache learns
         nothing from them (HybridExperts.learning_paused) and the KV cache is emptied after."""
