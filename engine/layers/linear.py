@@ -14,6 +14,8 @@ more rows (prompts) through the grouped GEMM's int8 tensor-core product (quant/g
 """
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 from gguf import GGMLQuantizationType as QT
 
@@ -84,6 +86,23 @@ class Linear:
             else:
                 y = gg.dense(x, self.raw, self.qtype)
         return y + self.bias if self.bias is not None else y
+
+
+def compile_dense_kernels(weights: list[tuple[Linear, int]]) -> None:
+    """Compiles, without launching them, the few-row dense kernel's variants that these weights
+    run with 1 to `rows` rows each (one per weight layout and row count; quant/triton_kernels
+    .compile_in_parallel: in parallel threads), so that Engine.warm_up's forward passes find them
+    compiled. Weights off the kernels' path have nothing to compile."""
+    from engine.quant import triton_kernels as tk
+
+    variants = {}
+    for lin, rows in weights:
+        if lin.raw is None:
+            continue
+        for n in range(1, min(rows, tk.DENSE_MAX_ROWS) + 1):
+            key = (lin.qtype, lin.shape, lin.raw.stride(), n)
+            variants.setdefault(key, partial(tk.compile_dense, lin.raw, lin.qtype, *lin.shape, n))
+    tk.compile_in_parallel(list(variants.values()))
 
 
 def _kernel_applies(qtype: QT, device: torch.device | str) -> bool:

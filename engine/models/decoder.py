@@ -147,6 +147,25 @@ class DecoderModel:
             h, x = add_rms_norm(h, block.ffn(x, experts) if block.is_moe else block.ffn(x), next_norm, eps)
         return self.output(x[-1:] if last_only else x)
 
+    def block_linears(self) -> list[Linear]:
+        """Every Linear the blocks hold (attention projections, routers, shared experts, dense
+        FFNs, whatever a family keeps them in), each once."""
+        found, seen, stack = [], set(), list(self.blocks)
+        while stack:
+            obj = stack.pop()
+            if id(obj) in seen:
+                continue
+            seen.add(id(obj))
+            if isinstance(obj, Linear):
+                found.append(obj)
+            elif isinstance(obj, (list, tuple)):
+                stack.extend(obj)
+            elif isinstance(obj, dict):
+                stack.extend(obj.values())
+            elif type(obj).__module__.startswith("engine.") and hasattr(obj, "__dict__"):
+                stack.extend(vars(obj).values())
+        return found
+
     def settle(self) -> None:
         """Brings the expert counters up to date after decoding (the decode graph's trail by
         one token)."""

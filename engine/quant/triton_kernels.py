@@ -41,6 +41,8 @@ from __future__ import annotations
 import functools
 import os
 import re
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -1150,20 +1152,49 @@ def dense(x: torch.Tensor, raw: torch.Tensor, qtype: QT, n_out: int, cfg: TileCo
     T, K = x.shape
     if T > DENSE_MAX_ROWS:
         raise ValueError(f"dense takes at most {DENSE_MAX_ROWS} rows, got {T}: use dequantize + matmul")
-    out = torch.empty((T, n_out), dtype=torch.float32, device=x.device)
     if T == 0:
-        return out
+        return torch.empty((0, n_out), dtype=torch.float32, device=x.device)
+    return _dense_product(round_rows(x, qtype), raw, qtype, n_out, cfg, split)
+
+
+def compile_dense(raw: torch.Tensor, qtype: QT, n_out: int, K: int, rows: int) -> None:
+    """Compiles, without launching it, the product `dense` launches for `rows` rows of this
+    weight (its rounding launch is one per K and type, compiled by the first product)."""
+    _dense_product(Rounded.empty(rows, K, raw.device), raw, qtype, n_out, compile_only=True)
+
+
+def _dense_product(xr: Rounded, raw: torch.Tensor, qtype: QT, n_out: int, cfg: TileConfig | None = None,
+                   split: SplitK | None = None, compile_only: bool = False) -> torch.Tensor:
+    T, K = xr.padded.shape[0], xr.K
+    out = torch.empty((T, n_out), dtype=torch.float32, device=raw.device)
     cfg = cfg or DENSE_CONFIG[qtype]
-    split = split or SplitK.choose(n_out, K, sm_count(str(x.device)), cfg.block_n)
-    xr = round_rows(x, qtype)
+    split = split or SplitK.choose(n_out, K, sm_count(str(raw.device)), cfg.block_n)
     blocks = triton.cdiv(n_out, cfg.block_n)
     if split.split > 1:
-        part = torch.empty((split.split, T, n_out), dtype=torch.float32, device=x.device)
-        count = _counter(x.device, blocks)
+        part = torch.empty((split.split, T, n_out), dtype=torch.float32, device=raw.device)
+        count = _counter(raw.device, blocks)
     else:
-        part, count = out, _counter(x.device, 1)
-    _dense_kernel[(blocks, split.split)](
-        xr.padded, xr.quants, xr.scales, raw, raw.stride(1), part, out, count, n_out,
-        K=K, QW=kernel_type(qtype, raw, K), ROWS=T, SPLIT=split.split, STEPS=split.steps, BLOCK_N=cfg.block_n,
-        INTERP=INTERPRETED, REV=reversed_ties(), **_launch_opts(cfg))
+        part, count = out, _counter(raw.device, 1)
+    grid = (blocks, split.split)
+    launch = functools.partial(_dense_kernel.warmup, grid=grid) if compile_only else _dense_kernel[grid]
+    launch(xr.padded, xr.quants, xr.scales, raw, raw.stride(1), part, out, count, n_out,
+           K=K, QW=kernel_type(qtype, raw, K), ROWS=T, SPLIT=split.split, STEPS=split.steps, BLOCK_N=cfg.block_n,
+           INTERP=INTERPRETED, REV=reversed_ties(), **_launch_opts(cfg))
     return out
+
+
+def compile_in_parallel(compiles: list[Callable[[], None]]) -> None:
+    """Runs compile-only launches (compile_dense) with their compiles spread over threads, one per
+    core: Triton releases the GIL in its compiler passes, so N variants take about as long as
+    the longest of them on N cores, not their sum (the prompt's dense variants, 89 s one after
+    another on the H200's host). A Triton without AsyncCompileMode compiles them in turn."""
+    if INTERPRETED:
+        return  # the interpreter compiles nothing
+    mode = getattr(triton, "AsyncCompileMode", None)
+    if mode is None or len(compiles) < 2:
+        for compile_one in compiles:
+            compile_one()
+        return
+    with ThreadPoolExecutor(min(len(compiles), os.cpu_count() or 1)) as pool, mode(pool):
+        for compile_one in compiles:
+            compile_one()

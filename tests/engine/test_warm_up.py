@@ -13,6 +13,7 @@ import pytest
 from engine.layers.sampler import SamplingParams
 from engine.moe.hybrid import attach_hybrid
 from engine.runtime.engine import Engine, EngineConfig, Request, TokenEvent
+from engine.quant.triton_kernels import DENSE_MAX_ROWS
 from engine.runtime.tokenizer import tokenize_text
 
 
@@ -94,3 +95,40 @@ def test_gpu_after_the_load_s_warm_up_no_request_compiles_a_kernel(tiny, cache):
     seen = json.loads(run.stdout.strip().splitlines()[-1])
     assert seen["load"]["counted"] and seen["load"]["count"] > 0  # the counter sees the warm-up's launches
     assert seen["requests"]["count"] == 0, seen["requests"]["kernels"]
+
+
+# The dense products' variants compiled up front (in parallel threads), then forward passes of
+# every row count: each variant they launch must be one of those, or the parallel compile is
+# time spent twice.
+_FORWARD_AFTER_DENSE_COMPILES = """
+import json, sys, torch
+from engine.bench.compiles import counting_compiles
+from engine.gguf.reader import ModelFile
+from engine.layers.linear import compile_dense_kernels
+from engine.models import build_model
+from engine.quant.triton_kernels import DENSE_MAX_ROWS
+
+model = build_model(ModelFile.open(sys.argv[1]), "cuda")
+with counting_compiles() as ahead:
+    compile_dense_kernels([(model.output, 1)] + [(lin, DENSE_MAX_ROWS) for lin in model.block_linears()])
+cache = model.new_cache(64)
+with counting_compiles() as forward:
+    start = 0
+    for n in range(DENSE_MAX_ROWS, 0, -1):
+        model.forward(torch.arange(n) + 3, cache, start, last_only=True)
+        start += n
+    torch.cuda.synchronize()
+print(json.dumps({"ahead": ahead.as_dict(), "forward": forward.as_dict(),
+                  "weights": sorted({(str(lin.qtype), lin.shape) for lin in model.block_linears()})}))
+"""
+
+
+@pytest.mark.gpu
+def test_gpu_dense_variants_compiled_ahead_are_the_ones_the_forward_launches(tiny):
+    run = subprocess.run([sys.executable, "-c", _FORWARD_AFTER_DENSE_COMPILES, str(tiny)], capture_output=True,
+                         text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    seen = json.loads(run.stdout.strip().splitlines()[-1])
+    assert seen["ahead"]["kernels"] == ["_dense_kernel"], seen
+    assert seen["ahead"]["count"] >= 1 + DENSE_MAX_ROWS  # the head's one-row product, the rest at every count
+    assert "_dense_kernel" not in seen["forward"]["kernels"], seen
