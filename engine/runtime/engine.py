@@ -215,9 +215,9 @@ class Engine:
 
     def warm_up(self) -> None:
         """Launches every kernel a request launches, once, so that the first reply does not wait
-        for Triton to compile them (with an empty cache ~99 s on the H200 for Qwen3-30B-A3B
-        geometry, 89 s of it the prompt's dense-product variants; milliseconds from its disk
-        cache). Triton compiles a variant per divisibility by 16 of each integer argument, and
+        for Triton to compile them (with an empty cache on the H200, Qwen3-30B-A3B geometry: the
+        dense-product variants, 89 s one after another, 32 s compiled first in parallel threads
+        (compile_dense_kernels); milliseconds from its disk cache). Triton compiles a variant per divisibility by 16 of each integer argument, and
         the one-token-to-eight-row products one per row count: so a chunk-long prompt step,
         one of an odd length at an odd position, one of each row count from 8 down to 2, then
         decode tokens (the decode graph's capture). Made-up tokens: the expert cache learns
