@@ -1,7 +1,8 @@
 """Where a decode token's time goes, on one model: the token graph's host phases and the CPU pool.
 
 python scripts/profile_decode.py MODEL [--budget-mib N] [--tokens 64] [--ctx 4096] [--out DIR] [--profile]
-Runs `bench speed`'s order (warm-up, the prompt, then decode) and prints: the prompt's time and
+Runs `bench speed`'s order (warm-up, the prompt, then decode) and prints: the load's time and the
+Triton compiles in it (an empty Triton cache: the first load's cost); the prompt's time and
 the CPU pool's share of it (what `bench` reports as time to first token), each of the first 32
 tokens after the prompt (wall time, CPU-computed selections: the residency's adaptation); then per
 token of the next TOKENS: wall time, host time in each phase of the token step (engine/moe/token_step.py:
@@ -19,7 +20,7 @@ import argparse
 import json
 import sys
 import time
-from collections import defaultdict
+from collections import Counter, defaultdict
 from pathlib import Path
 
 import numpy as np
@@ -123,6 +124,7 @@ def _prefill(m, kv, ids: list[int], profile: bool, t0: float) -> dict:
 
 
 def run(model: Path, budget: int | None, tokens: int, threads: int, ctx: int, out: Path, profile: bool) -> dict:
+    from engine.bench.compiles import counting_compiles
     from engine.moe.hybrid import attach_hybrid
     from engine.runtime.engine import Engine, EngineConfig
     from engine.runtime.tokenizer import tokenize_text
@@ -130,8 +132,11 @@ def run(model: Path, budget: int | None, tokens: int, threads: int, ctx: int, ou
 
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
-    engine = Engine.load(model, EngineConfig(device="cuda", n_ctx=max(ctx, tokens + 600), threads=threads,
-                                             vram_budget_mib=budget), attach_experts=attach_hybrid)
+    with counting_compiles() as load_compiles:
+        engine = Engine.load(model, EngineConfig(device="cuda", n_ctx=max(ctx, tokens + 600), threads=threads,
+                                                 vram_budget_mib=budget), attach_experts=attach_hybrid)
+    load = {"seconds": time.perf_counter() - t0, "compiles": load_compiles.count,
+            "compiles_by_kernel": dict(Counter(load_compiles.kernels).most_common())}
     m, kv = engine.model, engine.cache
     ids = tokenize_text(model, stdlib_text(max_chars=(tokens + 600) * 8))  # the stream `bench speed` decodes
     _stage("loaded", t0)
@@ -196,6 +201,7 @@ def run(model: Path, budget: int | None, tokens: int, threads: int, ctx: int, ou
     r["prefill_512"] = r_prefill
     r["first_tokens"] = {"ms": first_ms, "cpu_selections": first_cpu}
     r["first_prompt_s"] = dict(first_prompt)
+    r["load"] = load
     pool_w = m.experts.pool
     layer = min(m.expert_weights)
     x = np.random.default_rng(0).standard_normal((1, m.config.n_embd)).astype(np.float32)

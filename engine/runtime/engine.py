@@ -208,7 +208,7 @@ class Engine:
             engine.telemetry.engine = executor.kind
             engine.telemetry.cache = executor.counters
         if torch.device(config.device).type == "cuda":
-            report("compiling the GPU kernels (minutes the first time on this machine)", 0.95)
+            report("compiling the GPU kernels (a minute or more the first time on this machine)", 0.95)
             engine.warm_up()
         report("ready", 1.0)
         return engine
@@ -216,9 +216,10 @@ class Engine:
     def warm_up(self) -> None:
         """Launches every kernel a request launches, once, so that the first reply does not wait
         for Triton to compile them (with an empty cache on the H200, Qwen3-30B-A3B geometry: the
-        dense-product variants, 89 s one after another, 32 s compiled first in parallel threads
-        (compile_dense_kernels); milliseconds from its disk cache). Triton compiles a variant per divisibility by 16 of each integer argument, and
-        the one-token-to-eight-row products one per row count: so a chunk-long prompt step,
+        dense-product variants take 89 s one after another, 32 s compiled first in parallel
+        threads (compile_dense_kernels); the whole load 72 s against 225 s; milliseconds from
+        Triton's disk cache). Triton compiles a variant per divisibility by 16 of each integer
+        argument, and the one-token-to-eight-row products one per row count: so a chunk-long prompt step,
         one of an odd length at an odd position, one of each row count from 8 down to 2, then
         decode tokens (the decode graph's capture). Made-up tokens: the expert cache learns
         nothing from them (HybridExperts.learning_paused) and the KV cache is emptied after."""
