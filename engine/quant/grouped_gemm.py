@@ -109,6 +109,8 @@ if triton is not None:
             dmin = _u16(blk + 2)
             dx = tl.load(xd_ptr + a_rows * (KP // 32) + ks * 8, mask=live_m, other=0.0)
             sums = xs_ptr + a_rows * (KP // 32) + ks * 8
+            # Two 32-deep int8 products per chunk, scaled after: one 64-deep fp16 product of sc * q
+            # (exact in fp16) was 1.7x slower, its operand routed through shared memory (session 18)
             for c in range(4):  # a loop, not unrolled: one chunk's tiles live at a time
                 # values 64c + i: sub-block 2c, the low nibbles of qs[32c + i]; 64c + 32 + i:
                 # sub-block 2c + 1, the high nibbles
@@ -352,8 +354,9 @@ class GroupedConfig:
 #   Q4_K  32x64 w4 s3   1,059 / 6,039   (32x64 w4 s2: 1,166 / 6,414; 64x64 w4 s2: 2,224 / 9,603)
 #   Q6_K  32x64 w4 s3   1,635 / 8,676   (32x64 w4 s2: 1,605 / 9,048; 32x64 w8 s2: 1,623 / 9,216)
 #   Q8_0  32x64 w4 s2     929 / 4,841   (64x64 w4 s2: 1,064 / 4,404)
-# Q5_K takes Q4_K's tile (not timed on its own). Compiled for sm_90 (engine/quant/triton_aot.py,
-# tests/quant/test_grouped_gemm.py), these spill nothing. `moestudio bench kernels --only grouped
+# Session 18 re-swept Q4_K (8 tiles incl. 8 warps, 4 stages, 32- and 128-wide, 64-row): 32x64 w4 s3
+# still the fastest, 1,032 / 5,990 µs. Q5_K takes Q4_K's tile (not timed on its own). Compiled
+# for sm_90 (engine/quant/triton_aot.py, tests/quant/test_grouped_gemm.py), these spill nothing. `moestudio bench kernels --only grouped
 # --sweep` times others. block_m is the planner's GROUPED_BLOCK_M, which reserves the padded rows.
 _K_QUANTS = (QT.Q4_K, QT.Q5_K, QT.Q6_K)
 GATE_UP_CONFIG: dict[QT, GroupedConfig] = {t: GroupedConfig(GROUPED_BLOCK_M, 64, 4, 3 if t in _K_QUANTS else 2)
