@@ -356,8 +356,9 @@ class GroupedConfig:
 #   Q8_0  32x64 w4 s2     929 / 4,841   (64x64 w4 s2: 1,064 / 4,404)
 # Session 18 re-swept Q4_K (8 tiles incl. 8 warps, 4 stages, 32- and 128-wide, 64-row): 32x64 w4 s3
 # still the fastest, 1,032 / 5,990 µs. Q5_K takes Q4_K's tile (not timed on its own). Compiled
-# for sm_90 (engine/quant/triton_aot.py, tests/quant/test_grouped_gemm.py), these spill nothing. `moestudio bench kernels --only grouped
-# --sweep` times others. block_m is the planner's GROUPED_BLOCK_M, which reserves the padded rows.
+# for sm_90 (engine/quant/triton_aot.py, tests/quant/test_grouped_gemm.py), these spill nothing.
+# `moestudio bench kernels --only grouped --sweep` times others. block_m is the planner's
+# GROUPED_BLOCK_M, which reserves the padded rows.
 _K_QUANTS = (QT.Q4_K, QT.Q5_K, QT.Q6_K)
 GATE_UP_CONFIG: dict[QT, GroupedConfig] = {t: GroupedConfig(GROUPED_BLOCK_M, 64, 4, 3 if t in _K_QUANTS else 2)
                                            for t in GROUPED_TYPES}
