@@ -14,7 +14,7 @@ import torch
 
 from engine.gguf.reader import ModelFile
 from engine.layers.attention import KVCache
-from engine.layers.linear import Linear
+from engine.layers.linear import Linear, compile_dense_kernels
 from engine.layers.moe import Experts, ExpertWeights, Router, activate, SILU
 from engine.layers.norm import add_rms_norm, rms_norm
 from engine.quant.dequant import check_supported, dequantize
@@ -147,7 +147,15 @@ class DecoderModel:
             h, x = add_rms_norm(h, block.ffn(x, experts) if block.is_moe else block.ffn(x), next_norm, eps)
         return self.output(x[-1:] if last_only else x)
 
-    def block_linears(self) -> list[Linear]:
+    def compile_dense_kernels(self) -> None:
+        """Compiles, in parallel threads, the few-row dense kernel's variants the forward launches
+        (layers/linear.compile_dense_kernels): the head's at one row (a prompt step keeps its last
+        row), the blocks' weights at every count up to the kernel's."""
+        from engine.quant.triton_kernels import DENSE_MAX_ROWS
+
+        compile_dense_kernels([(self.output, 1)] + [(lin, DENSE_MAX_ROWS) for lin in self._block_linears()])
+
+    def _block_linears(self) -> list[Linear]:
         """Every Linear the blocks hold (attention projections, routers, shared experts, dense
         FFNs, whatever a family keeps them in), each once."""
         found, seen, stack = [], set(), list(self.blocks)

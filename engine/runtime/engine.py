@@ -217,23 +217,19 @@ class Engine:
         """Launches every kernel a request launches, once, so that the first reply does not wait
         for Triton to compile them (with an empty cache on the H200, Qwen3-30B-A3B geometry: the
         dense-product variants take 89 s one after another, 32 s compiled first in parallel
-        threads (compile_dense_kernels); the whole load 72 s against 225 s; milliseconds from
+        threads (DecoderModel.compile_dense_kernels); the whole load 72 s against 225 s; milliseconds from
         Triton's disk cache). Triton compiles a variant per divisibility by 16 of each integer
         argument, and the one-token-to-eight-row products one per row count: so a chunk-long prompt step,
         one of an odd length at an odd position, one of each row count from 8 down to 2, then
         decode tokens (the decode graph's capture). Made-up tokens: the expert cache learns
         nothing from them (HybridExperts.learning_paused) and the KV cache is emptied after."""
-        from engine.layers.linear import compile_dense_kernels
         from engine.quant.triton_kernels import DENSE_MAX_ROWS
 
         lengths = [self.config.prefill_chunk, 37, *range(DENSE_MAX_ROWS, 1, -1), 1, 1]
         lengths[0] = min(lengths[0], self.n_ctx - 1 - sum(lengths[1:]))
         if lengths[0] < 1:
             return  # a context too small to hold the warm-up: the first request compiles instead
-        # The head multiplies one row (a prompt step keeps its last row); the blocks' weights any
-        # count up to the kernel's.
-        model = self.model
-        compile_dense_kernels([(model.output, 1)] + [(lin, DENSE_MAX_ROWS) for lin in model.block_linears()])
+        self.model.compile_dense_kernels()
         tokens = torch.arange(sum(lengths)) * 7919 % self.model.config.n_vocab
         learning_paused = getattr(self.model.experts, "learning_paused", nullcontext)
         with learning_paused():
