@@ -349,13 +349,14 @@ def torch_many_rows(x: torch.Tensor, layer: ExpertLayer, ids: torch.Tensor, weig
     import torch
 
     from engine.layers.moe import expert_ffn
-    from engine.quant.dequant import dequantize
+    from engine.quant.layout import dequantize_layout
 
     w = layer.w
     for e in range(layer.n_slots):
         tok, pos = torch.nonzero(ids == e, as_tuple=True)
         if len(tok):
-            mats = [dequantize(b[e], t.qtype, t.shape[1:]) for b, t in zip(layer.buffers, (w.gate, w.up, w.down))]
+            mats = [dequantize_layout(b[e], t.qtype, t.shape[1:])
+                    for b, t in zip(layer.buffers, (w.gate, w.up, w.down))]
             out[pos, tok] = expert_ffn(x[tok], *mats, w, e) * weights[tok, pos, None]
 
 
