@@ -69,14 +69,27 @@ if triton is not None:
         return _f16_bits(tl.load(ptr.to(tl.pointer_type(tl.uint16))).to(tl.int32))
 
     @triton.jit
-    def _k4_sc_m(s, j):
-        """get_scale_min_k4 of sub-block j (0..7) from the 12 scale bytes at `s` ([1, BLOCK_N]
-        byte pointers): (scale, min) as int32."""
-        a = tl.load(s + j).to(tl.int32)
-        b = tl.load(s + j + 4).to(tl.int32)
-        e = tl.load(s + (j & 3)).to(tl.int32)  # j - 4 for the upper four
-        sc = tl.where(j < 4, a & 63, (b & 15) | ((e >> 6) << 4))
-        m = tl.where(j < 4, b & 63, (b >> 4) | ((a >> 6) << 4))
+    def _k4_chunk_scales(s, c):
+        """get_scale_min_k4 of sub-blocks 2c and 2c + 1 (chunk c of 0..3) from the 12 scale bytes
+        at `s` ([1, BLOCK_N] byte pointers, 4-aligned), read as three 32-bit words (three loads,
+        not six byte loads): (sc0, m0, sc1, m1) as int32."""
+        w0 = tl.load(s.to(tl.pointer_type(tl.uint32)))  # bytes 0..3: the scales (j < 4) or high bits
+        w1 = tl.load((s + 4).to(tl.pointer_type(tl.uint32)))  # 4..7: the mins (j < 4) or high bits
+        w2 = tl.load((s + 8).to(tl.pointer_type(tl.uint32)))  # 8..11: both low nibbles (j >= 4)
+        shift = 16 * (c % 2)  # sub-block 2c's byte within each word; 2c + 1's is the next
+        sc0, m0 = _k4_sc_m_of(w0 >> shift, w1 >> shift, w2 >> shift, c < 2)
+        sc1, m1 = _k4_sc_m_of(w0 >> (shift + 8), w1 >> (shift + 8), w2 >> (shift + 8), c < 2)
+        return sc0, m0, sc1, m1
+
+    @triton.jit
+    def _k4_sc_m_of(a, b, e, low):
+        """One sub-block j's (scale, min) from bytes s[j % 4], s[j % 4 + 4], s[j % 4 + 8] in the
+        low bits of a, b, e; `low`: j < 4."""
+        a = (a & 255).to(tl.int32)
+        b = (b & 255).to(tl.int32)
+        e = (e & 255).to(tl.int32)
+        sc = tl.where(low, a & 63, (e & 15) | ((a >> 6) << 4))
+        m = tl.where(low, b & 63, (e >> 4) | ((b >> 6) << 4))
         return sc, m
 
     @triton.jit
@@ -123,13 +136,13 @@ if triton is not None:
                     hi = hi | (((qh >> (2 * c + 1)) & 1) << 4)
                 a_lo = _a_tile(xq_ptr, a_rows, live_m, ks * 256 + 64 * c, KP, 32)
                 a_hi = _a_tile(xq_ptr, a_rows, live_m, ks * 256 + 64 * c + 32, KP, 32)
-                sc0, m0 = _k4_sc_m(blk + 4, 2 * c)
-                sc1, m1 = _k4_sc_m(blk + 4, 2 * c + 1)
+                sc0, m0, sc1, m1 = _k4_chunk_scales(blk + 4, c)
                 # the chunk's two sub-blocks: sum_j sc_j * dot(qx_j, q_j) and sum_j m_j * sum(qx_j),
                 # exact in int32
                 s = _idot(a_lo, lo) * sc0 + _idot(a_hi, hi) * sc1
-                m = (tl.load(sums + 2 * c, mask=live_m, other=0) * m0
-                     + tl.load(sums + 2 * c + 1, mask=live_m, other=0) * m1)
+                # the sub-blocks' two block sums in one 8-byte load (little-endian: 2c in the low half)
+                pair = tl.load((sums + 2 * c).to(tl.pointer_type(tl.int64)), mask=live_m, other=0)
+                m = pair.to(tl.int32) * m0 + (pair >> 32).to(tl.int32) * m1
                 acc += dx * (d * s.to(tl.float32) - dmin * m.to(tl.float32))
         elif QW == _Q6_K or QW == _Q6_K_PADDED:
             # 210-byte blocks, or the slots' 224-byte ones (layout.pad_q6_k: the same fields)
