@@ -49,6 +49,9 @@ if TYPE_CHECKING:
 KINDS = ("dense", "experts", "grouped", "prompt")
 ALL_TYPES = (QT.Q4_K, QT.Q5_K, QT.Q6_K, QT.Q8_0, QT.MXFP4, QT.F16, QT.BF16)
 ROWS = (1, 2, 4, 8)
+# Types whose GPU copy changes layout (engine/quant/layout.kernel_layout): the dense products
+# are timed in both layouts, labelled so.
+LAID_OUT = {QT.Q6_K: "padded to 224 B blocks", QT.MXFP4: "planar"}
 
 # Dense products at decode: (geometry, tensor) -> (output rows, K).
 DENSE_SHAPES: dict[str, tuple[int, int]] = {
@@ -197,7 +200,7 @@ def bench_dense(name: str, n_out: int, K: int, qtype: QT, rows: list[int], dev: 
     import torch
 
     from engine.quant import triton_kernels as tk
-    from engine.quant.layout import pad_q6_k
+    from engine.quant.layout import kernel_layout
 
     rng = np.random.default_rng(int(qtype) + n_out + K)
     # Up to 4096 distinct random rows, repeated to n_out (drawing an output head's 150k rows
@@ -207,7 +210,7 @@ def bench_dense(name: str, n_out: int, K: int, qtype: QT, rows: list[int], dev: 
     n_copies = cold_copies(one.numel(), l2_bytes)
     weights = one.to(dev).unsqueeze(0).repeat(n_copies, 1, 1)  # [copies, n_out, row_bytes]
     raws = [weights[i:i + 1] for i in range(n_copies)]
-    padded = pad_q6_k(weights) if qtype == QT.Q6_K else None
+    laid_out = kernel_layout(weights, qtype) if qtype in LAID_OUT else None
     calls_per_graph = max(n_copies, 8)
     out = []
     for t in rows:
@@ -226,11 +229,11 @@ def bench_dense(name: str, n_out: int, K: int, qtype: QT, rows: list[int], dev: 
                "new": rate(one.numel(), graph_us(calls(tk.dense), replays), copy),
                "old": rate(one.numel(), graph_us(calls(legacy_dense), replays), copy)}
         row["speedup"] = round(row["old"]["us"] / row["new"]["us"], 2)
-        if padded is not None:  # the same product from pad_q6_k's layout, per byte of GGUF rows
-            padded_raws = [padded[i:i + 1] for i in range(n_copies)]
-            tk.dense(x, padded_raws[0], qtype, n_out)
-            row["new_padded"] = rate(one.numel(), graph_us(
-                [lambda i=i: tk.dense(x, padded_raws[i % n_copies], qtype, n_out) for i in range(calls_per_graph)],
+        if laid_out is not None:  # the same product from kernel_layout's layout, per byte of GGUF rows
+            laid_raws = [laid_out[i:i + 1] for i in range(n_copies)]
+            tk.dense(x, laid_raws[0], qtype, n_out)
+            row["new_laid_out"] = rate(one.numel(), graph_us(
+                [lambda i=i: tk.dense(x, laid_raws[i % n_copies], qtype, n_out) for i in range(calls_per_graph)],
                 replays), copy)
         if sweep:
             row["sweep"] = []
@@ -254,7 +257,7 @@ def bench_dense(name: str, n_out: int, K: int, qtype: QT, rows: list[int], dev: 
 class ExpertLayer:
     """Slot buffers [slots, rows, row_bytes] whose slots are copies of one random expert
     (valid blocks at distinct addresses), enough of them to be 4x the L2 cache and to draw
-    top-k distinct experts; laid out as the engine's slots are (Q6_K padded), while the bytes
+    top-k distinct experts; laid out as the engine's slots are (Q6_K padded, MXFP4 planar), while the bytes
     counted are the GGUF ones (what llama.cpp reads for the same experts)."""
 
     def __init__(self, sc: ExpertScenario, dev: torch.device, l2_bytes: int, n_slots: int = 0):
@@ -461,7 +464,7 @@ def _prompt_dense_sweep() -> list:
 def bench_prompt_dense(name: str, n_out: int, K: int, qtype: QT, tokens: list[int], dev: torch.device,
                        replays: int, sweep: list | None) -> list[dict]:
     """grouped_gemm.dense (round x, the int8 tensor-core product) over the weight as the engine
-    keeps it (Q6_K padded) at a prompt's rows, beside what a dequantize-to-bf16 scratch would
+    keeps it (Q6_K padded, MXFP4 planar) at a prompt's rows, beside what a dequantize-to-bf16 scratch would
     leave to cuBLAS (the bf16 product alone: the decode of W into the scratch comes on top) and
     the exact torch route (float32 product). A prompt's product reuses each weight tile across
     its rows, so one copy of the weight serves (L2 does not decide its time)."""
@@ -470,13 +473,12 @@ def bench_prompt_dense(name: str, n_out: int, K: int, qtype: QT, tokens: list[in
     from engine.quant import grouped_gemm as gg
     from engine.quant.activation import round_activation
     from engine.quant.dequant import dequantize
-    from engine.quant.layout import pad_q6_k
+    from engine.quant.layout import kernel_layout
 
     rng = np.random.default_rng(int(qtype) + n_out + K)
     raw = torch.from_numpy(np.ascontiguousarray(random_weight(rng, qtype, n_out, K))).to(dev).unsqueeze(0)
     w32 = dequantize(raw[0], qtype, (n_out, K))
-    if qtype == QT.Q6_K:
-        raw = pad_q6_k(raw)
+    raw = kernel_layout(raw, qtype)
     w16 = w32.to(torch.bfloat16)
     out = []
     for t in tokens:
@@ -651,8 +653,8 @@ def dense_line(r: dict) -> str:
     return (f"dense  {r['shape']:27s} {r['type']:5s} rows={r['rows']}  {r['MB']:8.2f} MB  "
             f"new {r['new']['us']:8.2f} us {r['new']['GBps']:7.0f} GB/s ({r['new']['of_copy_bw']:.2f} of copy)  "
             f"old {r['old']['us']:8.2f} us {r['old']['GBps']:7.0f} GB/s  x{r['speedup']}  split {r['split']}"
-            + (f"  padded {r['new_padded']['us']:.2f} us {r['new_padded']['GBps']:.0f} GB/s" if "new_padded" in r
-               else ""))
+            + (f"  {LAID_OUT[QT[r['type']]]} {r['new_laid_out']['us']:.2f} us {r['new_laid_out']['GBps']:.0f} GB/s"
+               if "new_laid_out" in r else ""))
 
 
 def expert_line(r: dict) -> str:
@@ -669,8 +671,6 @@ def grouped_line(r: dict) -> str:
 
 def markdown(result: dict) -> str:
     """The results as markdown tables (dense products; expert steps)."""
-    from engine.quant.layout import Q6_K_PADDED_BLOCK
-
     head = (f"{result['device']}, torch {result['torch']}, triton {result['triton']}; device-to-device copy "
             f"{result['copy_GBps']:.0f} GB/s (read + write). GPU time per call from a replayed CUDA graph; "
             f"weights from HBM. `share` = GB/s / copy GB/s.\n")
@@ -682,10 +682,10 @@ def markdown(result: dict) -> str:
             lines.append(f"| {r['shape']} | {r['n_out']} x {r['K']} | {r['type']} | {r['rows']} | {r['MB']} | "
                          f"{n['us']} | {n['GBps']:.0f} | {n['of_copy_bw']:.2f} | {o['us']} | {o['GBps']:.0f} | "
                          f"{o['of_copy_bw']:.2f} | {r['speedup']}x | {r['split'][0]} x {r['split'][1]} |")
-            if "new_padded" in r:  # GB/s of the GGUF bytes, so that it compares with the line above
-                n = r["new_padded"]
-                lines.append(f"| {r['shape']} | {r['n_out']} x {r['K']} | {r['type']} padded to "
-                             f"{Q6_K_PADDED_BLOCK} B blocks | {r['rows']} | {r['MB']} | {n['us']} | "
+            if "new_laid_out" in r:  # GB/s of the GGUF bytes, so that it compares with the line above
+                n = r["new_laid_out"]
+                lines.append(f"| {r['shape']} | {r['n_out']} x {r['K']} | {r['type']} {LAID_OUT[QT[r['type']]]} | "
+                             f"{r['rows']} | {r['MB']} | {n['us']} | "
                              f"{n['GBps']:.0f} | {n['of_copy_bw']:.2f} | {o['us']} | {o['GBps']:.0f} | "
                              f"{o['of_copy_bw']:.2f} | {o['us'] / n['us']:.2f}x | {r['split'][0]} x {r['split'][1]} |")
     lines += ["", "| expert step | types | n_embd x n_ff, top-k | rows | MB | µs | GB/s | share | host µs eager |",

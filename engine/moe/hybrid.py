@@ -125,7 +125,8 @@ class HybridExperts:
             if n_slots < w.n_expert:
                 key = layout_key(w)
                 if key not in staging:
-                    expert_bytes = sum(layout_bytes(t.qtype, t.raw[0].numel()) for t in (w.gate, w.up, w.down))
+                    expert_bytes = sum(layout_bytes(t.qtype, t.raw[0].numel(), t.shape[-1])
+                                       for t in (w.gate, w.up, w.down))
                     n = staging_slots(options.miss_fraction, w.n_expert, options.top_k, expert_bytes,
                                       options.staging_turn_bytes)
                     staging[key] = StagingSlots(w, n, self.device) if n else None

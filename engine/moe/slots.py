@@ -1,8 +1,8 @@
 """Per-layer expert slots on the accelerator and the residency map that says who lives where.
 
 A slot holds one whole expert (gate, up, down) in its GGUF-quantized bytes, in the layout the
-kernels read fastest (engine/quant/layout.py: Q6_K blocks padded from 210 to 224 bytes as they
-are copied in; the host keeps the GGUF bytes, which the CPU pool reads). The residency
+kernels read fastest (engine/quant/layout.py: Q6_K blocks padded from 210 to 224 bytes, MXFP4 rows
+made planar, as they are copied in; the host keeps the GGUF bytes, which the CPU pool reads). The residency
 map only ever names experts whose copy has LANDED: a slot being refilled is first taken out
 of the map (so no hit can read it), then copied, and only after the copy has landed does the
 map point at it again. A step's uploads go to staging slots, which the layers whose experts
@@ -85,13 +85,13 @@ class LayerSlots:
         self.version = 0  # bumped whenever `resident` changes: readers skip comparing unchanged maps
         # Per-expert and per-slot views made once: indexing a tensor costs microseconds of host
         # time, and every decode step copies experts. Padded Q6_K: the GGUF blocks, and the
-        # first 210 bytes of each padded block (layout.copy_views).
+        # first 210 bytes of each padded block; planar MXFP4: layout.PlanarRows (layout.copy_views).
         tensors = (w.gate, w.up, w.down)
-        views = [copy_views(t.raw, b) for t, b in zip(tensors, self.buffers)]
+        views = [copy_views(t.raw, b, t.qtype) for t, b in zip(tensors, self.buffers)]
         self._host_views = [h.unbind(0) for h, _ in views]
         self._slot_views = [d.unbind(0) for _, d in views]
         self._staging_views = [] if staging is None else \
-            [copy_views(t.raw, b)[1].unbind(0) for t, b in zip(tensors, staging.buffers)]
+            [copy_views(t.raw, b, t.qtype)[1].unbind(0) for t, b in zip(tensors, staging.buffers)]
 
     @property
     def expert_bytes(self) -> int:
@@ -169,6 +169,6 @@ def _slot_buffer(t: ExpertTensor, n: int, device: torch.device) -> torch.Tensor:
     """Slots for `n` experts of tensor `t` in the kernels' layout; padded rows start zeroed
     (copies never write the padding: its bytes stay defined)."""
     rows, row_bytes = t.raw.shape[1], t.raw.shape[2]
-    padded_row = layout_bytes(t.qtype, row_bytes)
+    padded_row = layout_bytes(t.qtype, row_bytes, t.shape[-1])
     alloc = torch.zeros if padded_row != row_bytes else torch.empty
     return alloc((n, rows, padded_row), dtype=torch.uint8, device=device)

@@ -32,7 +32,7 @@ class Geometry:
     n_vocab: int
     n_ctx_train: int
     expert_bytes: int  # one expert of one layer, all its tensors (the mean over MoE layers)
-    # The same in a GPU slot, whose layout pads Q6_K blocks (engine/quant/layout.py): what a
+    # The same in a GPU slot, whose layout pads Q6_K blocks and MXFP4 rows (engine/quant/layout.py): what a
     # slot costs in VRAM (expert_bytes is what an upload or a CPU computation reads).
     expert_slot_bytes: int
     experts_bytes_total: int
@@ -113,10 +113,11 @@ def geometry_of(mf: Any) -> Geometry:
         for name, t in mf.tensors.items():
             if name.startswith("token_embd."):
                 embedding += t.n_bytes
-            elif name.startswith("blk.") and "_exps." in name:
+            elif name.startswith("blk.") and "_exps.weight" in name:
+                # (gpt-oss's expert biases stay on the accelerator for every expert: dense bytes)
                 layer = int(name.split(".")[1])
                 per_layer[layer] = per_layer.get(layer, 0) + t.n_bytes
-                slot_bytes += layout_bytes(t.qtype, t.n_bytes)
+                slot_bytes += layout_bytes(t.qtype, t.n_bytes, t.shape[-1])
             else:
                 dense += t.n_bytes
                 dense_values += math.prod(t.shape)

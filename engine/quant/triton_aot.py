@@ -142,15 +142,16 @@ ONE_TOKEN_PAIRS = 8  # a decode token's expert pairs (Qwen3-30B's top-8)
 
 
 def slot_type(q: QT) -> int:
-    """The kernels' type id of expert rows as engine/moe/slots.LayerSlots holds them (Q6_K padded)."""
-    return tk.Q6_K_PADDED if q == QT.Q6_K else int(q)
+    """The kernels' type id of rows in layout.kernel_layout's layout, as engine/moe/slots.LayerSlots
+    and the dense layers hold them (Q6_K padded, MXFP4 planar)."""
+    return {QT.Q6_K: tk.Q6_K_PADDED, QT.MXFP4: tk.MXFP4_PLANAR}.get(q, int(q))
 
 
 def decode_variants(gate: QT, up: QT, down: QT, n_embd: int, n_ff: int, activation: int = 0, bias: bool = False,
                     gate_up_cfg: tk.TileConfig | None = None, down_cfg: tk.TileConfig | None = None,
                     arch: int = 90):
     """(label, kernel, constexprs, config) of every launch experts_forward makes for this geometry,
-    over slot buffers as engine/moe/slots.LayerSlots lays them out (Q6_K padded)."""
+    over slot buffers as engine/moe/slots.LayerSlots lays them out (Q6_K padded, MXFP4 planar)."""
     vt = tk._vt
     rev = tk.reversed_ties(_target(arch))
     gu = gate_up_cfg or tk.GATE_UP_CONFIG[gate]
@@ -185,14 +186,14 @@ DENSE_ROWS = (1, tk.DENSE_MAX_ROWS)
 
 
 def dense_variants(qtype: QT, n_out: int, K: int, rows: int, cfg: tk.TileConfig | None = None,
-                   sm_count: int = H200_SMS, arch: int = 90, padded: bool = False):
+                   sm_count: int = H200_SMS, arch: int = 90, laid_out: bool = False):
     """(label, kernel, constexprs, config) of the product tk.dense launches for this shape
-    (the rounding launch is round_x of the expert geometries); `padded`: Q6_K rows as
-    layout.pad_q6_k lays them out."""
+    (the rounding launch is round_x of the expert geometries); `laid_out`: rows as
+    layout.kernel_layout lays them out (Q6_K padded, MXFP4 planar), else the GGUF rows."""
     cfg = cfg or tk.DENSE_CONFIG[qtype]
     split = tk.SplitK.choose(n_out, K, sm_count, cfg.block_n)
     return [(f"dense r{rows} s{split.split}", tk._dense_kernel,
-             {"K": K, "QW": tk.Q6_K_PADDED if padded else int(qtype), "ROWS": rows, "SPLIT": split.split,
+             {"K": K, "QW": slot_type(qtype) if laid_out else int(qtype), "ROWS": rows, "SPLIT": split.split,
               "STEPS": split.steps, "BLOCK_N": cfg.block_n, "INTERP": False,
               "REV": tk.reversed_ties(_target(arch))}, cfg)]
 
@@ -287,15 +288,15 @@ def layout_report(arch: int = 90) -> list[dict]:
 
 
 def dense_report(arch: int = 90) -> list[dict]:
-    """Compiles the dense product for every kernel type (and padded Q6_K, named Q6_K/224),
-    DENSE_GEOMETRIES and DENSE_ROWS."""
+    """Compiles the dense product for every kernel type in its GGUF layout and in kernel_layout's
+    (padded Q6_K, named Q6_K/224; planar MXFP4, MXFP4/planar), DENSE_GEOMETRIES and DENSE_ROWS."""
     layouts = [(t.name, t, False) for t in sorted(tk.KERNEL_TYPES, key=lambda t: t.name)]
-    layouts.append((f"Q6_K/{Q6_K_PADDED_BLOCK}", QT.Q6_K, True))
+    layouts += [(f"Q6_K/{Q6_K_PADDED_BLOCK}", QT.Q6_K, True), ("MXFP4/planar", QT.MXFP4, True)]
     jobs = []
-    for type_name, qtype, padded in layouts:
+    for type_name, qtype, laid_out in layouts:
         for name, n_out, K in DENSE_GEOMETRIES:
             for n_rows in DENSE_ROWS:
-                for label, fn, const, cfg in dense_variants(qtype, n_out, K, n_rows, arch=arch, padded=padded):
+                for label, fn, const, cfg in dense_variants(qtype, n_out, K, n_rows, arch=arch, laid_out=laid_out):
                     jobs.append(partial(_compiled_row, f"{type_name} {name}", label, fn, const, cfg, arch))
     return in_parallel(jobs)
 

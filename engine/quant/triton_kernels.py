@@ -48,7 +48,7 @@ from dataclasses import dataclass
 import torch
 from gguf import GGMLQuantizationType as QT
 
-from engine.quant.layout import is_padded_q6_k
+from engine.quant.layout import is_padded_q6_k, is_planar_mxfp4
 
 try:  # Triton is optional: without it the torch path runs.
     import triton
@@ -65,6 +65,9 @@ KSTEP = 256  # activation values per K step
 # Kernel type id of Q6_K rows whose blocks are padded from 210 to 224 bytes (layout.pad_q6_k):
 # every block 16-aligned, so the kernels load them 16 bytes at a time instead of 2.
 Q6_K_PADDED = 256 + int(QT.Q6_K)
+# Kernel type id of planar MXFP4 rows (layout.planar_mxfp4): every block's 16 nibble bytes
+# 16-aligned, its scale in a run of scales after them, so the kernels load 16 bytes at a time instead of 1.
+MXFP4_PLANAR = 256 + int(QT.MXFP4)
 
 
 def available() -> bool:
@@ -78,6 +81,7 @@ if triton is not None:
     _Q6_K_PADDED = tl.constexpr(Q6_K_PADDED)
     _Q8_0 = tl.constexpr(int(QT.Q8_0))
     _MXFP4 = tl.constexpr(int(QT.MXFP4))
+    _MXFP4_PLANAR = tl.constexpr(MXFP4_PLANAR)
     _F16 = tl.constexpr(int(QT.F16))
     _BF16 = tl.constexpr(int(QT.BF16))
     _Q8_K = tl.constexpr(int(QT.Q8_K))
@@ -218,7 +222,7 @@ if triton is not None:
                 l = tl.arange(0, 4)[None, None, None, :, None] * 2 + tl.arange(0, 2)[None, None, None, None, :]
             elif QT == _MXFP4:  # a block's 16 quant bytes (1-aligned): 4 words of 4 bytes
                 l = tl.arange(0, 4)[None, None, None, :, None] * 4 + tl.arange(0, 4)[None, None, None, None, :]
-            else:  # Q4_K, Q5_K, padded Q6_K: a 16-byte run as 4 words
+            else:  # Q4_K, Q5_K, padded Q6_K, planar MXFP4: a 16-byte run as 4 words
                 l = tl.arange(0, 1)[None, None, None, :, None] * 4 + tl.arange(0, 4)[None, None, None, None, :]
         return p, r, c, l
 
@@ -403,6 +407,16 @@ if triton is not None:
             b = _ld(bp + l + r * 0, REV, (l == 0) & (r >= 0), 0)
             cc = a
             dd = a
+        elif QT == _MXFP4_PLANAR:
+            # qs[16] of every block | the blocks' e8m0 scales (layout.planar_mxfp4): block 2c + p
+            # of the step's 16 nibble bytes as 4 words, and the 16 scales of steps ks and ks ^ 1 as
+            # 4 (both 16-aligned, unmasked: every access of the step one 16-byte layout; the
+            # scales' padding keeps the second run inside the row)
+            NB: tl.constexpr = K // 32
+            a = _ld((rows + tl.minimum(ks * 8 + c * 2 + p, NB - 1) * 16).to(tl.pointer_type(tl.int32)) + l, REV)
+            b = _ld((rows + NB * 16 + (ks // 2) * 16).to(tl.pointer_type(tl.int32)) + l + z, REV)
+            cc = a
+            dd = a
         elif QT == _F16:
             k = ks * 256 + c * 32 + p * 16 + l
             a = _ld(rows.to(tl.pointer_type(tl.float16)) + k, REV, (k < K) & (r >= 0), 0.0)
@@ -514,6 +528,19 @@ if triton is not None:
             c2 = c * 2
             p3 = tl.arange(0, 2)[:, None, None]
             dx = tl.where(p3 == 0, _pick(xd, l, c2), _pick(xd, l, c2 + 1)).to(tl.float32, bitcast=True)
+            acc += (dw * dx) * sw.to(tl.float32)
+        elif QT == _MXFP4_PLANAR:
+            # Block 2c + p: word l of its nibbles holds values 4l .. 4l + 3 (low nibbles) and
+            # 16 + 4l .. (high), dotted with the activation's words l and 4 + l of the block.
+            blk = c * 2 + p
+            xw = xq_row.to(tl.pointer_type(tl.int32)) + ks * 64 + blk * 8 + l + r * 0
+            sw = _runsum(_dp4a(_e2m1_words(a, INTERP), _ld(xw, REV), INTERP, True)
+                         + _dp4a(_e2m1_words(a >> 4, INTERP), _ld(xw + 4, REV), INTERP, True))
+            e = _word_byte(b, l, (ks % 2) * 8 + blk)
+            dw = tl.where(e < 2, 0x00200000 << e, (e - 1) << 23).to(tl.float32, bitcast=True)
+            # the step's 8 activation scales as two runs of 4 words
+            xd = xd_row.to(tl.pointer_type(tl.int32)) + ks * 8 + l + p * 0 + c * 0 + r * 0
+            dx = _pick(tl.where(blk < 4, _ld(xd, REV), _ld(xd + 4, REV)), l, blk % 4).to(tl.float32, bitcast=True)
             acc += (dw * dx) * sw.to(tl.float32)
         else:  # F16, BF16
             k = c * 32 + p * 16 + l
@@ -946,8 +973,11 @@ def _launch_opts(cfg: TileConfig | None) -> dict:
 
 def kernel_type(qtype: QT, rows: torch.Tensor, K: int) -> int:
     """The kernels' type id for weight rows `rows` [..., row_bytes] of `qtype` with K values
-    a row: Q6_K_PADDED where they are in layout.pad_q6_k's layout, else the GGUF type id."""
-    return Q6_K_PADDED if is_padded_q6_k(rows, qtype, K) else int(qtype)
+    a row: Q6_K_PADDED or MXFP4_PLANAR where they are in layout.kernel_layout's layout, else
+    the GGUF type id."""
+    if is_padded_q6_k(rows, qtype, K):
+        return Q6_K_PADDED
+    return MXFP4_PLANAR if is_planar_mxfp4(rows, qtype, K) else int(qtype)
 
 
 def _vt(qtype: QT) -> int:
@@ -1120,7 +1150,7 @@ def experts_forward(x: torch.Tensor, buffers, w, pair_tok: torch.Tensor, pair_po
     (round x; gate/up + activation + round h; down).
 
     x [T, D] float32; buffers = [gate, up, down] uint8 slot buffers [slots, rows, row_bytes]
-    (GGUF rows; Q6_K either so or as layout.pad_q6_k lays them out, as LayerSlots does);
+    (GGUF rows, or as layout.kernel_layout lays them out, as LayerSlots does: Q6_K padded, MXFP4 planar);
     pair_* int32 [P] on x's device (pairs sorted by slot let pairs of one expert meet in L2)."""
     if pair_tok.numel() == 0:
         return
@@ -1146,8 +1176,8 @@ DENSE_CONFIG: dict[QT, TileConfig] = {t: TileConfig(32, 2) for t in KERNEL_TYPES
 def dense(x: torch.Tensor, raw: torch.Tensor, qtype: QT, n_out: int, cfg: TileConfig | None = None,
           split: SplitK | None = None) -> torch.Tensor:
     """round(x) @ W.T for x [T, K] float32 (T <= DENSE_MAX_ROWS, rows contiguous) and a dense
-    weight W [n_out, K] kept as its GGUF rows raw [1, n_out, row_bytes] (Q6_K also as
-    layout.pad_q6_k made them): two launches (round x; the split-K product). `split` defaults to
+    weight W [n_out, K] kept as its GGUF rows raw [1, n_out, row_bytes] (or as
+    layout.kernel_layout lays them out: Q6_K padded, MXFP4 planar): two launches (round x; the split-K product). `split` defaults to
     SplitK.choose for this device."""
     T, K = x.shape
     if T > DENSE_MAX_ROWS:

@@ -67,7 +67,7 @@ def test_table_has_a_line_per_result() -> None:
     rate = {"us": 10.0, "GBps": 900.0, "of_copy_bw": 0.22}
     dense = {"kind": "dense", "shape": "qwen3-30b-a3b attn_q", "n_out": 4096, "K": 2048, "type": "Q8_0",
              "rows": 1, "MB": 8.91, "split": [4, 2], "new": rate, "old": {**rate, "us": 20.0}, "speedup": 2.0}
-    q6 = {**dense, "type": "Q6_K", "new_padded": {**rate, "us": 5.0}}
+    q6 = {**dense, "type": "Q6_K", "new_laid_out": {**rate, "us": 5.0}}
     experts = {"kind": "experts", "shape": "gpt-oss-120b MXFP4", "types": ["MXFP4"] * 3, "n_embd": 2880,
                "n_ff": 2880, "top_k": 4, "rows": 8, "MB": 284.0, "new": rate, "host_us_eager": 500.0}
     grouped = {"kind": "grouped", "shape": "qwen3-30b-a3b Q4_K_M", "types": ["Q4_K", "Q4_K", "Q6_K"],
@@ -114,7 +114,7 @@ def test_gpu_bench_kernels_runs_and_reports(tmp_path) -> None:
     for r in dense:
         assert r["max_rel_diff_new_old"] < 1e-4
         assert 0 < r["new"]["GBps"] and 0 < r["old"]["GBps"] and r["sweep"]
-        assert ("new_padded" in r) == (r["type"] == "Q6_K")
+        assert ("new_laid_out" in r) == (QT[r["type"]] in kb.LAID_OUT)
     assert (tmp_path / "kernels.md").read_text().count("| qwen3-30b-a3b attn_k/v |") == 6
     if os.environ.get("MOESTUDIO_LLAMA_OPS"):  # kernels_run.sh's llamaops stage built it: its figures beside ours
         beside = {(r["shape"], r["rows"]) for r in experts if "llama" in r}

@@ -1,6 +1,7 @@
 """Slot buffers hold experts in the kernels' layout (engine/quant/layout.py): Q6_K blocks
-padded to 224 bytes as they are copied in, every other type byte for byte; what a slot decodes
-to is exactly the expert of the GGUF file, for resident and staging slots alike."""
+padded to 224 bytes and MXFP4 rows made planar as they are copied in, every other type byte
+for byte; what a slot decodes to is exactly the expert of the GGUF file, for resident and
+staging slots alike."""
 from __future__ import annotations
 
 import numpy as np
@@ -13,10 +14,10 @@ from engine.moe.copier import Copier, upload_tables
 from engine.moe.slots import LayerSlots, StagingSlots
 from engine.plan.geometry import read_geometry
 from engine.quant.dequant import dequantize
-from engine.quant.layout import Q6_K_BLOCK, Q6_K_PADDED_BLOCK
+from engine.quant.layout import Q6_K_BLOCK, Q6_K_PADDED_BLOCK, layout_bytes
 
 
-@pytest.mark.parametrize("arch,qtype", [("llama", QT.Q6_K), ("qwen3moe", QT.Q4_K)])
+@pytest.mark.parametrize("arch,qtype", [("llama", QT.Q6_K), ("qwen3moe", QT.Q4_K), ("gpt-oss", QT.MXFP4)])
 def test_slots_decode_to_the_gguf_experts(make_model, arch: str, qtype: QT) -> None:
     path = make_model(arch, qtype)
     model = build_model(path)
@@ -28,8 +29,9 @@ def test_slots_decode_to_the_gguf_experts(make_model, arch: str, qtype: QT) -> N
     for n, buffers in ((2, slots.buffers), (1, slots.staging.buffers)):
         for buf, t in zip(buffers, tensors):
             row_bytes = t.raw.shape[-1]
-            want = row_bytes // Q6_K_BLOCK * Q6_K_PADDED_BLOCK if qtype == QT.Q6_K else row_bytes
-            assert buf.shape == (n, t.shape[1], want)
+            want = {QT.Q6_K: row_bytes // Q6_K_BLOCK * Q6_K_PADDED_BLOCK, QT.MXFP4: row_bytes // 17 * 16 + 16}
+            assert buf.shape == (n, t.shape[1], want.get(qtype, row_bytes))
+            assert want.get(qtype, row_bytes) == layout_bytes(qtype, row_bytes, t.shape[2])
     # The planner prices a slot at what the engine allocates for it.
     assert read_geometry(path).expert_slot_bytes == slots.expert_bytes
     last = w.n_expert - 1
@@ -42,6 +44,9 @@ def test_slots_decode_to_the_gguf_experts(make_model, arch: str, qtype: QT) -> N
     if qtype == QT.Q6_K:  # the padding after each block is never written
         for buf in slots.buffers + slots.staging.buffers:
             assert not buf.reshape(-1, Q6_K_PADDED_BLOCK)[:, Q6_K_BLOCK:].any()
+    if qtype == QT.MXFP4:  # nor the padding after each row's scales
+        for buf, t in zip(slots.buffers + slots.staging.buffers, tensors * 2):
+            assert not buf[..., t.raw.shape[-1]:].any()
 
 
 def test_the_residency_version_moves_whenever_the_map_does(make_model) -> None:

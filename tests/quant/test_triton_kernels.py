@@ -24,7 +24,7 @@ from engine.layers.moe import SILU, SWIGLU_OAI, ExpertTensor, ExpertWeights, exp
 from engine.quant import triton_kernels as tk  # noqa: E402
 from engine.quant.activation import round_activation  # noqa: E402
 from engine.quant.dequant import dequantize  # noqa: E402
-from engine.quant.layout import Q6_K_PADDED_BLOCK, dequantize_layout, kernel_layout, pad_q6_k  # noqa: E402
+from engine.quant.layout import Q6_K_PADDED_BLOCK, dequantize_layout, kernel_layout  # noqa: E402
 from engine.synth.randblocks import random_blocks  # noqa: E402
 
 interp = pytest.mark.skipif(not tk.INTERPRETED, reason="interpreter tests run where there is no GPU "
@@ -67,7 +67,7 @@ def weights_to(w: ExpertWeights, device) -> ExpertWeights:
 
 class Case:
     """A layer step: tokens x, top-k ids/weights, experts in permuted slots of slot buffers, in
-    the layout LayerSlots gives them (layout.kernel_layout: Q6_K padded), or with
+    the layout LayerSlots gives them (layout.kernel_layout: Q6_K padded, MXFP4 planar), or with
     `gguf_layout` as the file holds them."""
 
     def __init__(self, w: ExpertWeights, n_tok: int, k: int, device, seed: int = 0, gguf_layout: bool = False):
@@ -257,13 +257,16 @@ def test_interpreter_gpt_oss_gate_up_split_with_biases() -> None:
 
 
 @interp
-def test_interpreter_kernels_read_q6_k_experts_in_either_layout() -> None:
-    """Slot buffers hold Q6_K padded (LayerSlots); the kernels still read the GGUF layout."""
-    w = make_weights(INTERP_CASES["Q4_K-Q4_K-Q6_K"][0], n_expert=4, n_embd=256, n_ff=256, seed=9)
-    padded = Case(w, n_tok=1, k=2, device="cpu", seed=3)
-    gguf = Case(w, n_tok=1, k=2, device="cpu", seed=3, gguf_layout=True)
-    assert padded.buffers[2].shape[-1] == Q6_K_PADDED_BLOCK and gguf.buffers[2].shape[-1] == 210
-    check_case(gguf, SMALL, SMALL, whole=False)
+@pytest.mark.parametrize("name,laid_out,gguf", [("Q4_K-Q4_K-Q6_K", Q6_K_PADDED_BLOCK, 210), ("MXFP4", 144, 136)])
+def test_interpreter_kernels_read_experts_in_either_layout(name: str, laid_out: int, gguf: int) -> None:
+    """Slot buffers hold Q6_K padded and MXFP4 planar (LayerSlots); the kernels still read the
+    GGUF layout."""
+    qtypes, n_embd, n_ff = INTERP_CASES[name]
+    w = make_weights(qtypes, n_expert=4, n_embd=n_embd, n_ff=256, seed=9)
+    slots = Case(w, n_tok=1, k=2, device="cpu", seed=3)
+    file = Case(w, n_tok=1, k=2, device="cpu", seed=3, gguf_layout=True)
+    assert slots.buffers[2].shape[-1] == laid_out and file.buffers[2].shape[-1] == gguf
+    check_case(file, SMALL, SMALL, whole=False)
 
 
 @interp
@@ -335,7 +338,7 @@ def test_dense_kernel_compiles_for_hopper_without_spills(aot_report) -> None:
     from engine.quant.triton_aot import DENSE_GEOMETRIES, DENSE_ROWS
 
     dense = [r for r in aot_report if r["kernel"].startswith("dense")]
-    types = [t.name for t in tk.KERNEL_TYPES] + [f"Q6_K/{Q6_K_PADDED_BLOCK}"]
+    types = [t.name for t in tk.KERNEL_TYPES] + [f"Q6_K/{Q6_K_PADDED_BLOCK}", "MXFP4/planar"]
     want = {(f"{t} {name}", rows) for t in types for name, _, _ in DENSE_GEOMETRIES for rows in DENSE_ROWS}
     assert {(r["geometry"], int(r["kernel"].split()[1][1:])) for r in dense} == want
     assert any(r["kernel"].endswith("s1") for r in dense) and any(not r["kernel"].endswith("s1") for r in dense)
@@ -348,8 +351,9 @@ def test_dense_kernel_compiles_for_hopper_without_spills(aot_report) -> None:
             assert r["spill_ops"] == 0, f"{where} spills: {r}"
         assert len(r["loop_instructions"]) <= 1, f"{where}: one K loop expected, {r['loop_instructions']}"
         assert r["loop_smem_or_barrier"] == 0, f"{where}: shared memory or barriers in the K loop: {r}"
-        if r["geometry"].split()[0] in ("Q4_K", "Q5_K", "Q8_0", "Q6_K/224", "F16", "BF16"):
-            # whole 16-byte loads of the weights (Q8_0: K a multiple of 256; Q6_K: padded blocks)
+        if r["geometry"].split()[0] in ("Q4_K", "Q5_K", "Q8_0", "Q6_K/224", "MXFP4/planar", "F16", "BF16"):
+            # whole 16-byte loads of the weights (Q8_0: K a multiple of 256; Q6_K: padded blocks;
+            # MXFP4: planar rows)
             narrow = {op: n for op, n in r["loads"].items() if op in ("LDG.E.U8", "LDG.E.U16", "LDG.E.S16")}
             assert r["loads"].get("LDG.E.128", 0) > 0 and not narrow, f"{where}: {r['loads']}"
 
@@ -509,14 +513,14 @@ DENSE_TYPES = [QT.Q4_K, QT.Q5_K, QT.Q6_K, QT.Q8_0, QT.MXFP4, QT.F16, QT.BF16]
 
 
 def check_dense(qtype: QT, n_out: int, K: int, rows: int, device: str, cfg: tk.TileConfig | None = None,
-                split: tk.SplitK | None = None, padded: bool = False) -> float:
-    """tk.dense (a dense weight read in its GGUF bytes; Q6_K with `padded` as pad_q6_k lays
-    them out) against round_activation(x) @ dequantize(W).T."""
+                split: tk.SplitK | None = None, laid_out: bool = False) -> float:
+    """tk.dense (a dense weight read in its GGUF bytes, or with `laid_out` as kernel_layout lays
+    them out: Q6_K padded, MXFP4 planar) against round_activation(x) @ dequantize(W).T."""
     rng = np.random.default_rng(int(qtype) + n_out + rows)
     raw = _random_raw(rng, qtype, (1, n_out, K), K ** -0.5).to(device)
     x = torch.from_numpy(rng.standard_normal((rows, K)).astype(np.float32) * 2.0).to(device)
     want = round_activation(x, qtype) @ dequantize(raw[0], qtype, (n_out, K)).T
-    got = tk.dense(x, pad_q6_k(raw) if padded else raw, qtype, n_out, cfg, split)
+    got = tk.dense(x, kernel_layout(raw, qtype) if laid_out else raw, qtype, n_out, cfg, split)
     assert got.shape == want.shape
     err = rel_err(got, want)
     assert err < REL_TOL, (qtype.name, rows, split, err)
@@ -547,10 +551,12 @@ def test_interpreter_dense_matches_reference(qtype: QT, rows: int) -> None:
 
 
 @interp
+@pytest.mark.parametrize("qtype,K", [(QT.Q6_K, 768), (QT.MXFP4, 352), (QT.MXFP4, 512)], ids=lambda v: str(v))
 @pytest.mark.parametrize("rows", [1, 3])
-def test_interpreter_dense_q6_k_padded_blocks(rows: int) -> None:
-    for split in dense_splits(768):
-        check_dense(QT.Q6_K, n_out=160, K=768, rows=rows, device="cpu", cfg=SMALL, split=split, padded=True)
+def test_interpreter_dense_kernel_layouts(qtype: QT, K: int, rows: int) -> None:
+    """Q6_K padded, MXFP4 planar (a partial last step; whole steps, the scales' padding a full 16)."""
+    for split in dense_splits(K):
+        check_dense(qtype, n_out=160, K=K, rows=rows, device="cpu", cfg=SMALL, split=split, laid_out=True)
 
 
 def check_linear(qtype: QT, n_out: int, K: int, device: str, monkeypatch, decode_rows=(1, 3),
@@ -570,7 +576,7 @@ def check_linear(qtype: QT, n_out: int, K: int, device: str, monkeypatch, decode
     lin = Linear(raw, qtype, (n_out, K), bias, device)
     assert ref.raw is None and lin.weight is None
     assert lin.raw.device.type == torch.device(device).type
-    assert torch.equal(lin.raw[0].cpu(), pad_q6_k(raw) if qtype == QT.Q6_K else raw)
+    assert torch.equal(lin.raw[0].cpu(), kernel_layout(raw, qtype))
     for rows in decode_rows:
         x = torch.from_numpy(rng.standard_normal((rows, K)).astype(np.float32) * 2.0).to(device)
         err = rel_err(lin(x), ref(x))
@@ -583,7 +589,7 @@ def check_linear(qtype: QT, n_out: int, K: int, device: str, monkeypatch, decode
 
 
 @interp
-@pytest.mark.parametrize("qtype", [QT.Q6_K, QT.Q4_K], ids=lambda t: t.name)
+@pytest.mark.parametrize("qtype", [QT.Q6_K, QT.MXFP4, QT.Q4_K], ids=lambda t: t.name)
 def test_interpreter_linear_uses_the_kernel_layout(qtype: QT, monkeypatch) -> None:
     check_linear(qtype, n_out=40, K=768, device="cpu", monkeypatch=monkeypatch)
 
@@ -641,17 +647,18 @@ def test_gpu_dense_matches_reference(qtype: QT, rows: int) -> None:
 
 
 @gpu
+@pytest.mark.parametrize("qtype", [QT.Q6_K, QT.MXFP4], ids=lambda t: t.name)
 @pytest.mark.parametrize("rows", [1, 8])
-def test_gpu_dense_q6_k_padded_blocks(rows: int) -> None:
+def test_gpu_dense_kernel_layouts(qtype: QT, rows: int) -> None:
     _needs_compiled()
     for n_out, K in GPU_DENSE_SHAPES.values():
-        check_dense(QT.Q6_K, n_out=n_out, K=K, rows=rows, device="cuda", padded=True)
+        check_dense(qtype, n_out=n_out, K=K, rows=rows, device="cuda", laid_out=True)
 
 
 @gpu
 @pytest.mark.parametrize("qtype", DENSE_TYPES, ids=lambda t: t.name)
 def test_gpu_linear_uses_the_kernel_layout(qtype: QT, monkeypatch) -> None:
-    """The engine's dense layers on CUDA: one copy of each weight (Q6_K padded), the kernel at
+    """The engine's dense layers on CUDA: one copy of each weight (Q6_K padded, MXFP4 planar), the kernel at
     1 and 8 rows, the prefill path exact against the float32 weights."""
     _needs_compiled()
     for n_out, K in (GPU_DENSE_SHAPES["qwen3-q"], GPU_DENSE_SHAPES["head-partial-tile"]):
