@@ -10,8 +10,8 @@ aligned and a kernel could only load them a few bytes at a time:
   Planar (`planar_mxfp4`), a row holds its blocks' 16 nibble bytes back to back, then their
   scale bytes, zero-padded to a multiple of 16 bytes and at least one byte longer than the
   blocks' count, so that a planar row never has the GGUF row's size (gpt-oss, K = 2,880: 1,536
-  bytes against 1,530, +0.4%). Every block's nibbles are 16-aligned and a step's 8 scales are
-  8 bytes of one 8-aligned word pair.
+  bytes against 1,530, +0.4%). Every block's nibbles are 16-aligned, and the scales of two K
+  steps (8 blocks each) fill one 16-aligned run of 16 bytes, inside the row even at its end.
 The CPU (ggml's kernels, the CPU pool) keeps the GGUF bytes; `dequantize_layout` decodes any
 layout bit-identically, so the kernel-layout copy is the only copy a layer or an expert slot
 needs. The two layouts of a type have different row sizes, which is how the kernels and these
