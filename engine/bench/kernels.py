@@ -247,7 +247,7 @@ def bench_dense(name: str, n_out: int, K: int, qtype: QT, rows: list[int], dev: 
                   flush=True)
         out.append(row)
         print(dense_line(row), flush=True)
-    del weights, raws, padded
+    del weights, raws, laid_out
     torch.cuda.empty_cache()
     return out
 

@@ -123,7 +123,11 @@ def test_gpu_bench_kernels_runs_and_reports(tmp_path) -> None:
     grouped = [r for r in result["results"] if r["kind"] == "grouped"]
     assert {r["shape"] for r in grouped} == {f"qwen3-30b-a3b {t}" for t in ("Q4_K", "Q6_K", "Q4_K_M")}
     for r in grouped:
-        assert r["tokens"] == 512 and r["max_rel_diff_grouped_torch"] < 1e-3
+        # The whole step against the torch path, each rounding h to Q8_K on its own: a value of h at
+        # a rounding boundary (float32 summation order) can land on the next quant, which moves the
+        # output by ~1e-3 of its largest value (H200: 0.9e-3 to 1.8e-3 for every type). The kernels'
+        # own tests compare them with the same rounded inputs, to 2e-5.
+        assert r["tokens"] == 512 and r["max_rel_diff_grouped_torch"] < 5e-3
         assert r["grouped"]["TFLOPs"] > r["torch"]["TFLOPs"] > 0 and r["sweep"]
     prompt = [r for r in result["results"] if r["kind"] == "prompt_dense"]
     assert {(r["shape"], r["qtype"]) for r in prompt} == {(shape, t) for shape in kb.PROMPT_DENSE_SHAPES
