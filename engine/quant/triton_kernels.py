@@ -1177,8 +1177,8 @@ def dense(x: torch.Tensor, raw: torch.Tensor, qtype: QT, n_out: int, cfg: TileCo
           split: SplitK | None = None) -> torch.Tensor:
     """round(x) @ W.T for x [T, K] float32 (T <= DENSE_MAX_ROWS, rows contiguous) and a dense
     weight W [n_out, K] kept as its GGUF rows raw [1, n_out, row_bytes] (or as
-    layout.kernel_layout lays them out: Q6_K padded, MXFP4 planar): two launches (round x; the split-K product). `split` defaults to
-    SplitK.choose for this device."""
+    layout.kernel_layout lays them out: Q6_K padded, MXFP4 planar): two launches (round x; the
+    split-K product). `split` defaults to SplitK.choose for this device."""
     T, K = x.shape
     if T > DENSE_MAX_ROWS:
         raise ValueError(f"dense takes at most {DENSE_MAX_ROWS} rows, got {T}: use dequantize + matmul")
