@@ -13,7 +13,8 @@ the same run. Consecutive calls read other copies of the weights (at least 4x th
 all), so the weights come from HBM, not L2.
 
 `--only grouped`: the prefill expert step, the grouped GEMM (engine/quant/grouped_gemm.py) over
-a Qwen3-30B-A3B layer (128 experts, top-8, 2048 x 768) at 512 and 4,096 tokens (`--tokens`):
+a Qwen3-30B-A3B layer (128 experts, top-8, 2048 x 768; MXFP4: gpt-oss-120b's, 128 experts,
+top-4, 2880 x 2880, biases) at 512 and 4,096 tokens (`--tokens`):
 achieved TFLOP/s of its four launches from a replayed graph, the whole call eager (with the
 host's grouping of pairs), and beside them the torch path it replaces (each expert dequantized,
 then matmul; eager: it reads the routing on the host). Results: JSON and markdown tables.
@@ -65,7 +66,8 @@ DENSE_SHAPES: dict[str, tuple[int, int]] = {
 }
 
 
-# The prefill expert step: Qwen3-30B-A3B's routed experts, and the prompt lengths timed.
+# The prefill expert step: the routed experts of a layer (Qwen3-30B-A3B's and gpt-oss-120b's: 128), and the
+# prompt lengths timed.
 GROUPED_EXPERTS = 128
 GROUPED_TOKENS = (512, 4096)
 
@@ -782,7 +784,7 @@ def run(args: argparse.Namespace) -> int:
                                                    args.steps, _sweep_tiles() if args.sweep else None)
     if "grouped" in args.only:
         for name, sc in _expert_scenarios().items():
-            if name.startswith("qwen3-30b-a3b") and set(sc.qtypes) <= set(types):
+            if set(sc.qtypes) <= set(types):
                 result["results"] += bench_grouped(name, sc, args.tokens, dev, args.replays,
                                                    _grouped_sweep() if args.sweep else None)
     if "prompt" in args.only:
