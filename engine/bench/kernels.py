@@ -43,6 +43,7 @@ from gguf import GGMLQuantizationType as QT
 
 from engine.bench import llama_ops
 from engine.errors import UserError
+from engine.quant.layout import CHANGED_LAYOUTS
 
 if TYPE_CHECKING:
     import torch
@@ -50,9 +51,6 @@ if TYPE_CHECKING:
 KINDS = ("dense", "experts", "grouped", "prompt")
 ALL_TYPES = (QT.Q4_K, QT.Q5_K, QT.Q6_K, QT.Q8_0, QT.MXFP4, QT.F16, QT.BF16)
 ROWS = (1, 2, 4, 8)
-# Types whose GPU copy changes layout (engine/quant/layout.kernel_layout): the dense products
-# are timed in both layouts, labelled so.
-LAID_OUT = {QT.Q6_K: "padded to 224 B blocks", QT.MXFP4: "planar"}
 
 # Dense products at decode: (geometry, tensor) -> (output rows, K).
 DENSE_SHAPES: dict[str, tuple[int, int]] = {
@@ -212,7 +210,8 @@ def bench_dense(name: str, n_out: int, K: int, qtype: QT, rows: list[int], dev: 
     n_copies = cold_copies(one.numel(), l2_bytes)
     weights = one.to(dev).unsqueeze(0).repeat(n_copies, 1, 1)  # [copies, n_out, row_bytes]
     raws = [weights[i:i + 1] for i in range(n_copies)]
-    laid_out = kernel_layout(weights, qtype) if qtype in LAID_OUT else None
+    # a type whose GPU copy changes layout: timed in both
+    laid_out = kernel_layout(weights, qtype) if qtype in CHANGED_LAYOUTS else None
     calls_per_graph = max(n_copies, 8)
     out = []
     for t in rows:
@@ -655,8 +654,8 @@ def dense_line(r: dict) -> str:
     return (f"dense  {r['shape']:27s} {r['type']:5s} rows={r['rows']}  {r['MB']:8.2f} MB  "
             f"new {r['new']['us']:8.2f} us {r['new']['GBps']:7.0f} GB/s ({r['new']['of_copy_bw']:.2f} of copy)  "
             f"old {r['old']['us']:8.2f} us {r['old']['GBps']:7.0f} GB/s  x{r['speedup']}  split {r['split']}"
-            + (f"  {LAID_OUT[QT[r['type']]]} {r['new_laid_out']['us']:.2f} us {r['new_laid_out']['GBps']:.0f} GB/s"
-               if "new_laid_out" in r else ""))
+            + (f"  {CHANGED_LAYOUTS[QT[r['type']]]} {r['new_laid_out']['us']:.2f} us "
+               f"{r['new_laid_out']['GBps']:.0f} GB/s" if "new_laid_out" in r else ""))
 
 
 def expert_line(r: dict) -> str:
@@ -686,8 +685,8 @@ def markdown(result: dict) -> str:
                          f"{o['of_copy_bw']:.2f} | {r['speedup']}x | {r['split'][0]} x {r['split'][1]} |")
             if "new_laid_out" in r:  # GB/s of the GGUF bytes, so that it compares with the line above
                 n = r["new_laid_out"]
-                lines.append(f"| {r['shape']} | {r['n_out']} x {r['K']} | {r['type']} {LAID_OUT[QT[r['type']]]} | "
-                             f"{r['rows']} | {r['MB']} | {n['us']} | "
+                lines.append(f"| {r['shape']} | {r['n_out']} x {r['K']} | {r['type']} "
+                             f"{CHANGED_LAYOUTS[QT[r['type']]]} | {r['rows']} | {r['MB']} | {n['us']} | "
                              f"{n['GBps']:.0f} | {n['of_copy_bw']:.2f} | {o['us']} | {o['GBps']:.0f} | "
                              f"{o['of_copy_bw']:.2f} | {o['us'] / n['us']:.2f}x | {r['split'][0]} x {r['split'][1]} |")
     lines += ["", "| expert step | types | n_embd x n_ff, top-k | rows | MB | µs | GB/s | share | host µs eager |",

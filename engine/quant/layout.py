@@ -31,6 +31,8 @@ if TYPE_CHECKING:
 Q6_K_BLOCK = GGML_QUANT_SIZES[QT.Q6_K][1]  # 210 bytes per 256 values
 Q6_K_PADDED_BLOCK = 224  # the next multiple of 16
 MXFP4_BLOCK = GGML_QUANT_SIZES[QT.MXFP4][1]  # 17 bytes per 32 values: e8m0 scale, 16 nibble bytes
+# The types kernel_layout lays out otherwise than the file, and what their layout is called.
+CHANGED_LAYOUTS: dict[QT, str] = {QT.Q6_K: f"padded to {Q6_K_PADDED_BLOCK} B blocks", QT.MXFP4: "planar"}
 
 
 def mxfp4_planar_row(K: int) -> int:
@@ -167,11 +169,11 @@ def copy_views(src: torch.Tensor, dst: torch.Tensor, qtype: QT) -> tuple[torch.T
     one device-to-device copy, on the current stream)."""
     if src.shape[-1] == dst.shape[-1]:
         return src, dst
-    block = {QT.Q6_K: Q6_K_BLOCK, QT.MXFP4: MXFP4_BLOCK}.get(qtype, 0)
-    blocks = src.shape[-1] // block if block else 0
-    if qtype == QT.MXFP4 and src.shape[-1] == blocks * block and dst.shape[-1] == mxfp4_planar_row(32 * blocks):
+    block_size, type_size = GGML_QUANT_SIZES[qtype]
+    blocks, partial = divmod(src.shape[-1], type_size)
+    if not partial and is_planar_mxfp4(dst, qtype, blocks * block_size):
         return src, PlanarRows.of(dst, blocks)
-    if qtype == QT.Q6_K and src.shape[-1] == blocks * block and dst.shape[-1] == blocks * Q6_K_PADDED_BLOCK:
+    if not partial and is_padded_q6_k(dst, qtype, blocks * block_size):
         return (src.reshape(*src.shape[:-1], blocks, Q6_K_BLOCK),
                 dst.view(*dst.shape[:-1], blocks, Q6_K_PADDED_BLOCK)[..., :Q6_K_BLOCK])
     raise ValueError(f"{qtype.name} rows of {src.shape[-1]} bytes do not go into rows of {dst.shape[-1]}: neither "

@@ -144,7 +144,7 @@ ONE_TOKEN_PAIRS = 8  # a decode token's expert pairs (Qwen3-30B's top-8)
 def slot_type(q: QT) -> int:
     """The kernels' type id of rows in layout.kernel_layout's layout, as engine/moe/slots.LayerSlots
     and the dense layers hold them (Q6_K padded, MXFP4 planar)."""
-    return {QT.Q6_K: tk.Q6_K_PADDED, QT.MXFP4: tk.MXFP4_PLANAR}.get(q, int(q))
+    return tk.LAID_OUT_TYPES.get(q, int(q))
 
 
 def decode_variants(gate: QT, up: QT, down: QT, n_embd: int, n_ff: int, activation: int = 0, bias: bool = False,

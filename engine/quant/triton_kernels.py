@@ -68,6 +68,8 @@ Q6_K_PADDED = 256 + int(QT.Q6_K)
 # Kernel type id of planar MXFP4 rows (layout.planar_mxfp4): every block's 16 nibble bytes
 # 16-aligned, its scale in a run of scales after them, so the kernels load 16 bytes at a time instead of 1.
 MXFP4_PLANAR = 256 + int(QT.MXFP4)
+# The kernel type id of each type's rows in layout.kernel_layout's layout.
+LAID_OUT_TYPES: dict[QT, int] = {QT.Q6_K: Q6_K_PADDED, QT.MXFP4: MXFP4_PLANAR}
 
 
 def available() -> bool:
@@ -975,9 +977,8 @@ def kernel_type(qtype: QT, rows: torch.Tensor, K: int) -> int:
     """The kernels' type id for weight rows `rows` [..., row_bytes] of `qtype` with K values
     a row: Q6_K_PADDED or MXFP4_PLANAR where they are in layout.kernel_layout's layout, else
     the GGUF type id."""
-    if is_padded_q6_k(rows, qtype, K):
-        return Q6_K_PADDED
-    return MXFP4_PLANAR if is_planar_mxfp4(rows, qtype, K) else int(qtype)
+    laid_out = is_padded_q6_k(rows, qtype, K) or is_planar_mxfp4(rows, qtype, K)
+    return LAID_OUT_TYPES[qtype] if laid_out else int(qtype)
 
 
 def _vt(qtype: QT) -> int:

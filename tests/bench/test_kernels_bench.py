@@ -19,6 +19,7 @@ from engine.bench import kernels as kb  # noqa: E402
 from engine.quant import triton_kernels as tk  # noqa: E402
 from engine.quant.activation import round_activation  # noqa: E402
 from engine.quant.dequant import dequantize  # noqa: E402
+from engine.quant.layout import CHANGED_LAYOUTS  # noqa: E402
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message of a machine without CUDA")
@@ -114,7 +115,7 @@ def test_gpu_bench_kernels_runs_and_reports(tmp_path) -> None:
     for r in dense:
         assert r["max_rel_diff_new_old"] < 1e-4
         assert 0 < r["new"]["GBps"] and 0 < r["old"]["GBps"] and r["sweep"]
-        assert ("new_laid_out" in r) == (QT[r["type"]] in kb.LAID_OUT)
+        assert ("new_laid_out" in r) == (QT[r["type"]] in CHANGED_LAYOUTS)
     assert (tmp_path / "kernels.md").read_text().count("| qwen3-30b-a3b attn_k/v |") == 6
     if os.environ.get("MOESTUDIO_LLAMA_OPS"):  # kernels_run.sh's llamaops stage built it: its figures beside ours
         beside = {(r["shape"], r["rows"]) for r in experts if "llama" in r}
