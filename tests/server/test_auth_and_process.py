@@ -11,6 +11,9 @@ import pytest
 
 KEY = "test-key-7f3a9c"  # noqa: S105 - a test fixture, not a secret
 USER = [{"role": "user", "content": "Hi"}]
+# Greedy: with the default (unseeded) sampling the tiny model sometimes ends its reply at the first
+# token, and the reply's length is what shows the accepted key was served.
+GREEDY = 0.0
 
 
 @pytest.fixture(scope="module")
@@ -21,7 +24,8 @@ def keyed(serve, tiny_model):
 
 def test_openai_key_accepted_and_refused(keyed):
     good = openai.OpenAI(base_url=keyed.url + "/v1", api_key=KEY, max_retries=0)
-    assert good.chat.completions.create(model="m", messages=USER, max_tokens=2).usage.completion_tokens == 2
+    reply = good.chat.completions.create(model="m", messages=USER, max_tokens=2, temperature=GREEDY)
+    assert reply.usage.completion_tokens == 2
     bad = openai.OpenAI(base_url=keyed.url + "/v1", api_key="wrong", max_retries=0)
     with pytest.raises(openai.AuthenticationError) as e:
         bad.chat.completions.create(model="m", messages=USER, max_tokens=2)
@@ -31,7 +35,8 @@ def test_openai_key_accepted_and_refused(keyed):
 
 def test_anthropic_key_accepted_and_refused(keyed):
     good = anthropic.Anthropic(base_url=keyed.url, api_key=KEY, max_retries=0)  # sends x-api-key
-    assert good.messages.create(model="m", messages=USER, max_tokens=2).usage.output_tokens == 2
+    reply = good.messages.create(model="m", messages=USER, max_tokens=2, extra_body={"temperature": GREEDY})
+    assert reply.usage.output_tokens == 2
     bad = anthropic.Anthropic(base_url=keyed.url, api_key="wrong", max_retries=0)
     with pytest.raises(anthropic.AuthenticationError) as e:
         bad.messages.create(model="m", messages=USER, max_tokens=2)
