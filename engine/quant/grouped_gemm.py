@@ -84,6 +84,13 @@ if triton is not None:
         return sc0, m0, sc1, m1
 
     @triton.jit
+    def _i8(v):
+        """The low byte of int32 v as a signed value, masked then folded by its sign bit (as
+        (v << 24) >> 24 the sm_90 Q6_K down kernel kept 16 bytes of stack at 128 registers)."""
+        b = v & 255
+        return b - ((b & 128) << 1)
+
+    @triton.jit
     def _k4_sc_m_of(a, b, e, low):
         """One sub-block j's (scale, min) from bytes s[j % 4], s[j % 4 + 4], s[j % 4 + 8] in the
         low bits of a, b, e; `low`: j < 4."""
@@ -156,13 +163,19 @@ if triton is not None:
                 # values 64c + 32h + i: ql[64(c // 2) + 32h + i] nibble c % 2, qh[128 + 32(c // 2) + i]
                 # bits 2(2(c % 2) + h); int8 scales at 192 + 4c + 2h (i < 16) and + 1 (i >= 16)
                 qh = tl.load(blk + 128 + 32 * (c // 2) + i).to(tl.int32)
+                if QW == _Q6_K_PADDED:  # the chunk's four scales as one word (padded blocks are 16-aligned)
+                    scales = tl.load((blk + 192 + 4 * c).to(tl.pointer_type(tl.int32)))
                 s = tl.zeros(acc.shape, tl.int32)
                 for h in tl.static_range(2):
                     lo = (tl.load(blk + 64 * (c // 2) + 32 * h + i).to(tl.int32) >> (4 * (c % 2))) & 15
                     q = (lo | (((qh >> (2 * (2 * (c % 2) + h))) & 3) << 4)) - 32
                     a = _a_tile(xq_ptr, a_rows, live_m, ks * 256 + 64 * c + 32 * h, KP, 32)
-                    sc_a = tl.load((blk + 192 + 4 * c + 2 * h).to(tl.pointer_type(tl.int8))).to(tl.int32)
-                    sc_b = tl.load((blk + 193 + 4 * c + 2 * h).to(tl.pointer_type(tl.int8))).to(tl.int32)
+                    if QW == _Q6_K_PADDED:
+                        sc_a = _i8(scales >> (16 * h))
+                        sc_b = _i8(scales >> (16 * h + 8))
+                    else:
+                        sc_a = tl.load((blk + 192 + 4 * c + 2 * h).to(tl.pointer_type(tl.int8))).to(tl.int32)
+                        sc_b = tl.load((blk + 193 + 4 * c + 2 * h).to(tl.pointer_type(tl.int8))).to(tl.int32)
                     s += _idot(tl.where(first, a, 0), q) * sc_a + _idot(tl.where(first, 0, a), q) * sc_b
                 acc += dx * (d * s.to(tl.float32))
         elif QW == _Q8_0 or QW == _MXFP4 or QW == _MXFP4_PLANAR:
