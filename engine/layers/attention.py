@@ -11,6 +11,8 @@ prompt's query through torch's fused attention (`prompt_attention`: no score mat
 """
 from __future__ import annotations
 
+import weakref
+
 import torch
 import torch.nn.functional as F
 
@@ -88,6 +90,30 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.T
     return precision.einsum("hts,shd->thd", probs, v).reshape(n_tok, -1)
 
 
+class _LastMask:
+    """The mask of a prompt's last one-slice attention, for the next layers of the same forward:
+    one mask a forward instead of one a layer (five launches a layer). Valid while `positions` is
+    the very tensor it was made for (held weakly: a forward's positions are never changed in
+    place) and the key (keys' width, group, window, sink, dtype) is the same; gpt-oss's
+    alternating windows replace it each layer, as before. It holds at most one mask of
+    MASK_BYTES, which the planner reserves."""
+
+    def __init__(self) -> None:
+        self._entry: tuple[weakref.ref, tuple, torch.Tensor] | None = None
+
+    def get(self, positions: torch.Tensor, key: tuple) -> torch.Tensor | None:
+        entry = self._entry  # one read: a put from another engine's thread swaps the whole tuple
+        if entry is not None and entry[0]() is positions and entry[1] == key:
+            return entry[2]
+        return None
+
+    def put(self, positions: torch.Tensor, key: tuple, mask: torch.Tensor) -> None:
+        self._entry = (weakref.ref(positions), key, mask)
+
+
+_MASKS = _LastMask()
+
+
 def prompt_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, scale: float,
                      window: int = 0, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """`attend` through torch's scaled_dot_product_attention: on CUDA in float32 its
@@ -104,7 +130,7 @@ def prompt_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, position
     n_tok, n_head, dk = q.shape
     n_kv, dv = k.shape[1], v.shape[2]
     group = n_head // n_kv
-    k_pos = torch.arange(k.shape[0], device=q.device)[None, :]
+    n_keys = k.shape[0]
     if sinks is not None:
         width = dk + 8  # the sink's dimension, and 16-byte rows for the kernel
         q = F.pad(q, (0, width - dk))
@@ -119,15 +145,20 @@ def prompt_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, position
     rows = max(1, MASK_BYTES // (group * padded * 4))
     out = []
     for a in range(0, n_tok, rows):
-        q_pos = positions[a:a + rows, None]
-        hidden = k_pos > q_pos
-        if window:
-            hidden |= q_pos - k_pos >= window
-        if sinks is not None:
-            hidden = F.pad(hidden, (0, 1), value=False)
-        n = q_pos.shape[0]
-        mask = torch.zeros(group, n, padded, dtype=q.dtype, device=q.device)[..., :width]
-        mask = mask.masked_fill_(hidden, float("-inf")).reshape(group * n, width)  # a view: rows stay aligned
+        n = min(rows, n_tok - a)
+        mask = _MASKS.get(positions, (width, group, window, sinks is not None, q.dtype)) if n == n_tok else None
+        if mask is None:
+            q_pos = positions[a:a + rows, None]
+            k_pos = torch.arange(n_keys, device=q.device)[None, :]
+            hidden = k_pos > q_pos
+            if window:
+                hidden |= q_pos - k_pos >= window
+            if sinks is not None:
+                hidden = F.pad(hidden, (0, 1), value=False)
+            mask = torch.zeros(group, n, padded, dtype=q.dtype, device=q.device)[..., :width]
+            mask = mask.masked_fill_(hidden, float("-inf")).reshape(group * n, width)  # a view: rows stay aligned
+            if n == n_tok:
+                _MASKS.put(positions, (width, group, window, sinks is not None, q.dtype), mask)
         stacked = q[a:a + rows].reshape(n, n_kv, group, -1).permute(1, 2, 0, 3).reshape(1, n_kv, group * n, -1)
         o = F.scaled_dot_product_attention(stacked, keys, values, attn_mask=mask, scale=scale)
         out.append(o.reshape(n_kv, group, n, dv).permute(2, 0, 1, 3).reshape(n, n_head * dv))

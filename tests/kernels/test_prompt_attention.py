@@ -59,6 +59,25 @@ def test_query_slices_give_the_one_launch_result(monkeypatch, name):
         check(prompt_attention(q, k, v, positions, scale, window, s), whole)
 
 
+def test_a_forwards_layers_share_one_mask():
+    """Layers of one forward (the same positions tensor, other keys and values) reuse the mask;
+    a window, a sink or other positions get their own, and every result stays the reference's."""
+    q, k, v, positions, _ = case(16, 8, 2, 64, 64, 9, False, seed=4)
+    key = (k.shape[0], 4, 0, False, torch.float32)  # keys, group, window, sink, dtype
+    prompt_attention(q, k, v, positions, 0.125)
+    mask = attention._MASKS.get(positions, key)
+    assert mask is not None
+    for seed, window, sinks in ((5, 0, None), (6, 7, None), (7, 0, torch.full((8,), 0.5)), (8, 0, None)):
+        q2, k2, v2, _, _ = case(16, 8, 2, 64, 64, 9, False, seed=seed)
+        check(prompt_attention(q2, k2, v2, positions, 0.125, window, sinks), attend(q2, k2, v2, positions, 0.125,
+                                                                                    window, sinks))
+        if seed == 5:
+            assert attention._MASKS.get(positions, key) is mask  # reused
+    assert attention._MASKS.get(positions, key) is not mask  # rebuilt after the window's and the sink's
+    same_values = positions.clone()
+    assert attention._MASKS.get(same_values, (k.shape[0], 4, 0, False, torch.float32)) is None
+
+
 def test_the_sink_takes_its_share_of_the_softmax():
     """A large sink leaves almost nothing to the keys; a very negative one changes nothing."""
     q, k, v, positions, _ = case(8, 4, 2, 64, 64, 5, False, seed=2)
