@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable, Protocol
 
+import numpy as np
 import torch
 
 from engine.gguf.reader import ModelFile
@@ -89,7 +90,13 @@ class Embedding:
         self.raw, self.qtype, self.row_shape, self.device = mf.torch_raw(name), info.qtype, info.shape[1:], device
 
     def __call__(self, tokens: torch.Tensor) -> torch.Tensor:
-        return self.decode(self.raw[tokens.cpu()].to(self.device))
+        return self.decode(self.rows(tokens).to(self.device))
+
+    def rows(self, tokens: torch.Tensor) -> torch.Tensor:
+        """The raw table rows (uint8 [T, row bytes], host) of `tokens`: numpy's take, which copies
+        a row at a time (torch's indexing of a uint8 table goes byte by byte: 2.2 ms against
+        0.2 ms for 512 rows of Qwen3's 1,680-byte Q6_K rows on the 2-core CI machine)."""
+        return torch.from_numpy(np.take(self.raw.numpy(), tokens.cpu().numpy(), axis=0))
 
     def decode(self, rows: torch.Tensor) -> torch.Tensor:
         """Float32 [rows, n_embd] of raw table rows (uint8 [rows, row bytes]) on the device."""
