@@ -1,0 +1,101 @@
+"""Whether a prompt waits for the host or for the GPU: the prompt as `bench scenarios` times it.
+
+    python scripts/time_prompt.py MODEL LABEL [--repeats 7] [--prompt 512] [--budget-mib M]
+
+Loads MODEL (every expert resident unless --budget-mib), runs the bench's warm-up, then prefills
+the bench's prompt REPEATS times from an empty cache (engine.forget, then engine.prefill, as
+engine/bench/engine_runner.py times a time to first token) and once more under the torch
+profiler. Prints one JSON line: LABEL, the load's seconds, each prompt's wall ms and their
+median, `enqueued_ms` (median time until the host first waits for a CUDA stream, which a
+resident prompt does only at its last MoE layer: its launches issued by then; NaN where it never
+waits) and the profiled prompt's GPU busy ms (the union of its kernels' intervals) and kernel
+count; then the profiled prompt's top kernels. With enqueued close to wall and busy well under
+it, the host's launches set the prompt's pace. Run each version to compare in its own process.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+
+def _busy_ms(prof) -> tuple[float, int]:
+    """The union of the profiled kernels' intervals (ms) and their count."""
+    spans = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
+                   if e.device_type.name == "CUDA" and "Memcpy" not in e.name and "Memset" not in e.name)
+    busy, end = 0.0, float("-inf")
+    for a, b in spans:
+        if b > end:
+            busy += b - max(a, end)
+            end = b
+    return busy / 1e3, len(spans)
+
+
+def main() -> int:
+    from torch.profiler import ProfilerActivity, profile
+
+    from engine.bench.engine_runner import warm_up
+    from engine.bench.speed import bench_tokens
+    from engine.moe.hybrid import attach_hybrid
+    from engine.runtime.engine import Engine, EngineConfig
+
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("model", type=Path)
+    p.add_argument("label")
+    p.add_argument("--repeats", type=int, default=7)
+    p.add_argument("--prompt", type=int, default=512, help="prompt tokens (default 512)")
+    p.add_argument("--budget-mib", type=int, help="VRAM budget (default: every expert resident)")
+    p.add_argument("-t", "--threads", type=int, default=16)
+    args = p.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("time_prompt needs a CUDA GPU")
+    t0 = time.perf_counter()
+    tokens = bench_tokens(args.model, args.prompt, 8, 0)
+    cache = "auto" if args.budget_mib else "all"
+    engine = Engine.load(args.model, EngineConfig(device="cuda", n_ctx=4112, threads=args.threads,
+                                                  moe_expert_cache_size=cache, vram_budget_mib=args.budget_mib),
+                         attach_experts=attach_hybrid)
+    load_s = time.perf_counter() - t0
+    warm_up(engine.model, engine.cache, tokens["warmup"], torch.cuda.synchronize)
+    waits: list[float] = []
+    synchronize = torch.cuda.Stream.synchronize
+
+    def marked(stream):
+        waits.append(time.perf_counter())
+        return synchronize(stream)
+
+    walls, enqueued = [], []
+    torch.cuda.Stream.synchronize = marked
+    try:
+        for _ in range(args.repeats):
+            engine.forget()
+            waits.clear()
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            engine.prefill(tokens["prompt"])
+            torch.cuda.synchronize()
+            walls.append(time.perf_counter() - t)
+            enqueued.append(waits[0] - t if waits else float("nan"))
+    finally:
+        torch.cuda.Stream.synchronize = synchronize
+    engine.forget()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        engine.prefill(tokens["prompt"])
+        torch.cuda.synchronize()
+    busy, kernels = _busy_ms(prof)
+    print(json.dumps({"label": args.label, "load_s": round(load_s, 1), "wall_ms": [round(1e3 * w, 2) for w in walls],
+                      "median_ms": round(1e3 * statistics.median(walls), 2),
+                      "enqueued_ms": round(1e3 * statistics.median(enqueued), 2), "busy_ms": round(busy, 2),
+                      "kernels": kernels}), flush=True)
+    print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=12, max_name_column_width=50))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
