@@ -1,6 +1,6 @@
 """Whether a prompt waits for the host or for the GPU: the prompt as `bench scenarios` times it.
 
-    python scripts/time_prompt.py MODEL LABEL [--repeats 7] [--prompt 512] [--budget-mib M]
+    python scripts/time_prompt.py MODEL LABEL [--repeats 7] [--prompt 512] [--budget-mib M] [--host-profile]
 
 Loads MODEL (every expert resident unless --budget-mib), runs the bench's warm-up, then prefills
 the bench's prompt REPEATS times from an empty cache (engine.forget, then engine.prefill, as
@@ -9,13 +9,18 @@ profiler. Prints one JSON line: LABEL, the load's seconds, each prompt's wall ms
 median, `enqueued_ms` (median time until the host first waits for a CUDA stream, which a
 resident prompt does only at its last MoE layer: its launches issued by then; NaN where it never
 waits) and the profiled prompt's GPU busy ms (the union of its kernels' intervals) and kernel
-count; then the profiled prompt's top kernels. With enqueued close to wall and busy well under
-it, the host's launches set the prompt's pace. Run each version to compare in its own process.
+count; then the profiled prompt's top kernels and, with --host-profile, one more prompt's top
+Python functions under cProfile (by own time, then by total time). With enqueued close to wall and
+busy well under it, the host's launches set the prompt's pace. Run each version to compare in its
+own process.
 """
 from __future__ import annotations
 
 import argparse
+import cProfile
+import io
 import json
+import pstats
 import statistics
 import sys
 import time
@@ -51,6 +56,7 @@ def main() -> int:
     p.add_argument("--prompt", type=int, default=512, help="prompt tokens (default 512)")
     p.add_argument("--budget-mib", type=int, help="VRAM budget (default: every expert resident)")
     p.add_argument("-t", "--threads", type=int, default=16)
+    p.add_argument("--host-profile", action="store_true", help="also the host's Python functions under cProfile")
     args = p.parse_args()
     if not torch.cuda.is_available():
         sys.exit("time_prompt needs a CUDA GPU")
@@ -94,6 +100,16 @@ def main() -> int:
                       "enqueued_ms": round(1e3 * statistics.median(enqueued), 2), "busy_ms": round(busy, 2),
                       "kernels": kernels}), flush=True)
     print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=12, max_name_column_width=50))
+    if args.host_profile:
+        engine.forget()
+        torch.cuda.synchronize()
+        with cProfile.Profile() as host:
+            engine.prefill(tokens["prompt"])
+            torch.cuda.synchronize()
+        for order in ("tottime", "cumulative"):
+            text = io.StringIO()
+            pstats.Stats(host, stream=text).sort_stats(order).print_stats(30)
+            print(text.getvalue())
     return 0
 
 
