@@ -96,7 +96,7 @@ class _LastMask:
     the very tensor it was made for (held weakly: a forward's positions are never changed in
     place) and the key (keys' width, group, window, sink, dtype) is the same; gpt-oss's
     alternating windows replace it each layer, as before. It holds at most one mask of
-    MASK_BYTES, which the planner reserves."""
+    MASK_BYTES, which the planner reserves, and lets it go with the positions tensor."""
 
     def __init__(self) -> None:
         self._entry: tuple[weakref.ref, tuple, torch.Tensor] | None = None
@@ -108,7 +108,13 @@ class _LastMask:
         return None
 
     def put(self, positions: torch.Tensor, key: tuple, mask: torch.Tensor) -> None:
-        self._entry = (weakref.ref(positions), key, mask)
+        self._entry = (weakref.ref(positions, self._drop), key, mask)
+
+    def _drop(self, ref: weakref.ref) -> None:
+        """The forward's positions are gone: so is its mask (unless a newer one replaced it)."""
+        entry = self._entry
+        if entry is not None and entry[0] is ref:
+            self._entry = None
 
 
 _MASKS = _LastMask()
