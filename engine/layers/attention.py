@@ -92,10 +92,10 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.T
 
 class _LastMask:
     """The mask of a prompt's last one-slice attention, for the next layers of the same forward:
-    one mask a forward instead of one a layer (five launches a layer). Valid while `positions` is
-    the very tensor it was made for (held weakly: a forward's positions are never changed in
-    place) and the key (keys' width, group, window, sink, dtype) is the same; gpt-oss's
-    alternating windows replace it each layer, as before. It holds at most one mask of
+    one mask a forward instead of one a layer (four launches a layer, five with a window). Valid
+    while `positions` is the very tensor it was made for (held weakly: a forward's positions are
+    never changed in place) and the key (keys' width, group, window, sink, dtype) is the same;
+    gpt-oss's alternating windows replace it each layer, as before. It holds at most one mask of
     MASK_BYTES, which the planner reserves, and lets it go with the positions tensor."""
 
     def __init__(self) -> None:
