@@ -47,7 +47,7 @@ def _stage(what: str, t0: float) -> None:
     print(f"[{time.perf_counter() - t0:7.1f} s] {what}", file=sys.stderr, flush=True)
 
 
-def _gpu_timeline(pr, n_tokens: int) -> dict:
+def gpu_timeline(pr, n_tokens: int) -> dict:
     """Per token: GPU kernels launched, their busy time (the union of their intervals) with and
     without the collect kernel's waits for the host, and the span from first kernel to last."""
     kernels = [(e.time_range.start, e.time_range.end, e.name) for e in pr.events()
@@ -71,7 +71,7 @@ def _gpu_timeline(pr, n_tokens: int) -> dict:
             "collect_us": sum(b - a for a, b, _ in waits) / n_tokens}
 
 
-def _host_functions(fn, rows: int = 30) -> str:
+def host_functions(fn, rows: int = 30) -> str:
     """`fn` (then a device sync) under cProfile: the functions with the most time of their own."""
     import cProfile
     import io
@@ -107,7 +107,7 @@ def _prefill(m, kv, ids: list[int], profile: bool, t0: float) -> dict:
         with prof(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as pr:
             m.forward(prompt, kv, 0, last_only=True)
             torch.cuda.synchronize()
-        r["gpu_timeline"] = _gpu_timeline(pr, n_tokens=1)
+        r["gpu_timeline"] = gpu_timeline(pr, n_tokens=1)
         # the GPU's busy time over the unprofiled wall time: far below 1, the host's launches bind
         # the prompt (holding the GPU behind a sleep kernel cannot tell: a prompt's ~1,200
         # launches fill the launch queue, and the host then waits for the GPU anyway)
@@ -117,7 +117,7 @@ def _prefill(m, kv, ids: list[int], profile: bool, t0: float) -> dict:
         # the host's side: CUDA runtime calls (a long cudaStreamSynchronize or allocation is a wait
         # inside the prompt) and, under cProfile, the Python functions that launch the kernels
         r["top_host_ops"] = ka.table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=60)
-        r["top_host_functions"] = _host_functions(lambda: m.forward(prompt, kv, 0, last_only=True))
+        r["top_host_functions"] = host_functions(lambda: m.forward(prompt, kv, 0, last_only=True))
     pool.__dict__.pop("compute", None)
     _stage("prefill profiled", t0)
     return r
@@ -186,7 +186,7 @@ def run(model: Path, budget: int | None, tokens: int, threads: int, ctx: int, ou
         ka = pr.key_averages()
         (out / "profile_decode.txt").write_text(ka.table(sort_by="self_cuda_time_total", row_limit=60,
                                                           max_name_column_width=70))
-        timeline = _gpu_timeline(pr, n_tokens=8)
+        timeline = gpu_timeline(pr, n_tokens=8)
         _stage("profiled", t0)
     r_prefill = _prefill(m, kv, ids, profile, t0)
     total = c.gpu_hit.sum() + c.uploaded.sum() + c.cpu_computed.sum()

@@ -10,17 +10,14 @@ median, `enqueued_ms` (median time until the host first waits for a CUDA stream,
 resident prompt does only at its last MoE layer: its launches issued by then; NaN where it never
 waits) and the profiled prompt's GPU busy ms (the union of its kernels' intervals) and kernel
 count; then the profiled prompt's top kernels and, with --host-profile, one more prompt's top
-Python functions under cProfile (by own time, then by total time). With enqueued close to wall and
+Python functions under cProfile (by own time). With enqueued close to wall and
 busy well under it, the host's launches set the prompt's pace. Run each version to compare in its
 own process.
 """
 from __future__ import annotations
 
 import argparse
-import cProfile
-import io
 import json
-import pstats
 import statistics
 import sys
 import time
@@ -29,20 +26,11 @@ from pathlib import Path
 import torch
 
 
-def _busy_ms(prof) -> tuple[float, int]:
-    """The union of the profiled kernels' intervals (ms) and their count."""
-    spans = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
-                   if e.device_type.name == "CUDA" and "Memcpy" not in e.name and "Memset" not in e.name)
-    busy, end = 0.0, float("-inf")
-    for a, b in spans:
-        if b > end:
-            busy += b - max(a, end)
-            end = b
-    return busy / 1e3, len(spans)
-
-
 def main() -> int:
     from torch.profiler import ProfilerActivity, profile
+
+    # this folder's: the profiled kernels' busy time; the host's top functions under cProfile
+    from profile_decode import gpu_timeline, host_functions
 
     from engine.bench.engine_runner import warm_up
     from engine.bench.speed import bench_tokens
@@ -94,22 +82,16 @@ def main() -> int:
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         engine.prefill(tokens["prompt"])
         torch.cuda.synchronize()
-    busy, kernels = _busy_ms(prof)
+    timeline = gpu_timeline(prof, n_tokens=1)
     print(json.dumps({"label": args.label, "load_s": round(load_s, 1), "wall_ms": [round(1e3 * w, 2) for w in walls],
                       "median_ms": round(1e3 * statistics.median(walls), 2),
-                      "enqueued_ms": round(1e3 * statistics.median(enqueued), 2), "busy_ms": round(busy, 2),
-                      "kernels": kernels}), flush=True)
+                      "enqueued_ms": round(1e3 * statistics.median(enqueued), 2),
+                      "busy_ms": round(timeline["busy_us"] / 1e3, 2), "kernels": int(timeline["kernels"])}), flush=True)
     print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=12, max_name_column_width=50))
     if args.host_profile:
         engine.forget()
         torch.cuda.synchronize()
-        with cProfile.Profile() as host:
-            engine.prefill(tokens["prompt"])
-            torch.cuda.synchronize()
-        for order in ("tottime", "cumulative"):
-            text = io.StringIO()
-            pstats.Stats(host, stream=text).sort_stats(order).print_stats(30)
-            print(text.getvalue())
+        print(host_functions(lambda: engine.prefill(tokens["prompt"])))
     return 0
 
 

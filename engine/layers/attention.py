@@ -149,10 +149,12 @@ def prompt_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, position
     width = keys.shape[2]
     padded = -(-width // 16) * 16  # mask rows 16-aligned, as the fused kernel reads them
     rows = max(1, MASK_BYTES // (group * padded * 4))
+    key = (width, group, window, sinks is not None, q.dtype)  # with `positions`, what the mask depends on
     out = []
     for a in range(0, n_tok, rows):
         n = min(rows, n_tok - a)
-        mask = _MASKS.get(positions, (width, group, window, sinks is not None, q.dtype)) if n == n_tok else None
+        one_slice = n == n_tok
+        mask = _MASKS.get(positions, key) if one_slice else None
         if mask is None:
             q_pos = positions[a:a + rows, None]
             k_pos = torch.arange(n_keys, device=q.device)[None, :]
@@ -163,8 +165,8 @@ def prompt_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, position
                 hidden = F.pad(hidden, (0, 1), value=False)
             mask = torch.zeros(group, n, padded, dtype=q.dtype, device=q.device)[..., :width]
             mask = mask.masked_fill_(hidden, float("-inf")).reshape(group * n, width)  # a view: rows stay aligned
-            if n == n_tok:
-                _MASKS.put(positions, (width, group, window, sinks is not None, q.dtype), mask)
+            if one_slice:
+                _MASKS.put(positions, key, mask)
         stacked = q[a:a + rows].reshape(n, n_kv, group, -1).permute(1, 2, 0, 3).reshape(1, n_kv, group * n, -1)
         o = F.scaled_dot_product_attention(stacked, keys, values, attn_mask=mask, scale=scale)
         out.append(o.reshape(n_kv, group, n, dv).permute(2, 0, 1, 3).reshape(n, n_head * dv))
