@@ -132,7 +132,11 @@ if triton is not None:
             dx = tl.load(xd_ptr + a_rows * (KP // 32) + ks * 8, mask=live_m, other=0.0)
             sums = xs_ptr + a_rows * (KP // 32) + ks * 8
             # Two 32-deep int8 products per chunk, scaled after: one 64-deep fp16 product of sc * q
-            # (exact in fp16) was 1.7x slower, its operand routed through shared memory (session 18)
+            # (exact in fp16) was 1.7x slower, its operand routed through shared memory (session 18).
+            # The scales' sum stays int32 over the block (|s| < 2^25) and meets d once, as in ggml's
+            # CPU dot; the mins' term goes into acc each chunk (an int32 tile of it kept over the
+            # block makes the gate/up kernel spill on sm_90).
+            s = tl.zeros(acc.shape, tl.int32)
             for c in range(4):  # a loop, not unrolled: one chunk's tiles live at a time
                 # values 64c + i: sub-block 2c, the low nibbles of qs[32c + i]; 64c + 32 + i:
                 # sub-block 2c + 1, the high nibbles
@@ -148,24 +152,25 @@ if triton is not None:
                 sc0, m0, sc1, m1 = _k4_chunk_scales(blk + 4, c)
                 # the chunk's two sub-blocks: sum_j sc_j * dot(qx_j, q_j) and sum_j m_j * sum(qx_j),
                 # exact in int32
-                s = _idot(a_lo, lo) * sc0 + _idot(a_hi, hi) * sc1
+                s += _idot(a_lo, lo) * sc0 + _idot(a_hi, hi) * sc1
                 # the sub-blocks' two block sums in one 8-byte load (little-endian: 2c in the low half)
                 pair = tl.load((sums + 2 * c).to(tl.pointer_type(tl.int64)), mask=live_m, other=0)
                 m = pair.to(tl.int32) * m0 + (pair >> 32).to(tl.int32) * m1
-                acc += dx * (d * s.to(tl.float32) - dmin * m.to(tl.float32))
+                acc -= dx * (dmin * m.to(tl.float32))
+            acc += dx * (d * s.to(tl.float32))
         elif QW == _Q6_K or QW == _Q6_K_PADDED:
             # 210-byte blocks, or the slots' 224-byte ones (layout.pad_q6_k: the same fields)
             blk = w + ks * (224 if QW == _Q6_K_PADDED else 210)
             d = _u16(blk + 208)
             dx = tl.load(xd_ptr + a_rows * (KP // 32) + ks * 8, mask=live_m, other=0.0)
             first = tl.arange(0, 32)[None, :] < 16  # the activation's half under a sub-block's first scale
+            s = tl.zeros(acc.shape, tl.int32)  # the block's int32 sum (|s| < 2^28), scaled once (see Q4_K)
             for c in range(4):  # a loop, not unrolled: one chunk's tiles live at a time
                 # values 64c + 32h + i: ql[64(c // 2) + 32h + i] nibble c % 2, qh[128 + 32(c // 2) + i]
                 # bits 2(2(c % 2) + h); int8 scales at 192 + 4c + 2h (i < 16) and + 1 (i >= 16)
                 qh = tl.load(blk + 128 + 32 * (c // 2) + i).to(tl.int32)
                 if QW == _Q6_K_PADDED:  # the chunk's four scales as one word (padded blocks are 16-aligned)
                     scales = tl.load((blk + 192 + 4 * c).to(tl.pointer_type(tl.int32)))
-                s = tl.zeros(acc.shape, tl.int32)
                 for h in tl.static_range(2):
                     lo = (tl.load(blk + 64 * (c // 2) + 32 * h + i).to(tl.int32) >> (4 * (c % 2))) & 15
                     q = (lo | (((qh >> (2 * (2 * (c % 2) + h))) & 3) << 4)) - 32
@@ -177,7 +182,7 @@ if triton is not None:
                         sc_a = tl.load((blk + 192 + 4 * c + 2 * h).to(tl.pointer_type(tl.int8))).to(tl.int32)
                         sc_b = tl.load((blk + 193 + 4 * c + 2 * h).to(tl.pointer_type(tl.int8))).to(tl.int32)
                     s += _idot(tl.where(first, a, 0), q) * sc_a + _idot(tl.where(first, 0, a), q) * sc_b
-                acc += dx * (d * s.to(tl.float32))
+            acc += dx * (d * s.to(tl.float32))
         elif QW == _Q8_0 or QW == _MXFP4 or QW == _MXFP4_PLANAR:
             NB: tl.constexpr = K // 32
             for b in range(8):  # a loop, not unrolled: one block's tiles live at a time
