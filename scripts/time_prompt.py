@@ -9,8 +9,11 @@ profiler. Prints one JSON line: LABEL, the load's seconds, each prompt's wall ms
 median, `enqueued_ms` (median time until the host first waits for a CUDA stream, which a
 resident prompt does only at its last MoE layer: its launches issued by then; NaN where it never
 waits) and the profiled prompt's GPU busy ms (the union of its kernels' intervals) and kernel
-count; then the profiled prompt's top kernels and, with --host-profile, one more prompt's top
-Python functions under cProfile (by own time). With enqueued close to wall and
+count; before each prompt, two fixed probes: `host_probe_ms`, a pure-Python loop, and
+`gpu_probe_ms`, ten 4096x4096 bf16 products timed by CUDA events (one thread's speed and the
+GPU's clocks: whether a slow prompt came with a slow host or a slow GPU); then the profiled
+prompt's top kernels and, with --host-profile, one more prompt's top Python functions under
+cProfile (by own time). With enqueued close to wall and
 busy well under it, the host's launches set the prompt's pace. Run each version to compare in its
 own process.
 """
@@ -63,11 +66,14 @@ def main() -> int:
         waits.append(time.perf_counter())
         return synchronize(stream)
 
-    walls, enqueued = [], []
+    walls, enqueued, host_probe, gpu_probe = [], [], [], []
+    a = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
     torch.cuda.Stream.synchronize = marked
     try:
         for _ in range(args.repeats):
             engine.forget()
+            host_probe.append(_host_probe_ms())
+            gpu_probe.append(_gpu_probe_ms(a))
             waits.clear()
             torch.cuda.synchronize()
             t = time.perf_counter()
@@ -86,13 +92,36 @@ def main() -> int:
     print(json.dumps({"label": args.label, "load_s": round(load_s, 1), "wall_ms": [round(1e3 * w, 2) for w in walls],
                       "median_ms": round(1e3 * statistics.median(walls), 2),
                       "enqueued_ms": round(1e3 * statistics.median(enqueued), 2),
-                      "busy_ms": round(timeline["busy_us"] / 1e3, 2), "kernels": int(timeline["kernels"])}), flush=True)
+                      "busy_ms": round(timeline["busy_us"] / 1e3, 2), "kernels": int(timeline["kernels"]),
+                      "host_probe_ms": [round(t, 2) for t in host_probe],
+                      "gpu_probe_ms": [round(t, 2) for t in gpu_probe]}), flush=True)
     print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=12, max_name_column_width=50))
     if args.host_profile:
         engine.forget()
         torch.cuda.synchronize()
         print(host_functions(lambda: engine.prefill(tokens["prompt"])))
     return 0
+
+
+def _host_probe_ms() -> float:
+    """A fixed pure-Python loop's ms: the launching thread's own speed."""
+    t = time.perf_counter()
+    total = 0
+    for i in range(200_000):
+        total += i & 7
+    return 1e3 * (time.perf_counter() - t)
+
+
+def _gpu_probe_ms(a: torch.Tensor) -> float:
+    """Ten products of `a` by itself, GPU ms between two events: the GPU's speed, not the host's."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    start.record()
+    for _ in range(10):
+        a @ a
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end)
 
 
 if __name__ == "__main__":
