@@ -93,10 +93,11 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.T
 class _LastMask:
     """The mask of a prompt's last one-slice attention, for the next layers of the same forward:
     one mask a forward instead of one a layer (four launches a layer, five with a window). Valid
-    while `positions` is the very tensor it was made for (held weakly: a forward's positions are
-    never changed in place) and the key (keys' width, group, window, sink, dtype) is the same;
-    gpt-oss's alternating windows replace it each layer, as before. It holds at most one mask of
-    MASK_BYTES, which the planner reserves, and lets it go with the positions tensor."""
+    while `positions` is the very tensor it was made for (held weakly) and the key (keys' width,
+    group, window, sink, dtype) is the same; gpt-oss's alternating windows replace it each layer,
+    as before. It holds at most one mask of MASK_BYTES, which the planner reserves, and lets it
+    go with the positions tensor, or at the next forward's start (`forget_masks`): the decode
+    runner's positions buffer is one tensor, changed in place from token to token."""
 
     def __init__(self) -> None:
         self._entry: tuple[weakref.ref, tuple, torch.Tensor] | None = None
@@ -116,8 +117,17 @@ class _LastMask:
         if entry is not None and entry[0] is ref:
             self._entry = None
 
+    def clear(self) -> None:
+        self._entry = None
+
 
 _MASKS = _LastMask()
+
+
+def forget_masks() -> None:
+    """A new forward begins (DecoderModel.run): the kept mask was made for the positions of the
+    last one, which may be the very tensor this one is given with other values in it."""
+    _MASKS.clear()
 
 
 def prompt_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, scale: float,

@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from engine.gguf.reader import ModelFile
-from engine.layers.attention import KVCache
+from engine.layers.attention import KVCache, forget_masks
 from engine.layers.linear import Linear, compile_dense_kernels
 from engine.layers.moe import Experts, ExpertWeights, Router, activate, SILU
 from engine.layers.norm import add_rms_norm, rms_norm
@@ -145,6 +145,7 @@ class DecoderModel:
         the whole cache and reads up to the device-side position; nothing here may wait for the
         host)."""
         eps = self.config.rms_eps
+        forget_masks()
         # Each residual add is fused with the norm that reads its sum (add_rms_norm: one launch
         # on the kernels' path): x is always the normalised h the next step takes.
         next_norms = [b.attn_norm for b in self.blocks[1:]] + [self.output_norm]

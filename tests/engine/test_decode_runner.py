@@ -59,6 +59,25 @@ def test_the_staged_table_row_gives_the_forward_s_logits(make_model, table_qtype
         torch.testing.assert_close(logits, reference[i:i + 1], rtol=0, atol=1e-5)
 
 
+def test_runner_steps_through_prompt_attention_see_their_own_positions(make_model, monkeypatch):
+    """Where a decode step's attention is torch's fused one (CUDA without the decode kernel: Triton
+    off, or a shape it does not take), the runner hands every step the same positions buffer with
+    a new value in it: each step builds its own mask (the one kept for a forward's later layers is
+    not the last step's; session 21 found the GPU's torch path decoding off the reference)."""
+    from engine.layers import attention
+    from engine.runtime.decode_runner import DecodeRunner
+
+    monkeypatch.setattr("engine.models.gqa.attend", attention.prompt_attention)
+    model = build_model(make_model("qwen3moe"), "cpu")
+    tokens = torch.arange(5, 5 + N_PROMPT)
+    reference = model.forward(tokens, model.new_cache(2 * N_PROMPT))[-4:]
+    cache = model.new_cache(2 * N_PROMPT)
+    model.forward(tokens[:-4], cache)
+    runner = DecodeRunner(model, cache)
+    for i, start in enumerate(range(N_PROMPT - 4, N_PROMPT)):
+        torch.testing.assert_close(runner.step(tokens[start:start + 1], start), reference[i:i + 1], rtol=0, atol=1e-5)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("executor", ["reference", "hybrid"])
