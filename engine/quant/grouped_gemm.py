@@ -486,20 +486,23 @@ class Groups:
         return cls(row_tok, row_pos, tile_slot, tile_exp, block_m), expert_rows
 
 
-# Elements of the layout kernels' [pairs or blocks, slots] tiles (32 a thread at 4 warps). The plan is
-# one program walking every pair block in turn: its time is its steps'. Measured on the H200 (session
-# 20, Groups.on_device in a replayed graph, 128 slots, top-8, skewed routing), µs at 512 / 4,096 tokens:
-# 2,048 elements 39.7 / 247; 4,096 21.8 / 112; 8,192 16.8 / 62.6 and 16,384 18.1 / 49.2, but there the
-# plan's [blocks, slots] running sums spill registers (sm_90 cubin); 8 or 16 warps slower at every size.
-LAYOUT_TILE = 4096
+# Elements of the layout kernels' [pairs, slots] tiles (64 a thread at 4 warps), and of the plan's
+# [blocks, slots] reads, whose running sums spill registers at 8,192 (sm_90 cubin). The plan is one
+# program walking every pair block in turn: its time is its steps'. Measured on the H200 (session 20,
+# Groups.on_device in a replayed graph, 128 slots, top-8, skewed routing), µs at 512 / 4,096 tokens,
+# one tile for all three kernels: 2,048 elements 39.7 / 247; 4,096 21.8 / 112; 8,192 16.8 / 62.6;
+# 16,384 18.1 / 49.2; 8 or 16 warps slower at every size. This split (session 21, the same bench,
+# 2,048 again 39.6 / 247.4): 17.1 / 69.4.
+LAYOUT_TILE = 8192
+PLAN_READ_TILE = 4096
 
 
 def layout_tiles(n_slots: int) -> tuple[int, int, int]:
     """The layout kernels' constants for a layer of `n_slots` slots: NS (the slots padded to a
-    power of two), BLOCK (pairs a rank or scatter program takes) and RB (blocks a plan step
-    reads), so that their tiles hold LAYOUT_TILE elements."""
+    power of two), BLOCK (pairs a rank or scatter program takes, LAYOUT_TILE elements) and RB
+    (blocks a plan step reads, PLAN_READ_TILE elements)."""
     ns = max(16, triton.next_power_of_2(n_slots))
-    return ns, max(16, LAYOUT_TILE // ns), max(1, LAYOUT_TILE // ns)
+    return ns, max(16, LAYOUT_TILE // ns), max(1, PLAN_READ_TILE // ns)
 
 
 def _sums(r: tk.Rounded) -> torch.Tensor:
