@@ -4,8 +4,9 @@
 -t THREADS --ctx N --load-mode M` prints one JSON line: after the warm-up (the "warmup" tokens as
 a prompt, then one decode token), prefill tok/s on the prompt (the engine's chunked prefill, as
 a request runs it, with the GB/s its expert uploads reached over PCIe and its MoE layer steps
-by route), then teacher-forced decode tok/s on the stream, with the expert cache's hit shares
-and the spread of the tokens' times; then, when given, the same prefill figures for the "long"
+by route; the median of PREFILL_REPEATS runs when every expert is resident), then teacher-forced
+decode tok/s on the stream, with the expert cache's hit shares and the spread of the tokens'
+times; then, when given, the same prefill figures for the "long"
 prompt (`long_*`); and the kernels Triton compiled inside these timed runs (`timed_jit_compiles`,
 engine/bench/compiles.py: any there means a variant the warm-up missed, its compile in a figure).
 A process per configuration, as a user runs the engine: no run inherits another's state (the
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -34,21 +36,39 @@ def token_times(seconds: list[float]) -> dict[str, float]:
             "median_ms": round(ms[len(ms) // 2], 3), "p90_ms": round(ms[int(0.9 * (len(ms) - 1))], 3)}
 
 
-def _timed_prefill(engine, prompt: list[int], sync) -> tuple[float, float, dict[str, int] | None]:
-    """Seconds for the engine to prefill `prompt` from an empty cache, the GB/s its expert
-    uploads (the staging slots' streamed misses, the refills) reached over PCIe meanwhile, and
+# Timed runs of a prompt where the weights' placement cannot change between them (every expert
+# resident here; llama.cpp's runs): the figure is their median, as llama-bench repeats its prompt.
+# One run where the expert cache learns from the prompt: a repeat would see the cache the first
+# run adapted to that very text. A resident 512-token prompt on the H200 took 64-155 ms from one
+# prompt to the next of the same process (docs/BENCHMARKS.md, session 21).
+PREFILL_REPEATS = 5
+
+
+def _timed_prefill(engine, prompt: list[int], sync, repeats: int) -> tuple[list[float], float, dict[str, int] | None]:
+    """Seconds of each of `repeats` prefills of `prompt` from an empty cache, the GB/s the first
+    one's expert uploads (the staging slots' streamed misses, the refills) reached over PCIe, and
     its MoE layer steps by route (telemetry's prompt_steps)."""
     c = engine.telemetry.cache
     moved = c.bytes_uploaded if c is not None else 0
     steps = dict(c.prompt_steps) if c is not None else None
-    engine.forget()
-    t0 = time.perf_counter()
-    engine.prefill(prompt)
-    sync()
-    seconds = time.perf_counter() - t0
-    if c is not None:
-        steps = {route: c.prompt_steps[route] - n for route, n in steps.items()}
-    return seconds, ((c.bytes_uploaded if c is not None else 0) - moved) / seconds / 1e9, steps
+    runs = []
+    for i in range(repeats):
+        engine.forget()
+        t0 = time.perf_counter()
+        engine.prefill(prompt)
+        sync()
+        runs.append(time.perf_counter() - t0)
+        if i == 0 and c is not None:
+            steps = {route: c.prompt_steps[route] - n for route, n in steps.items()}
+            moved = c.bytes_uploaded - moved
+    return runs, moved / runs[0] / 1e9, steps
+
+
+def prefill_figures(runs: list[float], n_tokens: int, prefix: str = "") -> dict:
+    """A prompt's timed runs as the bench reports them: the median's seconds and tok/s, each run's."""
+    median = statistics.median(runs)
+    return {f"{prefix}prefill_tokens_per_s": n_tokens / median, f"{prefix}ttft_s": median,
+            f"{prefix}prefill_runs_s": [round(r, 4) for r in runs]}
 
 
 def warm_up(model, kv, warmup: list[int], sync) -> None:
@@ -94,8 +114,9 @@ def _timed_runs(engine, tokens: dict[str, list[int]], sync) -> dict:
 
     model, kv = engine.model, engine.cache
     prompt, stream = tokens["prompt"], tokens["stream"]
-    prefill_s, prefill_pcie, prefill_steps = _timed_prefill(engine, prompt, sync)
     c = engine.telemetry.cache
+    repeats = PREFILL_REPEATS if c is None or c.slots_per_layer >= c.n_expert else 1  # every expert resident
+    prefill_runs, prefill_pcie, prefill_steps = _timed_prefill(engine, prompt, sync, repeats)
     before = None if c is None else (c.gpu_hit.sum(), c.uploaded.sum(), c.cpu_computed.sum(), c.bytes_uploaded)
     times = []
     pos = len(prompt)
@@ -106,9 +127,8 @@ def _timed_runs(engine, tokens: dict[str, list[int]], sync) -> dict:
         times.append(time.perf_counter() - t0)
         pos += 1
     decode_s = sum(times)
-    out = {"prefill_tokens_per_s": len(prompt) / prefill_s, "ttft_s": prefill_s,
-           "prefill_pcie_gb_per_s": prefill_pcie, "prefill_steps": prefill_steps,
-           "decode_tokens_per_s": len(stream) / decode_s, **token_times(times)}
+    out = {**prefill_figures(prefill_runs, len(prompt)), "prefill_pcie_gb_per_s": prefill_pcie,
+           "prefill_steps": prefill_steps, "decode_tokens_per_s": len(stream) / decode_s, **token_times(times)}
     if c is not None:
         out["load_mode"] = c.load_mode
         out["miss_fraction"] = c.miss_fraction
@@ -119,9 +139,9 @@ def _timed_runs(engine, tokens: dict[str, list[int]], sync) -> dict:
         out.update(slots_per_layer=c.slots_per_layer, gpu_hit=hit / total, uploaded=up / total, cpu=cpu / total,
                    pcie_mb_per_s=moved / decode_s / 1e6, uploaded_bytes_per_token=moved / len(stream))
     if tokens.get("long"):
-        long_s, long_pcie, long_steps = _timed_prefill(engine, tokens["long"], sync)
-        out.update(long_prefill_tokens_per_s=len(tokens["long"]) / long_s, long_ttft_s=long_s,
-                   long_prefill_pcie_gb_per_s=long_pcie, long_prefill_steps=long_steps)
+        long_runs, long_pcie, long_steps = _timed_prefill(engine, tokens["long"], sync, repeats)
+        out.update(prefill_figures(long_runs, len(tokens["long"]), "long_"), long_prefill_pcie_gb_per_s=long_pcie,
+                   long_prefill_steps=long_steps)
     return out
 
 

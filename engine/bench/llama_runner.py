@@ -1,7 +1,8 @@
 """Times llama.cpp on a token stream, in a process of its own, without torch.
 
 `python -m engine.bench.llama_runner MODEL TOKENS.json --n-cpu-moe N -t THREADS` prints one
-JSON line: after engine_runner's warm-up, prefill tok/s on the prompt, then teacher-forced
+JSON line: after engine_runner's warm-up, prefill tok/s on the prompt (the median of
+engine_runner.PREFILL_REPEATS runs), then teacher-forced
 decode tok/s on the stream, with the spread of the tokens' times; then, when given, prefill
 tok/s on the "long" prompt.
 A separate process because a CUDA build of llama.cpp and torch's CUDA libraries crash when
@@ -16,17 +17,23 @@ import time
 from pathlib import Path
 
 
-def _timed_prefill(llm, prompt: list[int]) -> float:
-    """Seconds for llama.cpp to evaluate `prompt` from an empty cache."""
-    llm.reset()
-    t0 = time.perf_counter()
-    llm.eval(prompt)
-    return time.perf_counter() - t0
+def _timed_prefill(llm, prompt: list[int]) -> list[float]:
+    """Seconds of each of PREFILL_REPEATS evaluations of `prompt` from an empty cache (llama.cpp's
+    placement of the weights never changes between them)."""
+    from engine.bench.engine_runner import PREFILL_REPEATS
+
+    runs = []
+    for _ in range(PREFILL_REPEATS):
+        llm.reset()
+        t0 = time.perf_counter()
+        llm.eval(prompt)
+        runs.append(time.perf_counter() - t0)
+    return runs
 
 
 def time_llama(model: Path, tokens: dict[str, list[int]], n_cpu_moe: int, threads: int, n_ctx: int) -> dict:
     from engine.baseline.placement import cpu_moe_overrides, open_llama_with
-    from engine.bench.engine_runner import token_times
+    from engine.bench.engine_runner import prefill_figures, token_times
 
     llm = open_llama_with(model, overrides=cpu_moe_overrides(n_cpu_moe), n_gpu_layers=-1, flash_attn=True,
                           n_ctx=n_ctx, n_batch=512, n_ubatch=512, n_threads=threads,
@@ -34,17 +41,16 @@ def time_llama(model: Path, tokens: dict[str, list[int]], n_cpu_moe: int, thread
     warmup, prompt, stream = tokens["warmup"], tokens["prompt"], tokens["stream"]
     llm.eval(warmup)  # the same warm-up as this engine's: a prompt, then one decode token
     llm.eval(warmup[-1:])
-    prefill_s = _timed_prefill(llm, prompt)
+    prefill_runs = _timed_prefill(llm, prompt)
     times = []
     for tok in stream:
         t0 = time.perf_counter()
         llm.eval([tok])
         times.append(time.perf_counter() - t0)
-    out = {"n_cpu_moe": n_cpu_moe, "prefill_tokens_per_s": len(prompt) / prefill_s, "ttft_s": prefill_s,
+    out = {"n_cpu_moe": n_cpu_moe, **prefill_figures(prefill_runs, len(prompt)),
            "decode_tokens_per_s": len(stream) / sum(times), **token_times(times)}
     if tokens.get("long"):
-        long_s = _timed_prefill(llm, tokens["long"])
-        out.update(long_prefill_tokens_per_s=len(tokens["long"]) / long_s, long_ttft_s=long_s)
+        out.update(prefill_figures(_timed_prefill(llm, tokens["long"]), len(tokens["long"]), "long_"))
     return out
 
 

@@ -2,12 +2,15 @@
 from __future__ import annotations
 
 import json
+import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
+
+from engine.bench.engine_runner import PREFILL_REPEATS
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -51,6 +54,13 @@ def test_bench_speed_times_each_configuration_in_its_own_process(tiny, tmp_path)
         assert run["timed_jit_compiles"]["count"] == 0  # on the CPU no kernel is compiled
     assert runs["resident"]["gpu_hit"] == 1.0
     assert runs["hybrid-mmap"]["load_mode"] == "mmap"
+    # every expert resident: the prompts' figures are the median of repeated runs; one run where the
+    # expert cache learns from the prompt (a repeat would meet a cache adapted to that very text)
+    for name, run in runs.items():
+        n = PREFILL_REPEATS if name == "resident" else 1
+        for prefix in ("", "long_"):
+            got = run[f"{prefix}prefill_runs_s"]
+            assert len(got) == n and run[f"{prefix}ttft_s"] == pytest.approx(statistics.median(got), abs=1e-4)
 
 
 def test_a_configuration_whose_process_fails_raises_with_its_error(tmp_path):
@@ -72,6 +82,7 @@ def test_llama_runner_times_the_real_llama_cpp_after_the_same_warm_up(tiny):
     assert r["n_cpu_moe"] == 0 and r["prefill_tokens_per_s"] > 0 and r["decode_tokens_per_s"] > 0
     assert 0 < r["median_ms"] <= r["p90_ms"] and r["first8_ms"] > 0
     assert r["long_prefill_tokens_per_s"] > 0
+    assert len(r["prefill_runs_s"]) == len(r["long_prefill_runs_s"]) == PREFILL_REPEATS
 
 
 def test_the_scenario_table_puts_each_prefill_beside_its_baseline():
