@@ -13,9 +13,8 @@ count; before each prompt, two fixed probes: `host_probe_ms`, a pure-Python loop
 `gpu_probe_ms`, ten 4096x4096 bf16 products timed by CUDA events (one thread's speed and the
 GPU's clocks: whether a slow prompt came with a slow host or a slow GPU); then the profiled
 prompt's top kernels and, with --host-profile, one more prompt's top Python functions under
-cProfile (by own time). With enqueued close to wall and
-busy well under it, the host's launches set the prompt's pace. Run each version to compare in its
-own process.
+cProfile (by own time). With enqueued close to wall and busy well under it, the host's launches
+set the prompt's pace. Run each version to compare in its own process.
 """
 from __future__ import annotations
 

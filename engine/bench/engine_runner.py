@@ -6,9 +6,9 @@ a prompt, then one decode token), prefill tok/s on the prompt (the engine's chun
 a request runs it, with the GB/s its expert uploads reached over PCIe and its MoE layer steps
 by route; the median of PREFILL_REPEATS runs when every expert is resident), then teacher-forced
 decode tok/s on the stream, with the expert cache's hit shares and the spread of the tokens'
-times; then, when given, the same prefill figures for the "long"
-prompt (`long_*`); and the kernels Triton compiled inside these timed runs (`timed_jit_compiles`,
-engine/bench/compiles.py: any there means a variant the warm-up missed, its compile in a figure).
+times; then, when given, the same prefill figures for the "long" prompt (`long_*`); and the
+kernels Triton compiled inside these timed runs (`timed_jit_compiles`, engine/bench/compiles.py:
+any there means a variant the warm-up missed, its compile in a figure).
 A process per configuration, as a user runs the engine: no run inherits another's state (the
 CPU pool's OpenMP team, pinned host memory, the CUDA and pinned caching allocators). On the
 H200, `bench scenarios` ran its configurations in one process and the 16 GiB hybrid run, the
