@@ -49,18 +49,18 @@ def _timed_prefill(engine, prompt: list[int], sync, repeats: int) -> tuple[list[
     one's expert uploads (the staging slots' streamed misses, the refills) reached over PCIe, and
     its MoE layer steps by route (telemetry's prompt_steps)."""
     c = engine.telemetry.cache
-    moved = c.bytes_uploaded if c is not None else 0
-    steps = dict(c.prompt_steps) if c is not None else None
-    runs = []
+    uploaded_before = c.bytes_uploaded if c is not None else 0
+    steps_before = dict(c.prompt_steps) if c is not None else None
+    runs, moved, steps = [], 0, None
     for i in range(repeats):
         engine.forget()
         t0 = time.perf_counter()
         engine.prefill(prompt)
         sync()
         runs.append(time.perf_counter() - t0)
-        if i == 0 and c is not None:
-            steps = {route: c.prompt_steps[route] - n for route, n in steps.items()}
-            moved = c.bytes_uploaded - moved
+        if i == 0 and c is not None:  # the first run's uploads and routes
+            steps = {route: c.prompt_steps[route] - n for route, n in steps_before.items()}
+            moved = c.bytes_uploaded - uploaded_before
     return runs, moved / runs[0] / 1e9, steps
 
 
