@@ -1,7 +1,7 @@
 """Times llama.cpp on a token stream, in a process of its own, without torch.
 
 `python -m engine.bench.llama_runner MODEL TOKENS.json --n-cpu-moe N -t THREADS` prints one
-JSON line: after engine_runner's warm-up, prefill tok/s on the prompt (the median of
+JSON line: after engine_runner's warm-up, prefill tok/s on the prompt (the fastest of
 engine_runner.PREFILL_REPEATS runs), then teacher-forced decode tok/s on the stream, with the
 spread of the tokens' times; then, when given, prefill tok/s on the "long" prompt.
 A separate process because a CUDA build of llama.cpp and torch's CUDA libraries crash when
