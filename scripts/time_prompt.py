@@ -93,7 +93,10 @@ def main() -> int:
                       "enqueued_ms": round(1e3 * statistics.median(enqueued), 2),
                       "busy_ms": round(timeline["busy_us"] / 1e3, 2), "kernels": int(timeline["kernels"]),
                       "host_probe_ms": [round(t, 2) for t in host_probe],
-                      "gpu_probe_ms": [round(t, 2) for t in gpu_probe]}), flush=True)
+                      "gpu_probe_ms": [round(t, 2) for t in gpu_probe],
+                      # chunks replayed as CUDA graphs by the model's prompt runner, where the engine has one
+                      "graph_replays": getattr(getattr(engine.model, "_prompt_runner", None), "replays", None)}),
+          flush=True)
     print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=12, max_name_column_width=50))
     if args.host_profile:
         engine.forget()
