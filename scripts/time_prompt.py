@@ -11,7 +11,8 @@ resident prompt does only at its last MoE layer: its launches issued by then; Na
 waits) and the profiled prompt's GPU busy ms (the union of its kernels' intervals) and kernel
 count; before each prompt, two fixed probes: `host_probe_ms`, a pure-Python loop, and
 `gpu_probe_ms`, ten 4096x4096 bf16 products timed by CUDA events (one thread's speed and the
-GPU's clocks: whether a slow prompt came with a slow host or a slow GPU); then the profiled
+GPU's clocks: whether a slow prompt came with a slow host or a slow GPU), `graph_replays` (chunks
+the model's prompt runner replayed as CUDA graphs; null without one); then the profiled
 prompt's top kernels and, with --host-profile, one more prompt's top Python functions under
 cProfile (by own time). With enqueued close to wall and busy well under it, the host's launches
 set the prompt's pace. Run each version to compare in its own process.
