@@ -11,8 +11,7 @@ resident prompt does only at its last MoE layer: its launches issued by then; Na
 waits) and the profiled prompt's GPU busy ms (the union of its kernels' intervals) and kernel
 count; before each prompt, two fixed probes: `host_probe_ms`, a pure-Python loop, and
 `gpu_probe_ms`, ten 4096x4096 bf16 products timed by CUDA events (one thread's speed and the
-GPU's clocks: whether a slow prompt came with a slow host or a slow GPU), `graph_replays` (chunks
-the model's prompt runner replayed as CUDA graphs; null without one); then the profiled
+GPU's clocks: whether a slow prompt came with a slow host or a slow GPU); then the profiled
 prompt's top kernels and, with --host-profile, one more prompt's top Python functions under
 cProfile (by own time). With enqueued close to wall and busy well under it, the host's launches
 set the prompt's pace. Run each version to compare in its own process.
@@ -94,10 +93,7 @@ def main() -> int:
                       "enqueued_ms": round(1e3 * statistics.median(enqueued), 2),
                       "busy_ms": round(timeline["busy_us"] / 1e3, 2), "kernels": int(timeline["kernels"]),
                       "host_probe_ms": [round(t, 2) for t in host_probe],
-                      "gpu_probe_ms": [round(t, 2) for t in gpu_probe],
-                      # chunks replayed as CUDA graphs by the model's prompt runner, where the engine has one
-                      "graph_replays": getattr(getattr(engine.model, "_prompt_runner", None), "replays", None)}),
-          flush=True)
+                      "gpu_probe_ms": [round(t, 2) for t in gpu_probe]}), flush=True)
     print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=12, max_name_column_width=50))
     if args.host_profile:
         engine.forget()
