@@ -38,7 +38,7 @@ def token_times(seconds: list[float]) -> dict[str, float]:
 # Timed runs of a prompt where the weights' placement cannot change between them (every expert
 # resident here; llama.cpp's runs): the figure is the fastest, what the engine does when nothing
 # else slows it. What varies between runs only adds time: on the H200's machine the host runs
-# stretches at half speed, which a host-paced prompt follows (64 -> 104 ms for a resident
+# stretches at half speed, which a host-paced prompt follows (64 ms, then 91-108 ms, for a resident
 # 512-token prompt, docs/BENCHMARKS.md, sessions 21-22), and llama.cpp's all-GPU 512-token prompt
 # took 29.5 ms once and 59.5-65.0 ms in its next four runs (session 22); their median gave it half
 # its speed. One run where the expert cache learns from the prompt: a repeat would see the cache
