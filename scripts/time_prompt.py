@@ -7,9 +7,10 @@ the bench's prompt REPEATS times from an empty cache (engine.forget, then engine
 engine/bench/engine_runner.py times a time to first token) and once more under the torch
 profiler. Prints one JSON line: LABEL, the load's seconds, each prompt's wall ms and their
 median, `enqueued_ms` (median time until the host first waits for a CUDA stream, which a
-resident prompt does only at its last MoE layer: its launches issued by then; NaN where it never
-waits) and the profiled prompt's GPU busy ms (the union of its kernels' intervals) and kernel
-count; before each prompt, two fixed probes: `host_probe_ms`, a pure-Python loop, and
+resident eager prompt does only at its last MoE layer: its launches issued by then; NaN where it
+never waits, as a prompt replayed as CUDA graphs), the profiled prompt's GPU busy ms (the union of
+its kernels' intervals) and kernel count, and `graph_replays`, the chunks replayed as CUDA graphs
+(engine/runtime/prompt_runner.py; MOESTUDIO_CUDA_GRAPHS=0 runs them eagerly); before each prompt, two fixed probes: `host_probe_ms`, a pure-Python loop, and
 `gpu_probe_ms`, ten 4096x4096 bf16 products timed by CUDA events (one thread's speed and the
 GPU's clocks: whether a slow prompt came with a slow host or a slow GPU); then the profiled
 prompt's top kernels and, with --host-profile, one more prompt's top Python functions under
@@ -92,6 +93,7 @@ def main() -> int:
                       "median_ms": round(1e3 * statistics.median(walls), 2),
                       "enqueued_ms": round(1e3 * statistics.median(enqueued), 2),
                       "busy_ms": round(timeline["busy_us"] / 1e3, 2), "kernels": int(timeline["kernels"]),
+                      "graph_replays": getattr(engine.model._prompt_runner, "replays", 0),
                       "host_probe_ms": [round(t, 2) for t in host_probe],
                       "gpu_probe_ms": [round(t, 2) for t in gpu_probe]}), flush=True)
     print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=12, max_name_column_width=50))

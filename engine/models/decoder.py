@@ -115,6 +115,7 @@ class DecoderModel:
     source: ModelFile
     device: torch.device | str = "cpu"
     _runner: object | None = field(default=None, repr=False)  # DecodeRunner of the last cache decoded
+    _prompt_runner: object | None = field(default=None, repr=False)  # PromptRunner of the last cache prefilled
 
     def new_cache(self, n_ctx: int) -> KVCache:
         c = self.config
@@ -122,17 +123,23 @@ class DecoderModel:
 
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, cache: KVCache, start: int | None = None, *,
-                last_only: bool = False) -> torch.Tensor:
+                last_only: bool = False, graph: bool = False) -> torch.Tensor:
         """Logits [T, n_vocab] for `tokens` [T] placed at positions start.. (default: cache end);
         with `last_only` [1, n_vocab], the last token's: all a prompt needs (the output head
         over every row of a chunk of a 150k-token vocabulary is a product as large as the rest
-        of the chunk's, and its float32 weights a transient of 4 bytes a parameter)."""
+        of the chunk's, and its float32 weights a transient of 4 bytes a parameter). `graph`:
+        a full prompt chunk, which recurs at this start (the prompt runner may capture it)."""
         start = cache.length if start is None else start
         end = start + tokens.numel()
         if end > cache.n_ctx:
             raise ValueError(f"context full: {end} tokens exceed the context length {cache.n_ctx}")
-        if tokens.numel() == 1 and decode_graphs_enabled(self.device):
-            return self._decode_runner(cache).step(tokens, start)
+        if cuda_graphs_enabled(self.device):
+            if tokens.numel() == 1:
+                return self._decode_runner(cache).step(tokens, start)
+            if graph:
+                runner = self._chunk_runner(cache, tokens.numel())
+                if runner.applies():
+                    return runner.step(tokens, start, last_only)
         positions = torch.arange(start, end, device=self.device)
         logits = self.run(self.embed(tokens), positions, cache, start, self.experts, last_only)
         cache.length = end
@@ -183,10 +190,13 @@ class DecoderModel:
         return found
 
     def settle(self) -> None:
-        """Brings the expert counters up to date after decoding (the decode graph's trail by
-        one token)."""
+        """Brings the expert counters up to date at a request's end (the decode graph's trail by
+        one token, a prompt graph's replays are learnt once landed)."""
         if self._runner is not None:
             self._runner.settle()
+        settle_prompt = getattr(self.experts, "settle_prompt", None)
+        if settle_prompt is not None:
+            settle_prompt()
 
     def _decode_runner(self, cache: KVCache):
         from engine.runtime.decode_runner import DecodeRunner
@@ -199,8 +209,21 @@ class DecoderModel:
         return self._runner
 
 
-def decode_graphs_enabled(device: torch.device | str) -> bool:
-    """One-token steps replay a CUDA graph on CUDA devices unless MOESTUDIO_CUDA_GRAPHS=0."""
+    def _chunk_runner(self, cache: KVCache, rows: int):
+        from engine.runtime.prompt_runner import PromptRunner
+
+        r = self._prompt_runner
+        if r is None or r.cache is not cache or r.n_rows != rows:
+            if r is not None:
+                r.close()
+            self._prompt_runner = None  # free the old graphs' memory before capturing new ones
+            self._prompt_runner = PromptRunner(self, cache, rows)
+        return self._prompt_runner
+
+
+def cuda_graphs_enabled(device: torch.device | str) -> bool:
+    """One-token steps and full prompt chunks replay CUDA graphs on CUDA devices unless
+    MOESTUDIO_CUDA_GRAPHS=0."""
     import os
 
     return torch.device(device).type == "cuda" and os.environ.get("MOESTUDIO_CUDA_GRAPHS", "1") != "0"

@@ -21,7 +21,9 @@ large enough that every expert is all but certain to be chosen, those are stream
 the routing, in turns of half the staging slots, each turn's copy one ahead of the compute
 (the next layer's first turn while this layer's last computes), and run through maps of the
 staging slots. Its counts come back asynchronously and are learnt at the forward's last MoE
-layer.
+layer. A prompt chunk whose every layer is all on the GPU can be one CUDA graph replay
+(engine/runtime/prompt_runner.py): its steps are captured here (`capturing_prompt`), each
+copying its counts into a pinned buffer of the graph's own, learnt after the replay.
 """
 from __future__ import annotations
 
@@ -74,9 +76,18 @@ class _Layer:
         self.upload_credit = 0.0
         self.device_map: tuple[int, torch.Tensor, torch.Tensor] | None = None  # (slots' version, slot_of, exp_of_slot)
         self.counts_host: torch.Tensor | None = None  # a step's expert counts, read back without waiting
+        self.capture_counts: torch.Tensor | None = None  # the same inside a prompt graph being captured
         # The last step's rows per expert, its rows and its prompt (HybridExperts.prompt_id) when it
         # had many rows: what the next chunk of the same prompt will route like.
         self.last_many: tuple[np.ndarray, int, int] | None = None
+
+
+@dataclass(frozen=True)
+class PromptCounts:
+    """A step captured in a prompt graph: each replay copies its rows per expert into `host`."""
+    layer: int
+    tokens: int
+    host: torch.Tensor
 
 
 @dataclass
@@ -101,8 +112,9 @@ class HybridExperts:
         self._triton_broken = False  # set when a kernel fails to build: torch from then on
         self._grouped_broken = False  # the same for the grouped GEMM of many-row steps
         self._pinned: dict[torch.dtype, torch.Tensor] = {}  # read-back buffers (CUDA), grown as needed
-        # (layer, tokens, counts landed, the experts it streamed)
-        self._unlearnt: list[tuple[int, int, torch.cuda.Event | None, np.ndarray]] = []
+        # (layer, tokens, counts landed, the experts it streamed, the host buffer they land in)
+        self._unlearnt: list[tuple[int, int, torch.cuda.Event | None, np.ndarray, torch.Tensor]] = []
+        self._captured: list[PromptCounts] | None = None  # a prompt graph's steps, while it is captured
         self._prefetched: _Staged | None = None  # the next MoE layer's first turn, copied ahead
         self._next_half = 0  # the staging half the next turn copies into
         # The GPU's idle while a many-row step reads its routing back (CUDA events around it,
@@ -152,8 +164,63 @@ class HybridExperts:
 
     def end_prompt(self) -> None:
         """A decode token ran (in the token graph, which reports no step here): the next many-row
-        step is another prompt's, whose experts its layers know nothing of."""
+        step is another prompt's, whose experts its layers know nothing of. The prompt's graph
+        replays are learnt by now (its logits were read: their counts have landed)."""
+        self._learn_unlearnt(wait=True)
         self.prompt_id += 1
+
+    # --- a prompt chunk's CUDA graph (engine/runtime/prompt_runner.py) ---------------------------
+    def prompt_graph_version(self, rows: int, k: int, n_embd: int) -> tuple[int, ...] | None:
+        """The residency version a chunk of `rows` rows (`k` experts each) may be captured or
+        replayed under: every layer's step lies on the GPU (every expert landed in a slot, the
+        grouped GEMM takes it, nothing read back) and reads the device maps of this version. None
+        where a step needs the host."""
+        if self.device.type != "cuda" or self._grouped_broken:
+            return None
+        x = torch.empty(rows, n_embd, device=self.device)
+        ids = torch.empty(rows, k, dtype=torch.long, device=self.device)
+        for L in self.layers.values():
+            L.slots.refresh()
+            if not self._all_on_gpu(L, x, ids):
+                return None
+        return tuple(L.slots.version for L in self.layers.values())
+
+    @contextmanager
+    def capturing_prompt(self) -> Iterator[list[PromptCounts]]:
+        """The steps inside are being captured into a prompt graph: each copies its counts into a
+        pinned buffer of this graph's (listed in what this yields, for `prompt_graph_ran`), nothing
+        waits, nothing is counted. Earlier steps are learnt first."""
+        self._learn_unlearnt(wait=True)
+        pinned = self.device.type == "cuda"
+        for L in self.layers.values():
+            L.capture_counts = torch.empty(L.w.n_expert, dtype=torch.int32, pin_memory=pinned)
+        self._captured = []
+        try:
+            yield self._captured
+        finally:
+            self._captured = None
+            for L in self.layers.values():
+                L.capture_counts = None
+
+    def before_prompt_graph(self, counts: list[PromptCounts]) -> None:
+        """A replay is about to rewrite `counts`' buffers: their last replay's are learnt first."""
+        buffers = {id(c.host) for c in counts}
+        if any(id(entry[4]) in buffers for entry in self._unlearnt):
+            self._learn_unlearnt(wait=True)
+
+    def prompt_graph_ran(self, counts: list[PromptCounts]) -> None:
+        """A prompt graph was replayed: its steps' counts are learnt once landed, as an eager
+        chunk's are."""
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(self.device))
+        for c in counts:
+            self._unlearnt.append((c.layer, c.tokens, event, np.zeros(0, np.int64), c.host))
+        if self.learning:
+            self.counters.prompt_steps["resident"] += len(counts)
+
+    def settle_prompt(self) -> None:
+        """A request ends: its prompt's counts reach the telemetry and the policies."""
+        self._learn_unlearnt(wait=True)
 
     @contextmanager
     def learning_paused(self) -> Iterator[None]:
@@ -249,7 +316,8 @@ class HybridExperts:
         if streamed or self._all_on_gpu(L, x, ids):
             out = self._resident_step(layer, L, x, ids, weights, self._turns(L) if streamed else [], prefetched)
             if out is not None:
-                self.counters.prompt_steps["streamed" if streamed else "resident"] += prompt_step
+                if self._captured is None:  # a replay counts its steps (prompt_graph_ran)
+                    self.counters.prompt_steps["streamed" if streamed else "resident"] += prompt_step
                 return out
         self.counters.prompt_steps["read back"] += prompt_step
         slots = L.slots
@@ -385,7 +453,7 @@ class HybridExperts:
             return None
         streamed = np.concatenate(turns) if turns else np.zeros(0, np.int64)
         self._read_counts_back(layer, L, expert_rows, ids.shape[0], streamed)
-        if layer == self.layer_ids[-1]:  # the forward's last MoE layer: learn the whole forward's steps
+        if layer == self.layer_ids[-1] and self._captured is None:  # the last MoE layer: learn the forward's steps
             if self.device.type == "cuda":
                 torch.cuda.current_stream(self.device).synchronize()
             self._learn_unlearnt()
@@ -396,7 +464,12 @@ class HybridExperts:
         """A step's rows per expert (`counts`, on the device) into the layer's host buffer without
         waiting (CUDA: an asynchronous copy to pinned memory and an event); `streamed`: the experts
         it ran from the staging slots (uploads, to the telemetry). A step's counts of this layer
-        not yet learnt are learnt first, as the buffer is reused."""
+        not yet learnt are learnt first, as the buffer is reused. Inside a prompt graph's capture
+        the copy goes to the graph's own buffer, learnt after each replay (prompt_graph_ran)."""
+        if self._captured is not None:
+            L.capture_counts.copy_(counts, non_blocking=True)
+            self._captured.append(PromptCounts(layer, tokens, L.capture_counts))
+            return
         if any(entry[0] == layer for entry in self._unlearnt):
             self._learn_unlearnt(wait=True)
         if L.counts_host is None:
@@ -406,7 +479,7 @@ class HybridExperts:
         if self.device.type == "cuda":
             event = torch.cuda.Event()
             event.record(torch.cuda.current_stream(self.device))
-        self._unlearnt.append((layer, tokens, event, streamed))
+        self._unlearnt.append((layer, tokens, event, streamed, L.counts_host))
 
     def _learn_unlearnt(self, wait: bool = False) -> None:
         """The deferred steps' counts into the telemetry and the policies, in step order: all of
@@ -418,9 +491,9 @@ class HybridExperts:
             return
         if last is not None:
             last.synchronize()
-        for layer, tokens, _, streamed in self._unlearnt:
+        for layer, tokens, _, streamed, host in self._unlearnt:
             L = self.layers[layer]
-            rows_of = L.counts_host.numpy().astype(np.int64)
+            rows_of = host.numpy().astype(np.int64)
             experts = rows_of.nonzero()[0]
             uploaded = _member(L.w.n_expert, streamed)[experts]
             self._account(layer, L, rows_of, experts, experts[~uploaded], experts[uploaded], experts[:0], tokens)

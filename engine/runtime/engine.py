@@ -221,7 +221,8 @@ class Engine:
         Triton's disk cache). Triton compiles a variant per divisibility by 16 of each integer
         argument, and the one-token-to-eight-row products one per row count: so a chunk-long prompt step,
         one of an odd length at an odd position, one of each row count from 8 down to 2, then
-        decode tokens (the decode graph's capture). Made-up tokens: the expert cache learns
+        decode tokens (the decode graph's capture); the chunk at 0 is captured as the prompt
+        graph there (engine/runtime/prompt_runner.py). Made-up tokens: the expert cache learns
         nothing from them (HybridExperts.learning_paused) and the KV cache is emptied after."""
         from engine.quant.triton_kernels import DENSE_MAX_ROWS
 
@@ -235,7 +236,8 @@ class Engine:
         with learning_paused():
             start = 0
             for n in lengths:
-                self.model.forward(tokens[start:start + n], self.cache, start, last_only=n > 1)
+                self.model.forward(tokens[start:start + n], self.cache, start, last_only=n > 1,
+                                   graph=n == self.config.prefill_chunk)
                 start += n
             self.model.settle()
         self.forget()
@@ -257,7 +259,10 @@ class Engine:
 
     def prefill(self, tokens: list[int]) -> tuple[torch.Tensor, int]:
         """Evaluates what the cache lacks of `tokens`, in chunks of `prefill_chunk`; returns the
-        last logits and the tokens reused."""
+        last logits and the tokens reused. Chunks end on multiples of `prefill_chunk`, so that
+        after a reused prefix (a chat's earlier turns) the full chunks start where a fresh
+        prompt's do: full chunks are CUDA graph replays where they can be, one graph per start
+        (engine/runtime/prompt_runner.py)."""
         reuse = 0
         for a, b in zip(self._cached, tokens):
             if a != b:
@@ -268,12 +273,15 @@ class Engine:
         self._cached = self._cached[:reuse]
         logits = None
         try:
-            for start in range(reuse, len(tokens), self.config.prefill_chunk):
+            size, start = self.config.prefill_chunk, reuse
+            while start < len(tokens):
                 # /v1/stats shows the progress of a long prompt (the app: "processing prompt 1,536 / 4,000")
                 self.telemetry.prefill_progress(start, len(tokens))
-                chunk = tokens[start:start + self.config.prefill_chunk]
-                logits = self.model.forward(torch.tensor(chunk), self.cache, start, last_only=True)
+                chunk = tokens[start:(start // size + 1) * size]
+                logits = self.model.forward(torch.tensor(chunk), self.cache, start, last_only=True,
+                                            graph=len(chunk) == size)
                 self._cached.extend(chunk)
+                start += len(chunk)
         finally:
             self.telemetry.prefill_done()
         return logits[-1], reuse
