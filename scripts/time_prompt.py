@@ -10,7 +10,8 @@ median, `enqueued_ms` (median time until the host first waits for a CUDA stream,
 resident eager prompt does only at its last MoE layer: its launches issued by then; NaN where it
 never waits, as a prompt replayed as CUDA graphs), the profiled prompt's GPU busy ms (the union of
 its kernels' intervals) and kernel count, and `graph_replays`, the chunks replayed as CUDA graphs
-(engine/runtime/prompt_runner.py; MOESTUDIO_CUDA_GRAPHS=0 runs them eagerly); before each prompt, two fixed probes: `host_probe_ms`, a pure-Python loop, and
+(engine/runtime/prompt_runner.py; MOESTUDIO_CUDA_GRAPHS=0 runs them eagerly); before each
+prompt, two fixed probes: `host_probe_ms`, a pure-Python loop, and
 `gpu_probe_ms`, ten 4096x4096 bf16 products timed by CUDA events (one thread's speed and the
 GPU's clocks: whether a slow prompt came with a slow host or a slow GPU); then the profiled
 prompt's top kernels and, with --host-profile, one more prompt's top Python functions under
