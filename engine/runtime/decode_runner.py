@@ -116,7 +116,7 @@ class DecodeRunner:
         copy in stream order (the previous copy has read the pinned row before it is rewritten)."""
         if self.row_copied is not None:
             self.row_copied.synchronize()  # returns at once before the first record
-        self.row_host.copy_(self.model.embed.rows(token.reshape(1)))
+        self.model.embed.rows(token.reshape(1), out=self.row_host)
         self.row.copy_(self.row_host, non_blocking=True)
         if self.row_copied is not None:
             self.row_copied.record(torch.cuda.current_stream(self.device))

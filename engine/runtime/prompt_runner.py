@@ -50,18 +50,17 @@ class PromptRunner:
         self.replays = 0
         self.broken = False  # a capture failed: eager from then on
 
-    def applies(self) -> bool:
-        """Whether this chunk can be captured or replayed: every step on the GPU."""
-        return not self.broken and self._version() is not None
-
     def _version(self) -> tuple[int, ...] | None:
         c = self.model.config
         version = getattr(self.model.experts, "prompt_graph_version", None)
-        return version(self.n_rows, c.n_expert_used, c.n_embd) if version else None
+        return version(self.n_rows, c.n_expert_used, c.n_embd) if version and not self.broken else None
 
-    def step(self, tokens: torch.Tensor, start: int, last_only: bool) -> torch.Tensor:
-        """Logits of the chunk `tokens` at positions start.. (the KV cache is written there)."""
+    def step(self, tokens: torch.Tensor, start: int, last_only: bool) -> torch.Tensor | None:
+        """Logits of the chunk `tokens` at positions start.. (the KV cache is written there); None
+        where a step of it needs the host (the caller runs it eagerly)."""
         experts, version, key = self.model.experts, self._version(), (start, last_only)
+        if version is None:
+            return None
         self._stage(tokens)
         g = self.graphs.get(key)
         if g is not None and g.version == version:
@@ -108,7 +107,7 @@ class PromptRunner:
         """The chunk's table rows into the static rows through pinned memory (one asynchronous copy
         in stream order; the previous copy has read the pinned rows before they are rewritten)."""
         self.rows_copied.synchronize()
-        self.rows_host.copy_(self.model.embed.rows(tokens))
+        self.model.embed.rows(tokens, out=self.rows_host)
         self.rows.copy_(self.rows_host, non_blocking=True)
         self.rows_copied.record(torch.cuda.current_stream(self.device))
 

@@ -46,7 +46,7 @@ def test_replayed_chunks_give_the_eager_logits_cache_and_counts(make_model, arch
     tokens = torch.arange(3 * CHUNK) * 7919 % model.config.n_vocab
     eager_cache = model.new_cache(4 * CHUNK)
     eager, eager_counts = _chunks(model, eager_cache, tokens, graph=False)
-    assert eager_counts.sum() == len(tokens) * model.config.n_expert_used
+    assert eager_counts.sum() == len(model.config.moe_layers) * len(tokens) * model.config.n_expert_used
     cache = model.new_cache(4 * CHUNK)
     for run in range(3):  # eager and captured, then twice replayed
         cache.truncate(0)
