@@ -12,6 +12,9 @@
 #   wait       wait for the CUDA build
 #   engine     the scenarios' runs of this engine;  llama: llama.cpp's;  report: the table
 #   chunks     scripts/prompt_chunks.py on the qwen3-30b routing model at 8 (profiled) and 16 GiB (chunks.tgz)
+#   prompt     scripts/time_prompt.py on that model, every expert resident, 512 and 4,096 tokens, graphs on and
+#              off interleaved in one process (prompt.log; before the CUDA build or after it: the build's
+#              compilers slow the host the prompt is timed on)
 #   profile    scripts/profile_decode.py on that model, every expert resident, profiled: a token's and a
 #              warm 512-token prompt's GPU kernels and host calls (profile.tgz)
 #   pack       the CPU build into $OUT for later runs)
@@ -120,6 +123,15 @@ if has chunks; then
     log "chunks rc=$?"
   done
   tar czf "$OUT/chunks.tgz" -C /tmp chunks  # one file: $OUT brings back eight at most
+fi
+
+if has prompt; then
+  for n in 512 4096; do
+    log "resident prompt of $n tokens, graphs on and off"
+    timeout ${PHASE_TIMEOUT:-400} python3 scripts/time_prompt.py $SC/qwen3-30b-a3b-qwen3-30b.gguf prompt$n --prompt $n \
+      --repeats $([ $n = 512 ] && echo 15 || echo 5) --graphs on,off >> "$OUT/prompt.log" 2>&1
+    log "prompt rc=$?"
+  done
 fi
 
 if has profile; then
