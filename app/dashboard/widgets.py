@@ -330,6 +330,8 @@ class DashboardWidget(QWidget):
             steps = cache.get("prompt_steps")
             if steps and any(steps.values()):
                 lines.append("prompt layer steps " + ", ".join(f"{route} {n}" for route, n in steps.items()))
+            if cache.get("prompt_graph_chunks"):
+                lines.append(f"prompt chunks as CUDA graphs {cache['prompt_graph_chunks']}")
         self.summary.setText(" \u00b7 ".join(_unbroken(line) for line in lines))
 
     def _hover(self, pos: QPointF) -> None:

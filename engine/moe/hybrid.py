@@ -217,6 +217,7 @@ class HybridExperts:
             self._unlearnt.append((c.layer, c.tokens, event, np.zeros(0, np.int64), c.host))
         if self.learning:
             self.counters.prompt_steps["resident"] += len(counts)
+            self.counters.prompt_graph_chunks += 1
 
     def settle_prompt(self) -> None:
         """A request ends: its prompt's counts reach the telemetry and the policies."""
@@ -649,7 +650,8 @@ class HybridExperts:
 
 # CacheCounters' fields that steps move (learning_paused puts them back); residency moves with
 # refills only, decode_path once per capture.
-_LEARNT = ("gpu_hit", "uploaded", "cpu_computed", "swaps", "heat", "bytes_uploaded", "cpu_busy_s", "prompt_steps")
+_LEARNT = ("gpu_hit", "uploaded", "cpu_computed", "swaps", "heat", "bytes_uploaded", "cpu_busy_s", "prompt_steps",
+           "prompt_graph_chunks")
 
 
 def _combine(per_slot: torch.Tensor) -> torch.Tensor:

@@ -44,6 +44,7 @@ class CacheCounters:
     # A prompt's MoE layer steps by route: its missing experts streamed, every expert resident
     # (neither reads its routing back), or the routing read back and the misses routed by cost.
     prompt_steps: dict[str, int] = field(default_factory=lambda: dict.fromkeys(PROMPT_ROUTES, 0))
+    prompt_graph_chunks: int = 0  # prompt chunks replayed as one CUDA graph (engine/runtime/prompt_runner.py)
 
     def __post_init__(self) -> None:
         n = len(self.layers)
@@ -136,6 +137,7 @@ class Telemetry:
                     "miss_fraction_tuning": c.miss_fraction_tuning,
                     "decode_path": c.decode_path,
                     "prompt_steps": dict(c.prompt_steps),
+                    "prompt_graph_chunks": c.prompt_graph_chunks,
                     "residency": c.residency.tolist(),
                     "heat": np.round(c.heat, 3).tolist(),
                 }

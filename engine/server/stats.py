@@ -98,6 +98,8 @@ class SnapshotCollector:
         for route, n in cache["prompt_steps"].items():
             steps.add_metric([route.replace(" ", "_")], n)
         yield steps
+        yield CounterMetricFamily("moestudio_prompt_graph_chunks", "prompt chunks replayed as one CUDA graph "
+                                  "(every expert resident)", value=cache["prompt_graph_chunks"])
 
 
 def metrics_endpoint(worker: EngineWorker):

@@ -343,6 +343,11 @@ def test_dashboard_summary_reports_the_measured_miss_split(qtbot):
                    vram=1 << 29))
     d.redraw()
     assert "prompt layer steps streamed 30, resident 0, read back 66" in d.summary.text()
+    assert "CUDA graphs" not in d.summary.text()
+    d.ingest(_snap(2, 3, cache={**_cache(), "prompt_steps": {"streamed": 0, "resident": 96, "read back": 0},
+                                "prompt_graph_chunks": 2}, vram=1 << 29))
+    d.redraw()
+    assert "prompt chunks as CUDA graphs 2" in d.summary.text()
 
 
 def test_error_dialogs_copy_details(qtbot):

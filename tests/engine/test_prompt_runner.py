@@ -62,6 +62,7 @@ def test_replayed_chunks_give_the_eager_logits_cache_and_counts(make_model, arch
             k0, v0 = eager_cache.filled(layer, 0, len(tokens))
             assert torch.equal(k, k0) and torch.equal(v, v0), (run, layer)
     assert h.counters.prompt_steps["read back"] == 0
+    assert h.counters.prompt_graph_chunks == 6  # two runs of three chunks replayed
     h.close()
 
 

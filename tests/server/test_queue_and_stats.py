@@ -103,6 +103,7 @@ def test_metrics_parse_with_prometheus_client(server):
     steps = {s.labels["route"]: s.value for s in families["moestudio_prompt_layer_steps"].samples
              if s.name.endswith("_total")}
     assert steps["streamed"] == steps["resident"] == 0 < steps["read_back"]  # the CPU has no grouped GEMM
+    assert families["moestudio_prompt_graph_chunks"].samples[0].value == 0  # nor CUDA graphs
 
 
 @pytest.mark.parametrize("engine", ["hybrid", "llamacpp"])
