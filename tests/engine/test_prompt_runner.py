@@ -75,7 +75,10 @@ def test_a_chunk_whose_experts_are_not_all_resident_runs_eagerly(make_model):
     for _ in range(2):
         cache.truncate(0)
         model.forward(tokens, cache, 0, graph=True)
-    assert model._prompt_runner is None or not model._prompt_runner.graphs
+    model.settle()
+    assert model._prompt_runner is not None and not model._prompt_runner.graphs
+    assert h.counters.prompt_graph_chunks == 0
+    assert h.counters.prompt_steps["read back"] == 2 * len(model.config.moe_layers)  # each layer read its routing
     h.close()
 
 
