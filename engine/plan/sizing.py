@@ -62,8 +62,9 @@ ATTENTION_MASK_BYTES = 64 * MIB  # the largest mask of one fused prompt-attentio
 def workspace_bytes(g: Geometry, ctx: int, prefill_chunk: int) -> int:
     """Scratch memory of one prefill chunk: logits (of LOGIT_ROWS rows at most: a prompt needs
     its last row's), activations, attention (the fused prompt attention of
-    layers/attention.prompt_attention: its mask, at most ATTENTION_MASK_BYTES, and copies of q
-    and of the output; no [heads, chunk, ctx] scores), and the grouped expert GEMM's padded h (float32)
+    layers/attention.prompt_attention: its mask, at most ATTENTION_MASK_BYTES, copies of q and
+    of the output, and float16 copies of one layer's keys and values; no [heads, chunk, ctx]
+    scores), and the grouped expert GEMM's padded h (float32)
     with its rounding for the down weights (float32 values, int8 quants, a scale per 32: 13
     bytes a value)."""
     logits = g.n_vocab * min(LOGIT_ROWS, prefill_chunk) * 4
@@ -71,6 +72,7 @@ def workspace_bytes(g: Geometry, ctx: int, prefill_chunk: int) -> int:
     head_dim = g.head_dim_k or g.n_embd // g.n_head
     mask = min(ATTENTION_MASK_BYTES, g.n_head * prefill_chunk * ctx * 4)
     attention = mask + 4 * prefill_chunk * g.n_head * head_dim * 4  # q, its stacked copy, the output twice
+    attention += ctx * g.kv_values_per_token // max(1, g.n_layer) * 2
     grouped_rows = prefill_chunk * g.n_expert_used + g.n_expert * (GROUPED_BLOCK_M - 1)
     grouped = grouped_rows * g.n_ff_exp * 13
     return logits + activations + attention + grouped

@@ -10,17 +10,21 @@ against the reference einsum code of `attend`.
   copies of the operands.
 
 The contract: equal to `attend` up to float32 summation order, within the decode kernel tests'
-REL_TOL of the output's largest magnitude (their `check`).
+REL_TOL of the output's largest magnitude (their `check`); on the GPU a prompt's query (more
+than a decode step's tokens) runs in float16: equal to `attend` over q, k and v rounded to
+float16 (the sink exact), up to the output's float16 rounding (HALF_TOL).
 """
 from __future__ import annotations
 
 import pytest
 import torch
 
-from engine.kernels.decode_attention import REAL_GEOMETRIES
+from engine.kernels.decode_attention import MAX_TOKENS, REAL_GEOMETRIES
 from engine.layers import attention, precision
 from engine.layers.attention import attend, prompt_attention
 from tests.kernels.test_decode_attention import GEOMETRIES, check  # the families' variants, the tolerance
+
+HALF_TOL = 2.0 ** -10  # of the output's largest magnitude: a float16 output's rounding, and float32 sums
 
 
 def case(n_tok, n_head, n_kv, dk, dv, start, sinks, device="cpu", seed=0):
@@ -108,15 +112,30 @@ def test_real_shapes_run_fused_on_the_gpu(name, start):
     q, k, v, positions, s = case(256, n_head, n_kv, dk, dv, start, sinks, device="cuda")
     scale = dk ** -0.5
     with precision.accumulate_in(torch.float64):
-        ref = attend(q, k, v, positions, scale, window, s)
+        ref = attend(*(t.half().float() for t in (q, k, v)), positions, scale, window, s)
     torch.cuda.synchronize()
     before = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
     with sdpa_kernel(SDPBackend.EFFICIENT_ATTENTION):  # raises where the fused kernel cannot take it
         out = attend(q, k, v, positions, scale, window, s)
     transient = torch.cuda.max_memory_allocated() - before
-    check(out, ref)
+    assert out.dtype == torch.float32
+    err = (out - ref).abs().max().item()
+    assert err <= HALF_TOL * ref.abs().max().item(), f"max error {err} vs magnitude {ref.abs().max().item()}"
     # Bounded by the mask budget and copies of the operands, however long the context: the
     # scores ([heads, T, S] float32) are never held.
     operands = 3 * (q.numel() + out.numel()) * 4 + 2 * (k.numel() + v.numel()) * 4
     assert transient <= attention.MASK_BYTES + operands, f"{transient} bytes held"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["qwen3-30b-a3b", "gpt-oss-swa"])
+def test_a_decode_sized_query_stays_float32_on_the_gpu(name):
+    """The float16 route is a prompt's: a query of a decode step's size (where the fused decode
+    kernel does not serve it) keeps float32's tolerance."""
+    n_head, n_kv, dk, dv, window, sinks = REAL_GEOMETRIES[name]
+    q, k, v, positions, s = case(MAX_TOKENS, n_head, n_kv, dk, dv, 300, sinks, device="cuda", seed=5)
+    scale = dk ** -0.5
+    with precision.accumulate_in(torch.float64):
+        ref = attend(q, k, v, positions, scale, window, s)
+    check(prompt_attention(q, k, v, positions, scale, window, s), ref)
