@@ -196,7 +196,7 @@ def cold_copies(nbytes: int, l2_bytes: int) -> int:
 # ------------------------------------------------------------------------------ dense products
 
 def bench_dense(name: str, n_out: int, K: int, qtype: QT, rows: list[int], dev: torch.device, copy: float,
-                l2_bytes: int, replays: int, sweep: list | None) -> list[dict]:
+                l2_bytes: int, replays: int, sweep: bool) -> list[dict]:
     import torch
 
     from engine.quant import triton_kernels as tk
@@ -219,7 +219,7 @@ def bench_dense(name: str, n_out: int, K: int, qtype: QT, rows: list[int], dev: 
         new = tk.dense(x, raws[0], qtype, n_out)
         old = legacy_dense(x, raws[0], qtype, n_out)
         err = ((new - old).abs().max() / old.abs().max()).item()
-        split = tk.SplitK.choose(n_out, K, tk.sm_count(str(dev)), tk.DENSE_CONFIG[qtype].block_n)
+        split = tk.SplitK.choose(n_out, K, tk.sm_count(str(dev)), tk.dense_config(qtype, t).block_n)
 
         def calls(fn, *extra):
             return [lambda i=i: fn(x, raws[i % n_copies], qtype, n_out, *extra) for i in range(calls_per_graph)]
@@ -230,15 +230,20 @@ def bench_dense(name: str, n_out: int, K: int, qtype: QT, rows: list[int], dev: 
                "new": rate(one.numel(), graph_us(calls(tk.dense), replays), copy),
                "old": rate(one.numel(), graph_us(calls(legacy_dense), replays), copy)}
         row["speedup"] = round(row["old"]["us"] / row["new"]["us"], 2)
+        engine_raws = raws
         if laid_out is not None:  # the same product from kernel_layout's layout, per byte of GGUF rows
-            laid_raws = [laid_out[i:i + 1] for i in range(n_copies)]
-            tk.dense(x, laid_raws[0], qtype, n_out)
+            engine_raws = [laid_out[i:i + 1] for i in range(n_copies)]
+            tk.dense(x, engine_raws[0], qtype, n_out)
             row["new_laid_out"] = rate(one.numel(), graph_us(
-                [lambda i=i: tk.dense(x, laid_raws[i % n_copies], qtype, n_out) for i in range(calls_per_graph)],
+                [lambda i=i: tk.dense(x, engine_raws[i % n_copies], qtype, n_out) for i in range(calls_per_graph)],
                 replays), copy)
+        # As llama.cpp's test-backend-ops times a product: one weight tensor every call, so that
+        # where it fits in L2 part of it comes from there (only for the comparison with it).
+        row["new_one_tensor"] = rate(one.numel(), graph_us(
+            [lambda: tk.dense(x, engine_raws[0], qtype, n_out)] * calls_per_graph, replays), copy)
         if sweep:
             row["sweep"] = []
-            for cfg, per_sm in sweep:
+            for cfg, per_sm in _dense_sweep(qtype, t):
                 sp = tk.SplitK.choose(n_out, K, tk.sm_count(str(dev)), cfg.block_n, per_sm)
                 tk.dense(x, raws[0], qtype, n_out, cfg, sp)
                 row["sweep"].append({"config": f"{cfg_name(cfg)} {per_sm}/SM", "split": [sp.split, sp.steps],
@@ -584,9 +589,17 @@ def attach_llama(results: list[dict], records: list[llama_ops.OpPerf], copy: flo
         row["llama"] = {"case": rec.case, "backend": rec.backend, "us": rec.us,
                         "MB": round(rec.weight_bytes / 1e6, 2), "GBps": round(gbps, 1),
                         "of_copy_bw": round(gbps / copy, 3), "printed": rec.printed}
-        row["ours_per_llama_per_byte"] = round(row["new"]["GBps"] / gbps, 2)
+        row["ours_per_llama_per_byte"] = round(engine_figure(row)["GBps"] / gbps, 2)
+        if "new_one_tensor" in row:
+            row["ours_one_tensor_per_llama_per_byte"] = round(row["new_one_tensor"]["GBps"] / gbps, 2)
         matched += 1
     return matched
+
+
+def engine_figure(row: dict) -> dict:
+    """Our timing of a row in the layout the engine keeps on the GPU (Q6_K padded, MXFP4 planar:
+    `new_laid_out`; else `new`), weights from HBM."""
+    return row.get("new_laid_out", row["new"])
 
 
 def add_llama(result: dict, binary: Path, backend: str, out: Path) -> None:
@@ -622,10 +635,12 @@ def llama_case_label(rec: dict) -> str:
 
 
 def llama_line(row: dict) -> str:
-    ll = row["llama"]
+    ll, ours = row["llama"], engine_figure(row)
+    same = (f"; one tensor as llama.cpp times it {row['new_one_tensor']['us']:.2f} us, "
+            f"x{row['ours_one_tensor_per_llama_per_byte']}" if "new_one_tensor" in row else "")
     return (f"llama.cpp {llama_case_label(ll):44s} {ll['us']:8.2f} us {ll['GBps']:7.0f} GB/s  beside "
-            f"{row['kind']} {row['shape']} rows={row['rows']}: ours {row['new']['us']:.2f} us "
-            f"{row['new']['GBps']:.0f} GB/s, x{row['ours_per_llama_per_byte']} per byte")
+            f"{row['kind']} {row['shape']} rows={row['rows']}: ours {ours['us']:.2f} us "
+            f"{ours['GBps']:.0f} GB/s, x{row['ours_per_llama_per_byte']} per byte{same}")
 
 
 # ------------------------------------------------------------------------------ report
@@ -638,16 +653,27 @@ def _sweep_tiles() -> list:
             tk.TileConfig(64, 2), tk.TileConfig(128, 4)]
 
 
-def _dense_sweep() -> list:
-    """(tile, programs per SM) pairs --sweep times for the dense kernel."""
+def _dense_sweep(qtype: QT, rows: int) -> list:
+    """(tile, programs per SM) pairs --sweep times for the dense product of `qtype` at `rows`
+    activation rows (16-bit weights: one row with lanes along K, BLOCK_N rows on num_warps
+    warps; more on tensor cores, BLOCK_N of at least 16)."""
     from engine.quant import triton_kernels as tk
 
-    return ([(t, tk.PROGRAMS_PER_SM) for t in _sweep_tiles()]
-            + [(tk.TileConfig(32, 2), n) for n in (2, 8, 16)])
+    if qtype in tk.SIXTEEN_BIT and rows > 1:
+        tiles = [tk.TileConfig(16, 4, num_stages=3), tk.TileConfig(64, 4, num_stages=3),
+                 tk.TileConfig(32, 4, num_stages=2), tk.TileConfig(32, 4, num_stages=4),
+                 tk.TileConfig(32, 2, num_stages=3), tk.TileConfig(64, 8, num_stages=3)]
+    elif qtype in tk.SIXTEEN_BIT:
+        tiles = [tk.TileConfig(4, 4), tk.TileConfig(8, 8), tk.TileConfig(16, 8), tk.TileConfig(4, 2),
+                 tk.TileConfig(2, 2)]
+    else:
+        tiles = _sweep_tiles()
+    default = tk.dense_config(qtype, rows)
+    return [(t, tk.PROGRAMS_PER_SM) for t in tiles] + [(default, n) for n in (2, 8, 16)]
 
 
 def cfg_name(cfg) -> str:
-    return f"bn{cfg.block_n}w{cfg.num_warps}"
+    return f"bn{cfg.block_n}w{cfg.num_warps}" + (f"s{cfg.num_stages}" if cfg.num_stages > 1 else "")
 
 
 def dense_line(r: dict) -> str:
@@ -721,16 +747,19 @@ def markdown(result: dict) -> str:
         lines += ["", f"llama.cpp's own kernels ({result.get('llama_ops', 'test-backend-ops perf')}), its "
                   "weights' bytes per run (MUL_MAT_ID: the experts drawn, in expectation) over its µs per run; "
                   "a case repeats one weight tensor, so where it fits in L2 part of it comes from there. "
-                  "`ours/llama` = our GB/s over its GB/s.\n",
+                  "`ours/llama` = our GB/s (weights from HBM, the engine's GPU layout) over its GB/s; "
+                  "`one tensor`: ours timed as llama.cpp times its cases.\n",
                   "| ours | type | rows | ours µs | ours GB/s | llama.cpp case | llama.cpp µs | llama.cpp GB/s | "
-                  "llama.cpp share | ours/llama per byte |", "|" + "---|" * 10]
+                  "llama.cpp share | ours/llama per byte | one tensor: ours µs, ours/llama |", "|" + "---|" * 11]
         for r in beside:
-            n, ll = r["new"], r["llama"]
+            n, ll = engine_figure(r), r["llama"]
             what = (f"dense {r['shape']} ({r['n_out']} x {r['K']})" if r["kind"] == "dense"
                     else f"expert step {r['shape']} (gate, up, down)")
+            same = (f"{r['new_one_tensor']['us']}, {r['ours_one_tensor_per_llama_per_byte']:.2f}x"
+                    if "new_one_tensor" in r else "-")
             lines.append(f"| {what} | {r.get('type') or r['types'][0]} | {r['rows']} | {n['us']} | "
                          f"{n['GBps']:.0f} | {llama_case_label(ll)} | {ll['us']} | {ll['GBps']:.0f} | "
-                         f"{ll['of_copy_bw']:.2f} | {r['ours_per_llama_per_byte']:.2f}x |")
+                         f"{ll['of_copy_bw']:.2f} | {r['ours_per_llama_per_byte']:.2f}x | {same} |")
     return "\n".join(lines) + "\n"
 
 
@@ -769,13 +798,12 @@ def run(args: argparse.Namespace) -> int:
     print(f"{result['device']} ({result['sm_count']} SMs, L2 {l2_bytes >> 20} MiB)  torch {result['torch']}  "
           f"triton {result['triton']}  device copy {copy} GB/s (read + write)", flush=True)
     types = [QT[t] for t in args.types]
-    sweep = _dense_sweep() if args.sweep else None
     if "dense" in args.only:
         for name in args.shapes:
             n_out, K = DENSE_SHAPES[name]
             for qtype in types:
                 result["results"] += bench_dense(name, n_out, K, qtype, args.rows, dev, copy, l2_bytes,
-                                                 args.replays, sweep)
+                                                 args.replays, args.sweep)
     if "experts" in args.only:
         for name, sc in _expert_scenarios().items():
             if set(sc.qtypes) <= set(types):

@@ -190,12 +190,13 @@ def dense_variants(qtype: QT, n_out: int, K: int, rows: int, cfg: tk.TileConfig 
     """(label, kernel, constexprs, config) of the product tk.dense launches for this shape
     (the rounding launch is round_x of the expert geometries); `laid_out`: rows as
     layout.kernel_layout lays them out (Q6_K padded, MXFP4 planar), else the GGUF rows."""
-    cfg = cfg or tk.DENSE_CONFIG[qtype]
+    cfg = cfg or tk.dense_config(qtype, rows)
     split = tk.SplitK.choose(n_out, K, sm_count, cfg.block_n)
-    return [(f"dense r{rows} s{split.split}", tk._dense_kernel,
-             {"K": K, "QW": slot_type(qtype) if laid_out else int(qtype), "ROWS": rows, "SPLIT": split.split,
-              "STEPS": split.steps, "BLOCK_N": cfg.block_n, "INTERP": False,
-              "REV": tk.reversed_ties(_target(arch))}, cfg)]
+    qw = slot_type(qtype) if laid_out else int(qtype)
+    kernel, extra = tk.dense_kernel(qw, rows, _target(arch))
+    return [(f"dense r{rows} s{split.split}", kernel,
+             {"K": K, "QW": qw, "ROWS": rows, "SPLIT": split.split, "STEPS": split.steps, "BLOCK_N": cfg.block_n,
+              "INTERP": False, **extra}, cfg)]
 
 
 def grouped_variants(gate: QT, up: QT, down: QT, n_embd: int, n_ff: int, activation: int = 0, bias: bool = False):

@@ -886,10 +886,7 @@ if triton is not None:
                 a, b, cc, dd = na, nb2, nc, nd
         rows = nb * BLOCK_N + tl.arange(0, BLOCK_N)
         live = rows < N
-        if SPLIT == 1:
-            dst = out_ptr
-        else:
-            dst = part_ptr + s.to(tl.int64) * (ROWS * N)
+        dst = out_ptr if SPLIT == 1 else part_ptr + s.to(tl.int64) * (ROWS * N)
         _dense_out(acc0, 0, ROWS, dst, N, rows, live)
         _dense_out(acc1, 1, ROWS, dst, N, rows, live)
         _dense_out(acc2, 2, ROWS, dst, N, rows, live)
@@ -898,6 +895,14 @@ if triton is not None:
         _dense_out(acc5, 5, ROWS, dst, N, rows, live)
         _dense_out(acc6, 6, ROWS, dst, N, rows, live)
         _dense_out(acc7, 7, ROWS, dst, N, rows, live)
+        _dense_split_sum(part_ptr, out_ptr, count_ptr, nb, rows, live, N, ROWS, SPLIT, INTERP)
+
+    @triton.jit
+    def _dense_split_sum(part_ptr, out_ptr, count_ptr, nb, rows, live, N, ROWS: tl.constexpr, SPLIT: tl.constexpr,
+                         INTERP: tl.constexpr):
+        """After a split program stored its partial sums: the last program of row block nb to
+        finish (a semaphore per row block, reset by that program) adds the SPLIT partials in
+        split order into out, so the result does not depend on which program finishes last."""
         if SPLIT > 1:
             # The split-K semaphore, as in _gate_up_kernel; the last program reads the partials from L2.
             _fence_stores(rows, INTERP)
@@ -911,6 +916,127 @@ if triton is not None:
                                      cache_modifier=".cg")
                     tl.store(out_ptr + t * N + rows, y, mask=live)
 
+    # ---------------------------------------------------------------- 16-bit dense products
+    # F16 and BF16 rows need no decoding, so they take a tile of their own: a K step is
+    # [BLOCK_N rows, 256 values], whose 256 values a warp reads as 32 lanes x 16 contiguous
+    # bytes (a row's 512 bytes in one access, as llama.cpp's mul_mat_vec reads them), rather
+    # than the quantized tile's two lanes a row. For one activation row, products accumulate
+    # elementwise in float32 and are summed along K once, at the end; for more, tensor cores.
+
+    @triton.jit
+    def _load16(w_rows, ks, k, K: tl.constexpr):
+        """Step ks of the rows [BLOCK_N, 1] (16-bit elements): a partial last step masked."""
+        if K % 256 == 0:
+            w = tl.load(w_rows + ks * 256 + k)
+        else:
+            w = tl.load(w_rows + ks * 256 + k, mask=ks * 256 + k < K, other=0)
+        return w
+
+    @triton.jit
+    def _dense16_rows(acc, t: tl.constexpr, ROWS: tl.constexpr, w, xr_ptr, ks, k, n, K: tl.constexpr):
+        """acc of activation row t += this step's weights times its rounded values (zero-padded
+        to whole steps, so unmasked), loaded at the tile's full shape (zero stride along n) so
+        that Triton gives them the weights' layout: nothing moves through shared memory."""
+        if t < ROWS:
+            KP: tl.constexpr = (K + 255) // 256 * 256
+            acc += w * tl.load(xr_ptr + t * KP + ks * 256 + k + n * 0)
+        return acc
+
+    @triton.jit
+    def _dense16_out(acc, t: tl.constexpr, ROWS: tl.constexpr, dst, N, rows, live):
+        if t < ROWS:
+            tl.store(dst + t * N + rows, tl.sum(acc, axis=1), mask=live)
+
+    @triton.jit
+    def _dense16_kernel(xr_ptr, xq_ptr, xd_ptr, w_ptr, w_row_bytes, part_ptr, out_ptr, count_ptr, N,
+                        K: tl.constexpr, QW: tl.constexpr, ROWS: tl.constexpr, SPLIT: tl.constexpr,
+                        STEPS: tl.constexpr, BLOCK_N: tl.constexpr, INTERP: tl.constexpr):
+        """_dense_kernel's product (its grid, arguments and split-K) for F16 and BF16 weights
+        (QW): out [ROWS, N] = rounded x [ROWS, K] . W [N, K], in the 16-bit tile above (the int8
+        quants xq, xd are not read)."""
+        nb = tl.program_id(0)
+        s = tl.program_id(1)
+        n = nb * BLOCK_N + tl.arange(0, BLOCK_N)[:, None]
+        k = tl.arange(0, 256)[None, :]
+        w_rows = w_ptr.to(tl.pointer_type(tl.uint16)) + tl.minimum(n, N - 1).to(tl.int64) * (w_row_bytes // 2)
+        NS: tl.constexpr = (K + 255) // 256
+        k0 = s * STEPS
+        k1 = tl.minimum(k0 + STEPS, NS)
+        acc0 = tl.zeros((BLOCK_N, 256), tl.float32)
+        acc1 = tl.zeros((BLOCK_N, 256), tl.float32)
+        acc2 = tl.zeros((BLOCK_N, 256), tl.float32)
+        acc3 = tl.zeros((BLOCK_N, 256), tl.float32)
+        acc4 = tl.zeros((BLOCK_N, 256), tl.float32)
+        acc5 = tl.zeros((BLOCK_N, 256), tl.float32)
+        acc6 = tl.zeros((BLOCK_N, 256), tl.float32)
+        acc7 = tl.zeros((BLOCK_N, 256), tl.float32)
+        nxt = _load16(w_rows, k0, k, K)  # the next step's bytes load while this one is computed
+        for ks in range(k0, k1):
+            bits = nxt
+            nxt = _load16(w_rows, tl.minimum(ks + 1, k1 - 1), k, K)
+            if QW == _F16:
+                w = bits.to(tl.float16, bitcast=True).to(tl.float32)
+            else:
+                w = (bits.to(tl.int32) << 16).to(tl.float32, bitcast=True)
+            acc0 = _dense16_rows(acc0, 0, ROWS, w, xr_ptr, ks, k, n, K)
+            acc1 = _dense16_rows(acc1, 1, ROWS, w, xr_ptr, ks, k, n, K)
+            acc2 = _dense16_rows(acc2, 2, ROWS, w, xr_ptr, ks, k, n, K)
+            acc3 = _dense16_rows(acc3, 3, ROWS, w, xr_ptr, ks, k, n, K)
+            acc4 = _dense16_rows(acc4, 4, ROWS, w, xr_ptr, ks, k, n, K)
+            acc5 = _dense16_rows(acc5, 5, ROWS, w, xr_ptr, ks, k, n, K)
+            acc6 = _dense16_rows(acc6, 6, ROWS, w, xr_ptr, ks, k, n, K)
+            acc7 = _dense16_rows(acc7, 7, ROWS, w, xr_ptr, ks, k, n, K)
+        rows = nb * BLOCK_N + tl.arange(0, BLOCK_N)
+        live = rows < N
+        dst = out_ptr if SPLIT == 1 else part_ptr + s.to(tl.int64) * (ROWS * N)
+        _dense16_out(acc0, 0, ROWS, dst, N, rows, live)
+        _dense16_out(acc1, 1, ROWS, dst, N, rows, live)
+        _dense16_out(acc2, 2, ROWS, dst, N, rows, live)
+        _dense16_out(acc3, 3, ROWS, dst, N, rows, live)
+        _dense16_out(acc4, 4, ROWS, dst, N, rows, live)
+        _dense16_out(acc5, 5, ROWS, dst, N, rows, live)
+        _dense16_out(acc6, 6, ROWS, dst, N, rows, live)
+        _dense16_out(acc7, 7, ROWS, dst, N, rows, live)
+        _dense_split_sum(part_ptr, out_ptr, count_ptr, nb, rows, live, N, ROWS, SPLIT, INTERP)
+
+    @triton.jit
+    def _dense16_mma_kernel(xr_ptr, xq_ptr, xd_ptr, w_ptr, w_row_bytes, part_ptr, out_ptr, count_ptr, N,
+                            K: tl.constexpr, QW: tl.constexpr, ROWS: tl.constexpr, SPLIT: tl.constexpr,
+                            STEPS: tl.constexpr, BLOCK_N: tl.constexpr, INTERP: tl.constexpr):
+        """_dense16_kernel's product for several activation rows, on tensor cores: per K step
+        W [BLOCK_N, 256] . x^T [256, 16] (the rows padded to mma's 16 with zeros), in F16 or
+        BF16 as the weights, which hold the rounded activation exactly (round_activation
+        rounds it to the weights' type), products summed in float32. Elementwise, each row's
+        sums would take a lane's registers 8 times over (a third of the bandwidth at 8 rows)."""
+        nb = tl.program_id(0)
+        s = tl.program_id(1)
+        n = nb * BLOCK_N + tl.arange(0, BLOCK_N)[:, None]
+        k = tl.arange(0, 256)[None, :]
+        w_rows = w_ptr.to(tl.pointer_type(tl.uint16)) + tl.minimum(n, N - 1).to(tl.int64) * (w_row_bytes // 2)
+        t = tl.arange(0, 16)[:, None]
+        KP: tl.constexpr = (K + 255) // 256 * 256
+        x_rows = xr_ptr + tl.minimum(t, ROWS - 1) * KP
+        NS: tl.constexpr = (K + 255) // 256
+        k0 = s * STEPS
+        k1 = tl.minimum(k0 + STEPS, NS)
+        acc = tl.zeros((BLOCK_N, 16), tl.float32)
+        for ks in range(k0, k1):
+            bits = _load16(w_rows, ks, k, K)
+            x = tl.load(x_rows + ks * 256 + k, mask=(t < ROWS) & (k >= 0), other=0.0)
+            if QW == _F16:
+                acc = tl.dot(bits.to(tl.float16, bitcast=True), tl.trans(x.to(tl.float16)), acc)
+            else:
+                w = (bits.to(tl.int32) << 16).to(tl.float32, bitcast=True)
+                if INTERP:  # numpy has no bfloat16: the same products of the same values in float32
+                    acc = tl.dot(w, tl.trans(x), acc, input_precision="ieee")
+                else:
+                    acc = tl.dot(w.to(tl.bfloat16), tl.trans(x.to(tl.bfloat16)), acc)
+        rows = nb * BLOCK_N + tl.arange(0, BLOCK_N)
+        live = rows < N
+        dst = out_ptr if SPLIT == 1 else part_ptr + s.to(tl.int64) * (ROWS * N)
+        cols = tl.arange(0, 16)[None, :]
+        tl.store(dst + cols * N + rows[:, None], acc, mask=live[:, None] & (cols < ROWS))
+        _dense_split_sum(part_ptr, out_ptr, count_ptr, nb, rows, live, N, ROWS, SPLIT, INTERP)
 
     @triton.jit
     def _order_probe_kernel(ptr):
@@ -942,11 +1068,11 @@ def reversed_ties(target=None) -> bool:
 
 @dataclass(frozen=True)
 class TileConfig:
-    block_n: int  # weight rows per program (a warp covers 16 rows: two lanes per row)
+    block_n: int  # weight rows per program (quantized tiles: a warp covers 16 rows, two lanes per row)
     # (num_warps: warps per program; more than block_n / 16 of them cost layout conversions)
     num_warps: int
     unroll: bool = False  # K steps fully unrolled, or a loop that loads one step ahead
-    num_stages: int = 1  # Triton's own pipeliner: nothing for it to do here
+    num_stages: int = 1  # Triton's own pipeliner: only the 16-bit tensor-core product has work for it
 
 
 # Defaults, one per (kernel, weight type). Every tile puts two lanes on a row and 16 rows on a
@@ -1167,11 +1293,31 @@ def dense_supported(qtype: QT) -> bool:
 
 
 # Dense products of up to DENSE_MAX_ROWS rows (attention projections, output head, shared
-# experts, dense FFNs at decode): one weight row per lane pair as in the expert kernels, each
-# program a block of weight rows times a slice of the K steps (split-K), so that a one-row
-# product of few output rows still puts work on every SM.
+# experts, dense FFNs at decode): each program a block of weight rows times a slice of the K
+# steps (split-K), so that a one-row product of few output rows still puts work on every SM.
+# Quantized weights: one weight row per lane pair as in the expert kernels (32 rows on 2 warps);
+# F16 and BF16: one activation row with a warp's lanes along each weight row (_dense16_kernel:
+# BLOCK_N rows on num_warps warps), more on tensor cores (_dense16_mma_kernel: BLOCK_N rows a
+# program, Triton's pipeliner keeping num_stages steps in flight).
 DENSE_MAX_ROWS = 8  # activation rows one launch multiplies (the kernel's accumulators)
-DENSE_CONFIG: dict[QT, TileConfig] = {t: TileConfig(32, 2) for t in KERNEL_TYPES}
+SIXTEEN_BIT: frozenset[QT] = frozenset({QT.F16, QT.BF16})
+DENSE_CONFIG: dict[QT, TileConfig] = {t: TileConfig(8, 4) if t in SIXTEEN_BIT else TileConfig(32, 2)
+                                      for t in KERNEL_TYPES}
+DENSE_MMA_CONFIG = TileConfig(32, 4, num_stages=2)
+
+
+def dense_config(qtype: QT, rows: int) -> TileConfig:
+    """The default tile of a dense product of `rows` activation rows."""
+    return DENSE_MMA_CONFIG if qtype in SIXTEEN_BIT and rows > 1 else DENSE_CONFIG[qtype]
+
+
+def dense_kernel(qw: int, rows: int, target=None) -> tuple[Callable, dict]:
+    """The kernel of a dense product of `rows` activation rows and weights of kernel type `qw`
+    (kernel_type) and the constexprs it takes beyond the ones all take (K, QW, ROWS, SPLIT,
+    STEPS, BLOCK_N, INTERP), for compile target `target` (default: the current GPU)."""
+    if qw in (int(QT.F16), int(QT.BF16)):
+        return (_dense16_mma_kernel if rows > 1 else _dense16_kernel), {}
+    return _dense_kernel, {"REV": reversed_ties(target)}
 
 
 def dense(x: torch.Tensor, raw: torch.Tensor, qtype: QT, n_out: int, cfg: TileConfig | None = None,
@@ -1198,7 +1344,7 @@ def _dense_product(xr: Rounded, raw: torch.Tensor, qtype: QT, n_out: int, cfg: T
                    split: SplitK | None = None, compile_only: bool = False) -> torch.Tensor:
     T, K = xr.padded.shape[0], xr.K
     out = torch.empty((T, n_out), dtype=torch.float32, device=raw.device)
-    cfg = cfg or DENSE_CONFIG[qtype]
+    cfg = cfg or dense_config(qtype, T)
     split = split or SplitK.choose(n_out, K, sm_count(str(raw.device)), cfg.block_n)
     blocks = triton.cdiv(n_out, cfg.block_n)
     if split.split > 1:
@@ -1207,10 +1353,12 @@ def _dense_product(xr: Rounded, raw: torch.Tensor, qtype: QT, n_out: int, cfg: T
     else:
         part, count = out, _counter(raw.device, 1)
     grid = (blocks, split.split)
-    launch = functools.partial(_dense_kernel.warmup, grid=grid) if compile_only else _dense_kernel[grid]
+    qw = kernel_type(qtype, raw, K)
+    kernel, extra = dense_kernel(qw, T)
+    launch = functools.partial(kernel.warmup, grid=grid) if compile_only else kernel[grid]
     launch(xr.padded, xr.quants, xr.scales, raw, raw.stride(1), part, out, count, n_out,
-           K=K, QW=kernel_type(qtype, raw, K), ROWS=T, SPLIT=split.split, STEPS=split.steps, BLOCK_N=cfg.block_n,
-           INTERP=INTERPRETED, REV=reversed_ties(), **_launch_opts(cfg))
+           K=K, QW=qw, ROWS=T, SPLIT=split.split, STEPS=split.steps, BLOCK_N=cfg.block_n,
+           INTERP=INTERPRETED, **extra, **_launch_opts(cfg))
     return out
 
 

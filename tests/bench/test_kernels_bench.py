@@ -115,6 +115,7 @@ def test_gpu_bench_kernels_runs_and_reports(tmp_path) -> None:
     for r in dense:
         assert r["max_rel_diff_new_old"] < 1e-4
         assert 0 < r["new"]["GBps"] and 0 < r["old"]["GBps"] and r["sweep"]
+        assert 0 < r["new_one_tensor"]["GBps"]
         assert ("new_laid_out" in r) == (QT[r["type"]] in CHANGED_LAYOUTS)
     assert (tmp_path / "kernels.md").read_text().count("| qwen3-30b-a3b attn_k/v |") == 6
     if os.environ.get("MOESTUDIO_LLAMA_OPS"):  # kernels_run.sh's llamaops stage built it: its figures beside ours

@@ -103,9 +103,17 @@ def test_side_by_side_rows_json_and_table() -> None:
             _dense_row("mixtral ffn_up", "Q4_K", 1, 22.8, 1451.0, 33.03),  # not measured yet: ffn_down's figures
             _expert_row("qwen3-30b-a3b Q4_K", 1), _expert_row("qwen3-30b-a3b Q4_K", 2),  # llama.cpp has no n=2
             _expert_row("qwen3-30b-a3b Q4_K_M", 1)]
+    # MXFP4 as the engine keeps it on the GPU (planar), and timed as llama.cpp times its cases
+    mx = {**_dense_row("mixtral ffn_down", "MXFP4", 1, 57.7, 540.0, 31.19),
+          "new_laid_out": {"us": 22.8, "GBps": 1369.0, "of_copy_bw": 0.32},
+          "new_one_tensor": {"us": 15.6, "GBps": 2000.0, "of_copy_bw": 0.47}}
+    rows.append(mx)
     records = _records()
-    assert kb.attach_llama(rows, records, copy=4224.0) == 4
-    q4k, q8, bf16, up, e1, e2, mixed = rows
+    assert kb.attach_llama(rows, records, copy=4224.0) == 5
+    q4k, q8, bf16, up, e1, e2, mixed, mx = rows
+    assert mx["ours_per_llama_per_byte"] == pytest.approx(1369.0 / mx["llama"]["GBps"], rel=1e-2)
+    assert mx["ours_one_tensor_per_llama_per_byte"] == pytest.approx(2000.0 / mx["llama"]["GBps"], rel=1e-2)
+    assert "ours_one_tensor_per_llama_per_byte" not in q4k
     assert "llama" not in bf16 and "llama" not in e2 and "llama" not in mixed
     rec = next(r for r in records if (r.op, r.type_a, r.m, r.n) == ("MUL_MAT", "q4_K", 4096, 1))
     assert q4k["llama"]["case"] == rec.case and q4k["llama"]["us"] == 3662.12
@@ -121,7 +129,10 @@ def test_side_by_side_rows_json_and_table() -> None:
     table = kb.markdown(result)
     side = table[table.index("llama.cpp's own kernels"):]
     lines = [ln for ln in side.splitlines() if ln.startswith("| ") and "---" not in ln]
-    assert len(lines) == 1 + 4  # header, then the four rows with a llama.cpp case
+    assert len(lines) == 1 + 5  # header, then the five rows with a llama.cpp case
+    assert (f"| dense mixtral ffn_down (4096 x 14336) | MXFP4 | 1 | 22.8 | 1369 | MUL_MAT mxfp4 4096 x 14336, n=1 | "
+            in side and f"| 15.6, {mx['ours_one_tensor_per_llama_per_byte']:.2f}x |" in side)
+    assert "one tensor as llama.cpp times it 15.60 us" in kb.llama_line(mx)
     assert (f"| dense mixtral ffn_down (4096 x 14336) | Q4_K | 1 | 22.8 | 1451 | MUL_MAT q4_K 4096 x 14336, n=1 | "
             f"3662.12 | {q4k['llama']['GBps']:.0f} | ") in side
     assert "| expert step qwen3-30b-a3b Q4_K (gate, up, down) | Q4_K | 1 | 24.5 | 868 | " \

@@ -332,9 +332,8 @@ def test_kernels_compile_for_hopper_without_spills(aot_report) -> None:
 @pytest.mark.slow
 @pytest.mark.skipif(not tk.available(), reason="needs Triton")
 def test_dense_kernel_compiles_for_hopper_without_spills(aot_report) -> None:
-    """The split-K dense product compiles for sm_90 for every type, split and unsplit, at one
-    and at eight rows; its K loop moves nothing through shared memory and (16-bit weights at
-    eight rows aside) nothing spills."""
+    """The split-K dense products compile for sm_90 for every type, split and unsplit, at one
+    and at eight rows; their K loops move nothing through shared memory and nothing spills."""
     from engine.quant.triton_aot import DENSE_GEOMETRIES, DENSE_ROWS
 
     dense = [r for r in aot_report if r["kernel"].startswith("dense")]
@@ -344,12 +343,14 @@ def test_dense_kernel_compiles_for_hopper_without_spills(aot_report) -> None:
     assert any(r["kernel"].endswith("s1") for r in dense) and any(not r["kernel"].endswith("s1") for r in dense)
     for r in dense:
         where = f"{r['geometry']} {r['kernel']}"
-        # 16-bit weights at eight rows hold a step's 128 weights, 8 x 8 sums and the
-        # activation values in a lane: a few spills, as the expert kernels allow.
-        assert r["spill_ops"] <= 16 and r["loop_spill_ops"] <= 8, f"{where} spills: {r}"
-        if r["geometry"].split()[0] not in ("F16", "BF16") or r["kernel"].startswith("dense r1 "):
-            assert r["spill_ops"] == 0, f"{where} spills: {r}"
-        assert len(r["loop_instructions"]) <= 1, f"{where}: one K loop expected, {r['loop_instructions']}"
+        assert r["spill_ops"] == 0, f"{where} spills: {r}"
+        if r["geometry"].split()[0] in ("F16", "BF16") and not r["kernel"].startswith("dense r1 "):
+            # several rows of 16-bit weights: tensor cores, the steps staged through shared memory
+            assert r["mma"] in ("mma.sync", "wgmma") and len(r["loop_instructions"]) <= 1, f"{where}: {r}"
+            continue
+        # one K loop (ptxas may unroll the 16-bit kernel's short one by four, then a loop takes the rest)
+        loops = 2 if r["geometry"].split()[0] in ("F16", "BF16") else 1
+        assert len(r["loop_instructions"]) <= loops, f"{where}: one K loop expected, {r['loop_instructions']}"
         assert r["loop_smem_or_barrier"] == 0, f"{where}: shared memory or barriers in the K loop: {r}"
         if r["geometry"].split()[0] in ("Q4_K", "Q5_K", "Q8_0", "Q6_K/224", "MXFP4/planar", "F16", "BF16"):
             # whole 16-byte loads of the weights (Q8_0: K a multiple of 256; Q6_K: padded blocks;
@@ -595,7 +596,7 @@ def test_interpreter_linear_uses_the_kernel_layout(qtype: QT, monkeypatch) -> No
 
 
 @interp
-@pytest.mark.parametrize("qtype", [QT.Q4_K, QT.Q8_0], ids=lambda t: t.name)
+@pytest.mark.parametrize("qtype", [QT.Q4_K, QT.Q8_0, QT.BF16], ids=lambda t: t.name)
 def test_interpreter_dense_eight_rows_and_default_split(qtype: QT) -> None:
     check_dense(qtype, n_out=96, K=512, rows=tk.DENSE_MAX_ROWS, device="cpu", cfg=SMALL,
                 split=tk.SplitK(2, 1))
