@@ -333,7 +333,8 @@ def test_kernels_compile_for_hopper_without_spills(aot_report) -> None:
 @pytest.mark.skipif(not tk.available(), reason="needs Triton")
 def test_dense_kernel_compiles_for_hopper_without_spills(aot_report) -> None:
     """The split-K dense products compile for sm_90 for every type, split and unsplit, at one
-    and at eight rows; their K loops move nothing through shared memory and nothing spills."""
+    and at eight rows without spills; the one-row K loops move nothing through shared memory (16-bit
+    weights at several rows multiply on tensor cores, their steps staged there)."""
     from engine.quant.triton_aot import DENSE_GEOMETRIES, DENSE_ROWS
 
     dense = [r for r in aot_report if r["kernel"].startswith("dense")]
