@@ -832,10 +832,29 @@ if triton is not None:
         return acc
 
     @triton.jit
-    def _dense_out(acc, t: tl.constexpr, ROWS: tl.constexpr, dst, N, rows, live):
+    def _dense_out(sums, t: tl.constexpr, ROWS: tl.constexpr, dst, N, rows, live):
         """Stores row t's sums for the block's weight rows at dst + t * N + rows."""
         if t < ROWS:
-            tl.store(dst + t * N + rows, _reduce_acc(acc), mask=live)
+            tl.store(dst + t * N + rows, sums, mask=live)
+
+    @triton.jit
+    def _dense_finish(s0, s1, s2, s3, s4, s5, s6, s7, part_ptr, out_ptr, count_ptr, nb, s, N,
+                      ROWS: tl.constexpr, SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, INTERP: tl.constexpr):
+        """The end of a one-dimensional dense program: activation rows' sums s0 .. s7 (those of
+        rows past ROWS unused) into out, or with SPLIT > 1 into this slice's partials, which the
+        last program of the row block adds in split order (_dense_split_sum)."""
+        rows = nb * BLOCK_N + tl.arange(0, BLOCK_N)
+        live = rows < N
+        dst = out_ptr if SPLIT == 1 else part_ptr + s.to(tl.int64) * (ROWS * N)
+        _dense_out(s0, 0, ROWS, dst, N, rows, live)
+        _dense_out(s1, 1, ROWS, dst, N, rows, live)
+        _dense_out(s2, 2, ROWS, dst, N, rows, live)
+        _dense_out(s3, 3, ROWS, dst, N, rows, live)
+        _dense_out(s4, 4, ROWS, dst, N, rows, live)
+        _dense_out(s5, 5, ROWS, dst, N, rows, live)
+        _dense_out(s6, 6, ROWS, dst, N, rows, live)
+        _dense_out(s7, 7, ROWS, dst, N, rows, live)
+        _dense_split_sum(part_ptr, out_ptr, count_ptr, nb, rows, live, N, ROWS, SPLIT, INTERP)
 
     @triton.jit
     def _dense_kernel(xr_ptr, xq_ptr, xd_ptr, w_ptr, w_row_bytes, part_ptr, out_ptr, count_ptr, N,
@@ -884,18 +903,9 @@ if triton is not None:
             acc7 = _dense_rows(acc7, 7, ROWS, a, b, cc, dd, xr_ptr, xq_ptr, xd_ptr, ks, K, BLOCK_N, QW, INTERP, REV)
             if PREFETCH:
                 a, b, cc, dd = na, nb2, nc, nd
-        rows = nb * BLOCK_N + tl.arange(0, BLOCK_N)
-        live = rows < N
-        dst = out_ptr if SPLIT == 1 else part_ptr + s.to(tl.int64) * (ROWS * N)
-        _dense_out(acc0, 0, ROWS, dst, N, rows, live)
-        _dense_out(acc1, 1, ROWS, dst, N, rows, live)
-        _dense_out(acc2, 2, ROWS, dst, N, rows, live)
-        _dense_out(acc3, 3, ROWS, dst, N, rows, live)
-        _dense_out(acc4, 4, ROWS, dst, N, rows, live)
-        _dense_out(acc5, 5, ROWS, dst, N, rows, live)
-        _dense_out(acc6, 6, ROWS, dst, N, rows, live)
-        _dense_out(acc7, 7, ROWS, dst, N, rows, live)
-        _dense_split_sum(part_ptr, out_ptr, count_ptr, nb, rows, live, N, ROWS, SPLIT, INTERP)
+        _dense_finish(_reduce_acc(acc0), _reduce_acc(acc1), _reduce_acc(acc2), _reduce_acc(acc3),
+                      _reduce_acc(acc4), _reduce_acc(acc5), _reduce_acc(acc6), _reduce_acc(acc7),
+                      part_ptr, out_ptr, count_ptr, nb, s, N, ROWS, SPLIT, BLOCK_N, INTERP)
 
     @triton.jit
     def _dense_split_sum(part_ptr, out_ptr, count_ptr, nb, rows, live, N, ROWS: tl.constexpr, SPLIT: tl.constexpr,
@@ -943,11 +953,6 @@ if triton is not None:
         return acc
 
     @triton.jit
-    def _dense16_out(acc, t: tl.constexpr, ROWS: tl.constexpr, dst, N, rows, live):
-        if t < ROWS:
-            tl.store(dst + t * N + rows, tl.sum(acc, axis=1), mask=live)
-
-    @triton.jit
     def _dense16_kernel(xr_ptr, xq_ptr, xd_ptr, w_ptr, w_row_bytes, part_ptr, out_ptr, count_ptr, N,
                         K: tl.constexpr, QW: tl.constexpr, ROWS: tl.constexpr, SPLIT: tl.constexpr,
                         STEPS: tl.constexpr, BLOCK_N: tl.constexpr, INTERP: tl.constexpr):
@@ -986,18 +991,9 @@ if triton is not None:
             acc5 = _dense16_rows(acc5, 5, ROWS, w, xr_ptr, ks, k, n, K)
             acc6 = _dense16_rows(acc6, 6, ROWS, w, xr_ptr, ks, k, n, K)
             acc7 = _dense16_rows(acc7, 7, ROWS, w, xr_ptr, ks, k, n, K)
-        rows = nb * BLOCK_N + tl.arange(0, BLOCK_N)
-        live = rows < N
-        dst = out_ptr if SPLIT == 1 else part_ptr + s.to(tl.int64) * (ROWS * N)
-        _dense16_out(acc0, 0, ROWS, dst, N, rows, live)
-        _dense16_out(acc1, 1, ROWS, dst, N, rows, live)
-        _dense16_out(acc2, 2, ROWS, dst, N, rows, live)
-        _dense16_out(acc3, 3, ROWS, dst, N, rows, live)
-        _dense16_out(acc4, 4, ROWS, dst, N, rows, live)
-        _dense16_out(acc5, 5, ROWS, dst, N, rows, live)
-        _dense16_out(acc6, 6, ROWS, dst, N, rows, live)
-        _dense16_out(acc7, 7, ROWS, dst, N, rows, live)
-        _dense_split_sum(part_ptr, out_ptr, count_ptr, nb, rows, live, N, ROWS, SPLIT, INTERP)
+        _dense_finish(tl.sum(acc0, axis=1), tl.sum(acc1, axis=1), tl.sum(acc2, axis=1), tl.sum(acc3, axis=1),
+                      tl.sum(acc4, axis=1), tl.sum(acc5, axis=1), tl.sum(acc6, axis=1), tl.sum(acc7, axis=1),
+                      part_ptr, out_ptr, count_ptr, nb, s, N, ROWS, SPLIT, BLOCK_N, INTERP)
 
     @triton.jit
     def _dense16_mma_kernel(xr_ptr, xq_ptr, xd_ptr, w_ptr, w_row_bytes, part_ptr, out_ptr, count_ptr, N,
