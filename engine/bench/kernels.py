@@ -212,6 +212,8 @@ def bench_dense(name: str, n_out: int, K: int, qtype: QT, rows: list[int], dev: 
     raws = [weights[i:i + 1] for i in range(n_copies)]
     # a type whose GPU copy changes layout: timed in both
     laid_out = kernel_layout(weights, qtype) if qtype in CHANGED_LAYOUTS else None
+    engine_raws = raws if laid_out is None else [laid_out[i:i + 1] for i in range(n_copies)]
+    qw = tk.kernel_type(qtype, engine_raws[0], K)
     calls_per_graph = max(n_copies, 8)
     out = []
     for t in rows:
@@ -219,35 +221,32 @@ def bench_dense(name: str, n_out: int, K: int, qtype: QT, rows: list[int], dev: 
         new = tk.dense(x, raws[0], qtype, n_out)
         old = legacy_dense(x, raws[0], qtype, n_out)
         err = ((new - old).abs().max() / old.abs().max()).item()
-        split = tk.SplitK.choose(n_out, K, tk.sm_count(str(dev)), tk.dense_config(qtype, t).block_n)
+        split = tk.SplitK.choose(n_out, K, tk.sm_count(str(dev)), tk.dense_config(qw, t).block_n)
 
-        def calls(fn, *extra):
-            return [lambda i=i: fn(x, raws[i % n_copies], qtype, n_out, *extra) for i in range(calls_per_graph)]
+        def calls(fn, rs, *extra):  # one graph's calls, each on the next copy of the weight
+            return [lambda i=i: fn(x, rs[i % n_copies], qtype, n_out, *extra) for i in range(calls_per_graph)]
 
         row = {"kind": "dense", "shape": name, "n_out": n_out, "K": K, "type": qtype.name, "rows": t,
                "MB": round(one.numel() / 1e6, 2), "copies": n_copies, "split": [split.split, split.steps],
                "max_rel_diff_new_old": float(f"{err:.2e}"),
-               "new": rate(one.numel(), graph_us(calls(tk.dense), replays), copy),
-               "old": rate(one.numel(), graph_us(calls(legacy_dense), replays), copy)}
+               "new": rate(one.numel(), graph_us(calls(tk.dense, raws), replays), copy),
+               "old": rate(one.numel(), graph_us(calls(legacy_dense, raws), replays), copy)}
         row["speedup"] = round(row["old"]["us"] / row["new"]["us"], 2)
-        engine_raws = raws
         if laid_out is not None:  # the same product from kernel_layout's layout, per byte of GGUF rows
-            engine_raws = [laid_out[i:i + 1] for i in range(n_copies)]
             tk.dense(x, engine_raws[0], qtype, n_out)
-            row["new_laid_out"] = rate(one.numel(), graph_us(
-                [lambda i=i: tk.dense(x, engine_raws[i % n_copies], qtype, n_out) for i in range(calls_per_graph)],
-                replays), copy)
+            row["new_laid_out"] = rate(one.numel(), graph_us(calls(tk.dense, engine_raws), replays), copy)
         # As llama.cpp's test-backend-ops times a product: one weight tensor every call, so that
         # where it fits in L2 part of it comes from there (only for the comparison with it).
         row["new_one_tensor"] = rate(one.numel(), graph_us(
             [lambda: tk.dense(x, engine_raws[0], qtype, n_out)] * calls_per_graph, replays), copy)
         if sweep:
             row["sweep"] = []
-            for cfg, per_sm in _dense_sweep(qtype, t):
+            for cfg, per_sm in _dense_sweep(qw, t):  # in the engine's layout
                 sp = tk.SplitK.choose(n_out, K, tk.sm_count(str(dev)), cfg.block_n, per_sm)
-                tk.dense(x, raws[0], qtype, n_out, cfg, sp)
+                tk.dense(x, engine_raws[0], qtype, n_out, cfg, sp)
                 row["sweep"].append({"config": f"{cfg_name(cfg)} {per_sm}/SM", "split": [sp.split, sp.steps],
-                                     **rate(one.numel(), graph_us(calls(tk.dense, cfg, sp), replays), copy)})
+                                     **rate(one.numel(), graph_us(calls(tk.dense, engine_raws, cfg, sp), replays),
+                                             copy)})
             best = min(row["sweep"], key=lambda r: r["us"])
             print(f"       sweep best {best['config']} split {best['split']}: {best['us']} us {best['GBps']} GB/s",
                   flush=True)
@@ -263,7 +262,7 @@ def bench_dense(name: str, n_out: int, K: int, qtype: QT, rows: list[int], dev: 
 class ExpertLayer:
     """Slot buffers [slots, rows, row_bytes] whose slots are copies of one random expert
     (valid blocks at distinct addresses), enough of them to be 4x the L2 cache and to draw
-    top-k distinct experts; laid out as the engine's slots are (Q6_K padded, MXFP4 planar), while the bytes
+    top-k distinct experts; laid out as the engine's slots are (Q6_K padded, MXFP4 and Q8_0 planar), while the bytes
     counted are the GGUF ones (what llama.cpp reads for the same experts)."""
 
     def __init__(self, sc: ExpertScenario, dev: torch.device, l2_bytes: int, n_slots: int = 0):
@@ -470,7 +469,7 @@ def _prompt_dense_sweep() -> list:
 def bench_prompt_dense(name: str, n_out: int, K: int, qtype: QT, tokens: list[int], dev: torch.device,
                        replays: int, sweep: list | None) -> list[dict]:
     """grouped_gemm.dense (round x, the int8 tensor-core product) over the weight as the engine
-    keeps it (Q6_K padded, MXFP4 planar) at a prompt's rows, beside what a dequantize-to-bf16 scratch would
+    keeps it (Q6_K padded, MXFP4 and Q8_0 planar) at a prompt's rows, beside what a dequantize-to-bf16 scratch would
     leave to cuBLAS (the bf16 product alone: the decode of W into the scratch comes on top) and
     the exact torch route (float32 product). A prompt's product reuses each weight tile across
     its rows, so one copy of the weight serves (L2 does not decide its time)."""
@@ -597,7 +596,7 @@ def attach_llama(results: list[dict], records: list[llama_ops.OpPerf], copy: flo
 
 
 def engine_figure(row: dict) -> dict:
-    """Our timing of a row in the layout the engine keeps on the GPU (Q6_K padded, MXFP4 planar:
+    """Our timing of a row in the layout the engine keeps on the GPU (Q6_K padded, MXFP4 and Q8_0 planar:
     `new_laid_out`; else `new`), weights from HBM."""
     return row.get("new_laid_out", row["new"])
 
@@ -653,23 +652,25 @@ def _sweep_tiles() -> list:
             tk.TileConfig(64, 2), tk.TileConfig(128, 4)]
 
 
-def _dense_sweep(qtype: QT, rows: int) -> list:
-    """(tile, programs per SM) pairs --sweep times for the dense product of `qtype` at `rows`
-    activation rows (16-bit weights: one row with lanes along K, BLOCK_N rows on num_warps
-    warps; more on tensor cores, BLOCK_N of at least 16)."""
+def _dense_sweep(qw: int, rows: int) -> list:
+    """(tile, programs per SM) pairs --sweep times for the dense product of weights of kernel
+    type `qw` (triton_kernels.kernel_type) at `rows` activation rows (16-bit weights at one row
+    and planar Q8_0: lanes along K, BLOCK_N rows on num_warps warps; 16-bit at more rows on
+    tensor cores, BLOCK_N of at least 16)."""
     from engine.quant import triton_kernels as tk
 
-    if qtype in tk.SIXTEEN_BIT and rows > 1:
+    sixteen_bit = qw in (int(QT.F16), int(QT.BF16))
+    if sixteen_bit and rows > 1:
         tiles = [tk.TileConfig(16, 4, num_stages=3), tk.TileConfig(64, 4, num_stages=3),
                  tk.TileConfig(32, 4, num_stages=2), tk.TileConfig(32, 4, num_stages=4),
                  tk.TileConfig(32, 2, num_stages=3), tk.TileConfig(64, 8, num_stages=3)]
-    elif qtype in tk.SIXTEEN_BIT:
+    elif sixteen_bit or (qw == tk.Q8_0_PLANAR and rows == 1):
         tiles = [tk.TileConfig(4, 4), tk.TileConfig(8, 8), tk.TileConfig(16, 8), tk.TileConfig(4, 2),
-                 tk.TileConfig(2, 2)]
+                 tk.TileConfig(2, 2), tk.TileConfig(16, 4)]
     else:
         tiles = _sweep_tiles()
-    default = tk.dense_config(qtype, rows)
-    return [(t, tk.PROGRAMS_PER_SM) for t in tiles] + [(default, n) for n in (2, 8, 16)]
+    default = tk.dense_config(qw, rows)
+    return [(t, tk.PROGRAMS_PER_SM) for t in tiles if t != default] + [(default, n) for n in (2, 4, 8, 16)]
 
 
 def cfg_name(cfg) -> str:

@@ -8,7 +8,8 @@ experts all agree with llama.cpp up to float32 summation order.
 On CUDA a quantized weight stays in its GGUF bytes (a VRAM budget is not spent on float32
 copies, 3.8x the size of Q8_0), in the layout the kernels read fastest
 (engine/quant/layout.kernel_layout: Q6_K blocks padded to 224 bytes, 6.7% more bytes; MXFP4
-rows planar, 0.4% more; the other types as the file has them); one copy serves both paths, both reading the blocks
+and Q8_0 rows planar, 0.4% more at K >= 2,880; the other types as the file has them); one copy
+serves both paths, both reading the blocks
 directly: a few rows (decode) through the split-K dense kernel (quant/triton_kernels.dense),
 more rows (prompts) through the grouped GEMM's int8 tensor-core product (quant/grouped_gemm.dense).
 """

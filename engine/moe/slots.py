@@ -1,8 +1,9 @@
 """Per-layer expert slots on the accelerator and the residency map that says who lives where.
 
 A slot holds one whole expert (gate, up, down) in its GGUF-quantized bytes, in the layout the
-kernels read fastest (engine/quant/layout.py: Q6_K blocks padded from 210 to 224 bytes, MXFP4 rows
-made planar, as they are copied in; the host keeps the GGUF bytes, which the CPU pool reads). The residency
+kernels read fastest (engine/quant/layout.py: Q6_K blocks padded from 210 to 224 bytes, MXFP4 and
+Q8_0 rows made planar, as they are copied in; the host keeps the GGUF bytes, which the CPU pool
+reads). The residency
 map only ever names experts whose copy has LANDED: a slot being refilled is first taken out
 of the map (so no hit can read it), then copied, and only after the copy has landed does the
 map point at it again. A step's uploads go to staging slots, which the layers whose experts
@@ -85,7 +86,7 @@ class LayerSlots:
         self.version = 0  # bumped whenever `resident` changes: readers skip comparing unchanged maps
         # Per-expert and per-slot views made once: indexing a tensor costs microseconds of host
         # time, and every decode step copies experts. Padded Q6_K: the GGUF blocks, and the
-        # first 210 bytes of each padded block; planar MXFP4: layout.PlanarRows (layout.copy_views).
+        # first 210 bytes of each padded block; planar MXFP4 and Q8_0: layout.PlanarRows (copy_views).
         tensors = (w.gate, w.up, w.down)
         views = [copy_views(t.raw, b, t.qtype) for t, b in zip(tensors, self.buffers)]
         self._host_views = [h.unbind(0) for h, _ in views]

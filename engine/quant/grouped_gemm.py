@@ -28,8 +28,8 @@ per 32 values, exact in int32, the scales applied outside the products:
 - Q6_K: q - 32 in [-32, 31]; its scales change every 16 values, so each 32-value product is
   taken twice with the activation's other half zeroed; acc += dx * d * sum(sc * dot);
 - Q8_0, MXFP4: per block of 32, acc += dx * dw * dot(qx, q) (MXFP4's q: the doubled e2m1
-  values, triton_kernels._e2m1_words; dw its halved e8m0 scale; its blocks as the file holds
-  them or planar, layout.planar_mxfp4);
+  values, triton_kernels._e2m1_words; dw its halved e8m0 scale); the blocks as the file holds
+  them or planar (layout.planar);
 - F16, BF16: the rounded activation and the weights in their own 16-bit type (fp32 accumulate).
 The integer sums are ggml's; the result equals the torch path (round_activation(x) @
 dequantize(W).T in float32) up to float32 summation order: the decode kernels' tolerance, 2e-5
@@ -56,8 +56,8 @@ if triton is not None:
 
     # The decode kernels' type ids, block decoders and activation (jit helpers), shared, not copied.
     from engine.quant.triton_kernels import (  # noqa: F401 (constexpr globals the kernels read)
-        _BF16, _F16, _MXFP4, _MXFP4_PLANAR, _Q4_K, _Q5_K, _Q6_K, _Q6_K_PADDED, _Q8_0, _activate, _e2m1_words,
-        _f16_bits)
+        _BF16, _F16, _MXFP4, _MXFP4_PLANAR, _Q4_K, _Q5_K, _Q6_K, _Q6_K_PADDED, _Q8_0, _Q8_0_PLANAR, _activate,
+        _e2m1_words, _f16_bits)
 
 # Weight types the grouped kernels decode: every type the decode kernels take.
 GROUPED_TYPES: frozenset[QT] = tk.KERNEL_TYPES
@@ -183,7 +183,7 @@ if triton is not None:
                         sc_b = tl.load((blk + 193 + 4 * c + 2 * h).to(tl.pointer_type(tl.int8))).to(tl.int32)
                     s += _idot(tl.where(first, a, 0), q) * sc_a + _idot(tl.where(first, 0, a), q) * sc_b
             acc += dx * (d * s.to(tl.float32))
-        elif QW == _Q8_0 or QW == _MXFP4 or QW == _MXFP4_PLANAR:
+        elif QW == _Q8_0 or QW == _Q8_0_PLANAR or QW == _MXFP4 or QW == _MXFP4_PLANAR:
             NB: tl.constexpr = K // 32
             for b in range(8):  # a loop, not unrolled: one block's tiles live at a time
                 # Blocks past the row's end read its last block again: the activation there is 0.
@@ -192,6 +192,9 @@ if triton is not None:
                     bp = w + bi * 34
                     q = tl.load((bp + 2 + i).to(tl.pointer_type(tl.int8))).to(tl.int32)
                     dw = _u16(bp)
+                elif QW == _Q8_0_PLANAR:  # the quants, then the f16 scales (layout.planar)
+                    q = tl.load((w + bi * 32 + i).to(tl.pointer_type(tl.int8))).to(tl.int32)
+                    dw = _u16(w + NB * 32 + bi * 2)
                 else:
                     if QW == _MXFP4:  # 17-byte blocks: e, then 16 nibble bytes
                         byte = tl.load(w + bi * 17 + 1 + i % 16)

@@ -143,7 +143,7 @@ ONE_TOKEN_PAIRS = 8  # a decode token's expert pairs (Qwen3-30B's top-8)
 
 def slot_type(q: QT) -> int:
     """The kernels' type id of rows in layout.kernel_layout's layout, as engine/moe/slots.LayerSlots
-    and the dense layers hold them (Q6_K padded, MXFP4 planar)."""
+    and the dense layers hold them (Q6_K padded, MXFP4 and Q8_0 planar)."""
     return tk.LAID_OUT_TYPES.get(q, int(q))
 
 
@@ -151,7 +151,8 @@ def decode_variants(gate: QT, up: QT, down: QT, n_embd: int, n_ff: int, activati
                     gate_up_cfg: tk.TileConfig | None = None, down_cfg: tk.TileConfig | None = None,
                     arch: int = 90):
     """(label, kernel, constexprs, config) of every launch experts_forward makes for this geometry,
-    over slot buffers as engine/moe/slots.LayerSlots lays them out (Q6_K padded, MXFP4 planar)."""
+    over slot buffers as engine/moe/slots.LayerSlots lays them out (Q6_K padded, MXFP4 and Q8_0
+    planar)."""
     vt = tk._vt
     rev = tk.reversed_ties(_target(arch))
     gu = gate_up_cfg or tk.GATE_UP_CONFIG[gate]
@@ -189,10 +190,10 @@ def dense_variants(qtype: QT, n_out: int, K: int, rows: int, cfg: tk.TileConfig 
                    sm_count: int = H200_SMS, arch: int = 90, laid_out: bool = False):
     """(label, kernel, constexprs, config) of the product tk.dense launches for this shape
     (the rounding launch is round_x of the expert geometries); `laid_out`: rows as
-    layout.kernel_layout lays them out (Q6_K padded, MXFP4 planar), else the GGUF rows."""
-    cfg = cfg or tk.dense_config(qtype, rows)
-    split = tk.SplitK.choose(n_out, K, sm_count, cfg.block_n)
+    layout.kernel_layout lays them out (Q6_K padded, MXFP4 and Q8_0 planar), else the GGUF rows."""
     qw = slot_type(qtype) if laid_out else int(qtype)
+    cfg = cfg or tk.dense_config(qw, rows)
+    split = tk.SplitK.choose(n_out, K, sm_count, cfg.block_n)
     kernel, extra = tk.dense_kernel(qw, rows, _target(arch))
     return [(f"dense r{rows} s{split.split}", kernel,
              {"K": K, "QW": qw, "ROWS": rows, "SPLIT": split.split, "STEPS": split.steps, "BLOCK_N": cfg.block_n,
@@ -290,9 +291,11 @@ def layout_report(arch: int = 90) -> list[dict]:
 
 def dense_report(arch: int = 90) -> list[dict]:
     """Compiles the dense product for every kernel type in its GGUF layout and in kernel_layout's
-    (padded Q6_K, named Q6_K/224; planar MXFP4, MXFP4/planar), DENSE_GEOMETRIES and DENSE_ROWS."""
+    (padded Q6_K, named Q6_K/224; planar MXFP4 and Q8_0, MXFP4/planar and Q8_0/planar),
+    DENSE_GEOMETRIES and DENSE_ROWS."""
     layouts = [(t.name, t, False) for t in sorted(tk.KERNEL_TYPES, key=lambda t: t.name)]
-    layouts += [(f"Q6_K/{Q6_K_PADDED_BLOCK}", QT.Q6_K, True), ("MXFP4/planar", QT.MXFP4, True)]
+    layouts += [(f"Q6_K/{Q6_K_PADDED_BLOCK}", QT.Q6_K, True), ("MXFP4/planar", QT.MXFP4, True),
+                ("Q8_0/planar", QT.Q8_0, True)]
     jobs = []
     for type_name, qtype, laid_out in layouts:
         for name, n_out, K in DENSE_GEOMETRIES:

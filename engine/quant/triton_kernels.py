@@ -48,7 +48,7 @@ from dataclasses import dataclass
 import torch
 from gguf import GGMLQuantizationType as QT
 
-from engine.quant.layout import is_padded_q6_k, is_planar_mxfp4
+from engine.quant.layout import is_padded_q6_k, is_planar
 
 try:  # Triton is optional: without it the torch path runs.
     import triton
@@ -65,11 +65,13 @@ KSTEP = 256  # activation values per K step
 # Kernel type id of Q6_K rows whose blocks are padded from 210 to 224 bytes (layout.pad_q6_k):
 # every block 16-aligned, so the kernels load them 16 bytes at a time instead of 2.
 Q6_K_PADDED = 256 + int(QT.Q6_K)
-# Kernel type id of planar MXFP4 rows (layout.planar_mxfp4): every block's 16 nibble bytes
-# 16-aligned, its scale in a run of scales after them, so the kernels load 16 bytes at a time instead of 1.
+# Kernel type ids of planar MXFP4 and Q8_0 rows (layout.planar): every block's quants (16 nibble
+# bytes, 32 int8) 16-aligned, its scale in a run of scales after them, so the kernels load 16
+# bytes at a time instead of 1 or 2.
 MXFP4_PLANAR = 256 + int(QT.MXFP4)
+Q8_0_PLANAR = 256 + int(QT.Q8_0)
 # The kernel type id of each type's rows in layout.kernel_layout's layout.
-LAID_OUT_TYPES: dict[QT, int] = {QT.Q6_K: Q6_K_PADDED, QT.MXFP4: MXFP4_PLANAR}
+LAID_OUT_TYPES: dict[QT, int] = {QT.Q6_K: Q6_K_PADDED, QT.MXFP4: MXFP4_PLANAR, QT.Q8_0: Q8_0_PLANAR}
 
 
 def available() -> bool:
@@ -82,6 +84,7 @@ if triton is not None:
     _Q6_K = tl.constexpr(int(QT.Q6_K))
     _Q6_K_PADDED = tl.constexpr(Q6_K_PADDED)
     _Q8_0 = tl.constexpr(int(QT.Q8_0))
+    _Q8_0_PLANAR = tl.constexpr(Q8_0_PLANAR)
     _MXFP4 = tl.constexpr(int(QT.MXFP4))
     _MXFP4_PLANAR = tl.constexpr(MXFP4_PLANAR)
     _F16 = tl.constexpr(int(QT.F16))
@@ -419,6 +422,16 @@ if triton is not None:
             b = _ld((rows + NB * 16 + (ks // 2) * 16).to(tl.pointer_type(tl.int32)) + l + z, REV)
             cc = a
             dd = a
+        elif QT == _Q8_0_PLANAR:
+            # qs[32] of every block | the blocks' f16 scales (layout.planar): blocks c and 4 + c of
+            # the step, lane p their bytes 16p ... 16p + 15 as 4 words (a, cc), and the step's 8
+            # scales as 4 (b: 16-aligned, inside the row thanks to the scales' padding)
+            NB: tl.constexpr = K // 32
+            a = _ld((rows + tl.minimum(ks * 8 + c, NB - 1) * 32 + p * 16).to(tl.pointer_type(tl.int32)) + l, REV)
+            cc = _ld((rows + tl.minimum(ks * 8 + 4 + c, NB - 1) * 32 + p * 16).to(tl.pointer_type(tl.int32)) + l,
+                     REV)
+            b = _ld((rows + NB * 32 + ks * 16).to(tl.pointer_type(tl.int32)) + l + z, REV)
+            dd = a
         elif QT == _F16:
             k = ks * 256 + c * 32 + p * 16 + l
             a = _ld(rows.to(tl.pointer_type(tl.float16)) + k, REV, (k < K) & (r >= 0), 0.0)
@@ -544,6 +557,21 @@ if triton is not None:
             xd = xd_row.to(tl.pointer_type(tl.int32)) + ks * 8 + l + p * 0 + c * 0 + r * 0
             dx = _pick(tl.where(blk < 4, _ld(xd, REV), _ld(xd + 4, REV)), l, blk % 4).to(tl.float32, bitcast=True)
             acc += (dw * dx) * sw.to(tl.float32)
+        elif QT == _Q8_0_PLANAR:
+            # Blocks c (a) and 4 + c (cc), lane p their quants 16p ... 16p + 15: dotted with the
+            # activation's, times both scales (the weights' f16 scale of block j: half j % 2 of
+            # word j // 2 of b; the activation's 8 as two runs of 4 words).
+            xw = xq_row.to(tl.pointer_type(tl.int32)) + ks * 64 + c * 8 + p * 4 + l + r * 0
+            s_lo = _runsum(_dp4a(a, _ld(xw, REV), INTERP, True)).to(tl.float32)
+            s_hi = _runsum(_dp4a(cc, _ld(xw + 32, REV), INTERP, True)).to(tl.float32)
+            c3 = tl.arange(0, 4)[None, None, :]
+            half = (c3 % 2) * 16
+            d_lo = _f16_bits((_pick(b, l, c // 2) >> half) & 0xFFFF)
+            d_hi = _f16_bits((_pick(b, l, 2 + c // 2) >> half) & 0xFFFF)
+            xd = xd_row.to(tl.pointer_type(tl.int32)) + ks * 8 + l + p * 0 + c * 0 + r * 0
+            dx_lo = _pick(_ld(xd, REV), l, c).to(tl.float32, bitcast=True)
+            dx_hi = _pick(_ld(xd + 4, REV), l, c).to(tl.float32, bitcast=True)
+            acc += (d_lo * dx_lo) * s_lo + (d_hi * dx_hi) * s_hi
         else:  # F16, BF16
             k = c * 32 + p * 16 + l
             if QT == _F16:
@@ -551,99 +579,6 @@ if triton is not None:
             else:
                 w = (a.to(tl.int32) << 16).to(tl.float32, bitcast=True)
             acc += _runsum(w * _ld(x0 + k, REV))
-        return acc
-
-    # Q8_0 rows whose K steps are 16-aligned (K a multiple of 256: a step is 8 blocks, 272
-    # bytes): a lane reads its 4 blocks (4p ... 4p + 3, from byte 136p of the step) as nine
-    # 16-byte loads from byte 128p, instead of a block's quants two bytes at a time. Its 36
-    # words hold the blocks from byte 8p on; the words of a block (its scale, its quants, two
-    # bytes off a word boundary in even blocks) are picked at compile-time positions for
-    # either p, then chosen by p (a select per word).
-
-    @triton.jit
-    def _q8a_axes(BLOCK_N: tl.constexpr):
-        """Index tensors of the tile [2 (p), BLOCK_N (r), 8 (c), 1, 4 (e)]: word 4c + e."""
-        p = tl.arange(0, 2)[:, None, None, None, None]
-        r = tl.arange(0, BLOCK_N)[None, :, None, None, None]
-        c = tl.arange(0, 8)[None, None, :, None, None]
-        e = tl.arange(0, 4)[None, None, None, None, :]
-        return p, r, c, e
-
-    @triton.jit
-    def _load_q8a(rows, ks, BLOCK_N: tl.constexpr, REV: tl.constexpr):
-        """Lane p's 144 bytes from byte 128p of K step ks: words 0..31 (a) and 32..35 (b, the
-        same on every c)."""
-        p, r, c, e = _q8a_axes(BLOCK_N)
-        base = (rows + ks * 272 + p * 128).to(tl.pointer_type(tl.int32))
-        a = _ld(base + c * 4 + e, REV)
-        b = _ld(base + 32 + e + c * 0, REV)
-        return a, b
-
-    @triton.jit
-    def _lane_sum(v):
-        return tl.sum(tl.sum(tl.sum(v, axis=4), axis=3), axis=2)
-
-    @triton.jit
-    def _q8a_word(a, b, c, e, i: tl.constexpr):
-        """Word i (compile-time) of a lane's 36, for every (p, r): a register read."""
-        if i < 32:
-            v = _lane_sum(tl.where((c == i // 4) & (e == i % 4), a, 0))
-        else:
-            v = _lane_sum(tl.where((c == 0) & (e == i - 32), b, 0))
-        return v
-
-    @triton.jit
-    def _q8a_block_word(a, b, c, e, p2, i: tl.constexpr):
-        """Word i counted from the lane's first block (byte 8p of its words)."""
-        return tl.where(p2 == 0, _q8a_word(a, b, c, e, i), _q8a_word(a, b, c, e, i + 2))
-
-    @triton.jit
-    def _use_q8a(acc, a, b, xq_row, xd_row, ks, BLOCK_N: tl.constexpr, INTERP: tl.constexpr, REV: tl.constexpr):
-        """acc += K step ks of the rows (a, b from _load_q8a) dotted with the activation's Q8_0
-        quants and scales, block by block: (d_w * d_x) * sum(q_w * q_x), as _use_w does."""
-        p, r, c, e = _q8a_axes(BLOCK_N)
-        z = r * 0
-        # The activation's quants of the lane's 4 blocks (word 4c + e: block c // 2) and scales.
-        xw = _ld(xq_row.to(tl.pointer_type(tl.int32)) + ks * 64 + p * 32 + c * 4 + e + z, REV)
-        xd = _ld(xd_row + ks * 8 + p * 4 + e + c * 0 + z, REV)
-        p2 = tl.arange(0, 2)[:, None]
-        total = tl.zeros((2, BLOCK_N), tl.float32)
-        for j in tl.static_range(4):
-            w0 = 34 * j // 4  # the word holding the block's scale (compile-time)
-            dw = _f16_bits((_q8a_block_word(a, b, c, e, p2, w0) >> (16 * (j % 2))) & 0xFFFF)
-            dx = _lane_sum(tl.where((c == 0) & (e == j), xd, 0.0))
-            s = tl.zeros((2, BLOCK_N), tl.int32)
-            for k in tl.static_range(8):
-                if j % 2 == 0:  # quants from byte 2 of word w0 on
-                    q = ((_q8a_block_word(a, b, c, e, p2, w0 + k) >> 16) & 0xFFFF) \
-                        | (_q8a_block_word(a, b, c, e, p2, w0 + k + 1) << 16)
-                else:
-                    q = _q8a_block_word(a, b, c, e, p2, w0 + 1 + k)
-                x = _lane_sum(tl.where((c == 2 * j + k // 4) & (e == k % 4), xw, 0))
-                s += _dp4a(q, x, INTERP, True)
-            total += (dw * dx) * s.to(tl.float32)
-        return acc + tl.where(tl.arange(0, 4)[None, None, :] == 0, total[:, :, None], 0.0)
-
-    @triton.jit
-    def _load_step(rows, ks, K: tl.constexpr, BLOCK_N: tl.constexpr, QT: tl.constexpr, REV: tl.constexpr):
-        """What the weight loops load: _load_w, or for Q8_0 rows of whole K steps _load_q8a
-        (unused results repeat a)."""
-        if QT == _Q8_0 and K % 256 == 0:
-            a, b = _load_q8a(rows, ks, BLOCK_N, REV)
-            cc = a
-            dd = a
-        else:
-            a, b, cc, dd = _load_w(rows, ks, K, BLOCK_N, QT, REV)
-        return a, b, cc, dd
-
-    @triton.jit
-    def _use_step(acc, a, b, cc, dd, x_row, xq_row, xd_row, ks, K: tl.constexpr, BLOCK_N: tl.constexpr,
-                  QT: tl.constexpr, INTERP: tl.constexpr, REV: tl.constexpr):
-        """The product of what _load_step loaded: _use_w or _use_q8a."""
-        if QT == _Q8_0 and K % 256 == 0:
-            acc = _use_q8a(acc, a, b, xq_row, xd_row, ks, BLOCK_N, INTERP, REV)
-        else:
-            acc = _use_w(acc, a, b, cc, dd, x_row, xq_row, xd_row, ks, K, BLOCK_N, QT, INTERP, REV)
         return acc
 
     # ---------------------------------------------------------------- the two kernels
@@ -714,26 +649,26 @@ if triton is not None:
         k1 = tl.minimum(k0 + steps, NS)
         if UNROLL:  # every K step: gate_up never splits an unrolled tile
             for ks in tl.static_range(0, NS):
-                ga, gb, gc, gd = _load_step(g_rows, ks, K, BLOCK_N, QG, REV)
-                ua, ub, uc, ud = _load_step(u_rows, ks, K, BLOCK_N, QU, REV)
-                acc_g = _use_step(acc_g, ga, gb, gc, gd, xg_row, xgq_row, xgd_row, ks, K, BLOCK_N, QG, INTERP, REV)
-                acc_u = _use_step(acc_u, ua, ub, uc, ud, xu_row, xuq_row, xud_row, ks, K, BLOCK_N, QU, INTERP, REV)
+                ga, gb, gc, gd = _load_w(g_rows, ks, K, BLOCK_N, QG, REV)
+                ua, ub, uc, ud = _load_w(u_rows, ks, K, BLOCK_N, QU, REV)
+                acc_g = _use_w(acc_g, ga, gb, gc, gd, xg_row, xgq_row, xgd_row, ks, K, BLOCK_N, QG, INTERP, REV)
+                acc_u = _use_w(acc_u, ua, ub, uc, ud, xu_row, xuq_row, xud_row, ks, K, BLOCK_N, QU, INTERP, REV)
         elif QG == _F16 or QG == _BF16 or QU == _F16 or QU == _BF16:
             # 16-bit weights: a lane's bytes of a step fill 64 registers a matrix; no second set
             for ks in range(k0, k1):
-                ga, gb, gc, gd = _load_step(g_rows, ks, K, BLOCK_N, QG, REV)
-                ua, ub, uc, ud = _load_step(u_rows, ks, K, BLOCK_N, QU, REV)
-                acc_g = _use_step(acc_g, ga, gb, gc, gd, xg_row, xgq_row, xgd_row, ks, K, BLOCK_N, QG, INTERP, REV)
-                acc_u = _use_step(acc_u, ua, ub, uc, ud, xu_row, xuq_row, xud_row, ks, K, BLOCK_N, QU, INTERP, REV)
+                ga, gb, gc, gd = _load_w(g_rows, ks, K, BLOCK_N, QG, REV)
+                ua, ub, uc, ud = _load_w(u_rows, ks, K, BLOCK_N, QU, REV)
+                acc_g = _use_w(acc_g, ga, gb, gc, gd, xg_row, xgq_row, xgd_row, ks, K, BLOCK_N, QG, INTERP, REV)
+                acc_u = _use_w(acc_u, ua, ub, uc, ud, xu_row, xuq_row, xud_row, ks, K, BLOCK_N, QU, INTERP, REV)
         else:  # the next step's bytes of both matrices are loaded ahead (register double-buffering)
-            ga, gb, gc, gd = _load_step(g_rows, k0, K, BLOCK_N, QG, REV)
-            ua, ub, uc, ud = _load_step(u_rows, k0, K, BLOCK_N, QU, REV)
+            ga, gb, gc, gd = _load_w(g_rows, k0, K, BLOCK_N, QG, REV)
+            ua, ub, uc, ud = _load_w(u_rows, k0, K, BLOCK_N, QU, REV)
             for ks in range(k0, k1):
                 nk = tl.minimum(ks + 1, k1 - 1)
-                nga, ngb, ngc, ngd = _load_step(g_rows, nk, K, BLOCK_N, QG, REV)
-                nua, nub, nuc, nud = _load_step(u_rows, nk, K, BLOCK_N, QU, REV)
-                acc_g = _use_step(acc_g, ga, gb, gc, gd, xg_row, xgq_row, xgd_row, ks, K, BLOCK_N, QG, INTERP, REV)
-                acc_u = _use_step(acc_u, ua, ub, uc, ud, xu_row, xuq_row, xud_row, ks, K, BLOCK_N, QU, INTERP, REV)
+                nga, ngb, ngc, ngd = _load_w(g_rows, nk, K, BLOCK_N, QG, REV)
+                nua, nub, nuc, nud = _load_w(u_rows, nk, K, BLOCK_N, QU, REV)
+                acc_g = _use_w(acc_g, ga, gb, gc, gd, xg_row, xgq_row, xgd_row, ks, K, BLOCK_N, QG, INTERP, REV)
+                acc_u = _use_w(acc_u, ua, ub, uc, ud, xu_row, xuq_row, xud_row, ks, K, BLOCK_N, QU, INTERP, REV)
                 ga, gb, gc, gd = nga, ngb, ngc, ngd
                 ua, ub, uc, ud = nua, nub, nuc, nud
         g = _reduce_acc(acc_g)
@@ -797,13 +732,13 @@ if triton is not None:
         acc = _zero_acc(BLOCK_N, QD)
         if UNROLL:
             for ks in tl.static_range(0, NS):
-                a, b, cc, dd = _load_step(d_rows, ks, K, BLOCK_N, QD, REV)
-                acc = _use_step(acc, a, b, cc, dd, x_row, xq_row, xd_row, ks, K, BLOCK_N, QD, INTERP, REV)
+                a, b, cc, dd = _load_w(d_rows, ks, K, BLOCK_N, QD, REV)
+                acc = _use_w(acc, a, b, cc, dd, x_row, xq_row, xd_row, ks, K, BLOCK_N, QD, INTERP, REV)
         else:
-            a, b, cc, dd = _load_step(d_rows, 0, K, BLOCK_N, QD, REV)
+            a, b, cc, dd = _load_w(d_rows, 0, K, BLOCK_N, QD, REV)
             for ks in range(0, NS):
-                na, nb2, nc, nd = _load_step(d_rows, tl.minimum(ks + 1, NS - 1), K, BLOCK_N, QD, REV)
-                acc = _use_step(acc, a, b, cc, dd, x_row, xq_row, xd_row, ks, K, BLOCK_N, QD, INTERP, REV)
+                na, nb2, nc, nd = _load_w(d_rows, tl.minimum(ks + 1, NS - 1), K, BLOCK_N, QD, REV)
+                acc = _use_w(acc, a, b, cc, dd, x_row, xq_row, xd_row, ks, K, BLOCK_N, QD, INTERP, REV)
                 a, b, cc, dd = na, nb2, nc, nd
         y = _reduce_acc(acc)
         rows = nb * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -827,7 +762,7 @@ if triton is not None:
         """acc of activation row t += this K step, where the launch has more than t rows."""
         if t < ROWS:
             KP: tl.constexpr = (K + 255) // 256 * 256
-            acc = _use_step(acc, a, b, cc, dd, xr_ptr + t * KP, xq_ptr + t * KP, xd_ptr + t * (KP // 32), ks, K,
+            acc = _use_w(acc, a, b, cc, dd, xr_ptr + t * KP, xq_ptr + t * KP, xd_ptr + t * (KP // 32), ks, K,
                             BLOCK_N, QW, INTERP, REV)
         return acc
 
@@ -887,12 +822,12 @@ if triton is not None:
         # buffering), except for 16-bit weights, whose step already fills 64 registers a lane.
         PREFETCH: tl.constexpr = QW != _F16 and QW != _BF16
         if PREFETCH:
-            a, b, cc, dd = _load_step(w_rows, k0, K, BLOCK_N, QW, REV)
+            a, b, cc, dd = _load_w(w_rows, k0, K, BLOCK_N, QW, REV)
         for ks in range(k0, k1):
             if PREFETCH:
-                na, nb2, nc, nd = _load_step(w_rows, tl.minimum(ks + 1, k1 - 1), K, BLOCK_N, QW, REV)
+                na, nb2, nc, nd = _load_w(w_rows, tl.minimum(ks + 1, k1 - 1), K, BLOCK_N, QW, REV)
             else:
-                a, b, cc, dd = _load_step(w_rows, ks, K, BLOCK_N, QW, REV)
+                a, b, cc, dd = _load_w(w_rows, ks, K, BLOCK_N, QW, REV)
             acc0 = _dense_rows(acc0, 0, ROWS, a, b, cc, dd, xr_ptr, xq_ptr, xd_ptr, ks, K, BLOCK_N, QW, INTERP, REV)
             acc1 = _dense_rows(acc1, 1, ROWS, a, b, cc, dd, xr_ptr, xq_ptr, xd_ptr, ks, K, BLOCK_N, QW, INTERP, REV)
             acc2 = _dense_rows(acc2, 2, ROWS, a, b, cc, dd, xr_ptr, xq_ptr, xd_ptr, ks, K, BLOCK_N, QW, INTERP, REV)
@@ -1034,6 +969,77 @@ if triton is not None:
         tl.store(dst + cols * N + rows[:, None], acc, mask=live[:, None] & (cols < ROWS))
         _dense_split_sum(part_ptr, out_ptr, count_ptr, nb, rows, live, N, ROWS, SPLIT, INTERP)
 
+    # ---------------------------------------------------------------- planar Q8_0 dense products
+    # Planar Q8_0 rows (layout.planar) hold a K step's 256 quants in 256 contiguous bytes, so for
+    # one activation row a warp reads two steps of a weight row at once, as the 16-bit kernel
+    # reads its rows: a tile [32 (g), BLOCK_N (rows), 4 (words)], lane g holding half-block g of
+    # the step pair (16 contiguous bytes), 512 bytes a row per access, where the quantized tile
+    # gives a row two lanes. Each lane dots its 16 quants with the activation's (dp4a) and
+    # scales the sum by both blocks' scales, which it picks out of 16-byte runs of them: every
+    # load of the tile has one shape and one contiguity (4 words), so Triton gives all one
+    # layout and nothing moves through shared memory. Sums along K are reduced once, at the
+    # end. It takes one row: at 4 and 8 its per-row registers make it far slower than the
+    # quantized tile (H200, Mixtral's 4096 x 14336: 65.6 against 44.8 us, 130 against 58).
+
+    @triton.jit
+    def _ld3(ptr, REV: tl.constexpr, mask):
+        """tl.load (masked, zeros elsewhere) of a [32, BLOCK_N, 4] tile with the lanes along its
+        first axis whatever order this Triton gives dimensions of equal contiguity (REV: see _ld)."""
+        if REV:
+            v = tl.permute(tl.load(tl.permute(ptr, (1, 0, 2)), mask=tl.permute(mask, (1, 0, 2)), other=0),
+                           (1, 0, 2))
+        else:
+            v = tl.load(ptr, mask=mask, other=0)
+        return v
+
+    @triton.jit
+    def _q8p_load(w_words, kp, k1, g, wd, NB: tl.constexpr, REV: tl.constexpr):
+        """Step pair kp, kp + 1 (the second, or both, masked past k1): the lanes' quant words,
+        and their blocks' weight scales picked out of the 16-byte runs of scales after the
+        quants (the run of step kp + g // 16; unclamped: a partial last step's run lies in the
+        scales' padding)."""
+        blk = (kp + g // 16) * 8 + (g % 16) // 2
+        live = (kp + g // 16 < k1) & (wd >= 0)
+        w = _ld3(w_words + tl.minimum(blk, NB - 1) * 8 + (g % 2) * 4 + wd, REV, live)
+        run = _ld3(w_words + NB * 8 + (kp + g // 16) * 4 + wd, REV, live)
+        # block b of a run of 8 scales: half b % 2 of word b // 2 (b depends on the lane alone)
+        word = tl.sum(tl.where(wd == (g % 16) // 4, run, 0), axis=2)
+        half = word >> ((tl.arange(0, 32) % 16 // 2 % 2) * 16)[:, None]
+        return w, _f16_bits(half & 0xFFFF)
+
+    @triton.jit
+    def _dense_q8p_kernel(xr_ptr, xq_ptr, xd_ptr, w_ptr, w_row_bytes, part_ptr, out_ptr, count_ptr, N,
+                          K: tl.constexpr, QW: tl.constexpr, ROWS: tl.constexpr, SPLIT: tl.constexpr,
+                          STEPS: tl.constexpr, BLOCK_N: tl.constexpr, INTERP: tl.constexpr, REV: tl.constexpr):
+        """_dense_kernel's product (its grid, arguments and split-K) for planar Q8_0 weights and
+        one activation row (ROWS = 1), in the tile above: out [1, N] = rounded x [1, K] . W [N, K],
+        from the activation's int8 quants xq and block scales xd (the values xr are not read)."""
+        nb = tl.program_id(0)
+        s = tl.program_id(1)
+        g = tl.arange(0, 32)[:, None, None]
+        n = nb * BLOCK_N + tl.arange(0, BLOCK_N)[None, :, None]
+        wd = tl.arange(0, 4)[None, None, :]
+        w_words = w_ptr.to(tl.pointer_type(tl.int32)) + tl.minimum(n, N - 1).to(tl.int64) * (w_row_bytes // 4)
+        NB: tl.constexpr = K // 32
+        NS: tl.constexpr = (K + 255) // 256
+        k0 = s * STEPS
+        k1 = tl.minimum(k0 + STEPS, NS)
+        acc = tl.zeros((32, BLOCK_N), tl.float32)
+        w, dw = _q8p_load(w_words, k0, k1, g, wd, NB, REV)  # the next pair loads while this one is used
+        for kp in range(k0, k1, 2):
+            nw, ndw = _q8p_load(w_words, kp + 2, k1, g, wd, NB, REV)
+            # the activation's quant words and the run of 4 block scales holding the lane's
+            # (zero stride along the weight rows)
+            blk = (kp + g // 16) * 8 + (g % 16) // 2 + n * 0 + wd * 0
+            live = (kp + g // 16 < k1) & (n >= 0) & (wd >= 0)
+            xq = _ld3(xq_ptr.to(tl.pointer_type(tl.int32)) + kp * 64 + g * 4 + wd + n * 0, REV, live)
+            run = _ld3(xd_ptr.to(tl.pointer_type(tl.int32)) + blk // 4 * 4 + wd, REV, live)
+            dx = tl.sum(tl.where(wd == blk % 4, run, 0), axis=2).to(tl.float32, bitcast=True)
+            acc += tl.sum(_dp4a(w, xq, INTERP, True), axis=2).to(tl.float32) * (dw * dx)
+            w, dw = nw, ndw
+        y = tl.sum(acc, axis=0)
+        _dense_finish(y, y, y, y, y, y, y, y, part_ptr, out_ptr, count_ptr, nb, s, N, ROWS, SPLIT, BLOCK_N, INTERP)
+
     @triton.jit
     def _order_probe_kernel(ptr):
         i = tl.arange(0, 2)[:, None, None] * 1000 + tl.arange(0, 4)[None, :, None] * 100 \
@@ -1097,9 +1103,9 @@ def _launch_opts(cfg: TileConfig | None) -> dict:
 
 def kernel_type(qtype: QT, rows: torch.Tensor, K: int) -> int:
     """The kernels' type id for weight rows `rows` [..., row_bytes] of `qtype` with K values
-    a row: Q6_K_PADDED or MXFP4_PLANAR where they are in layout.kernel_layout's layout, else
-    the GGUF type id."""
-    laid_out = is_padded_q6_k(rows, qtype, K) or is_planar_mxfp4(rows, qtype, K)
+    a row: Q6_K_PADDED, MXFP4_PLANAR or Q8_0_PLANAR where they are in layout.kernel_layout's
+    layout, else the GGUF type id."""
+    laid_out = is_padded_q6_k(rows, qtype, K) or is_planar(rows, qtype, K)
     return LAID_OUT_TYPES[qtype] if laid_out else int(qtype)
 
 
@@ -1292,18 +1298,24 @@ def dense_supported(qtype: QT) -> bool:
 # experts, dense FFNs at decode): each program a block of weight rows times a slice of the K
 # steps (split-K), so that a one-row product of few output rows still puts work on every SM.
 # Quantized weights: one weight row per lane pair as in the expert kernels (32 rows on 2 warps);
-# F16 and BF16: one activation row with a warp's lanes along each weight row (_dense16_kernel:
-# BLOCK_N rows on num_warps warps), more on tensor cores (_dense16_mma_kernel: BLOCK_N rows a
-# program, Triton's pipeliner keeping num_stages steps in flight).
+# for one activation row, planar Q8_0 and F16/BF16 with a warp's lanes along each weight row
+# instead (_dense_q8p_kernel, _dense16_kernel: BLOCK_N rows on num_warps warps); F16/BF16 at
+# more rows on tensor cores (_dense16_mma_kernel: BLOCK_N rows a program, Triton's pipeliner
+# keeping num_stages steps in flight).
 DENSE_MAX_ROWS = 8  # activation rows one launch multiplies (the kernel's accumulators)
 SIXTEEN_BIT: frozenset[QT] = frozenset({QT.F16, QT.BF16})
 DENSE_CONFIG: dict[QT, TileConfig] = {t: TileConfig(8, 4) if t in SIXTEEN_BIT else TileConfig(32, 2)
                                       for t in KERNEL_TYPES}
 DENSE_MMA_CONFIG = TileConfig(32, 4, num_stages=2)
+DENSE_Q8_PLANAR_CONFIG = TileConfig(8, 4)
 
 
-def dense_config(qtype: QT, rows: int) -> TileConfig:
-    """The default tile of a dense product of `rows` activation rows."""
+def dense_config(qw: int, rows: int) -> TileConfig:
+    """The default tile of a dense product of `rows` activation rows over weights of kernel
+    type `qw` (kernel_type)."""
+    if qw == Q8_0_PLANAR and rows == 1:
+        return DENSE_Q8_PLANAR_CONFIG
+    qtype = QT(qw % 256)
     return DENSE_MMA_CONFIG if qtype in SIXTEEN_BIT and rows > 1 else DENSE_CONFIG[qtype]
 
 
@@ -1313,6 +1325,8 @@ def dense_kernel(qw: int, rows: int, target=None) -> tuple[Callable, dict]:
     STEPS, BLOCK_N, INTERP), for compile target `target` (default: the current GPU)."""
     if qw in (int(QT.F16), int(QT.BF16)):
         return (_dense16_mma_kernel if rows > 1 else _dense16_kernel), {}
+    if qw == Q8_0_PLANAR and rows == 1:  # more rows: the quantized tile (see _dense_q8p_kernel)
+        return _dense_q8p_kernel, {"REV": reversed_ties(target)}
     return _dense_kernel, {"REV": reversed_ties(target)}
 
 
@@ -1340,7 +1354,8 @@ def _dense_product(xr: Rounded, raw: torch.Tensor, qtype: QT, n_out: int, cfg: T
                    split: SplitK | None = None, compile_only: bool = False) -> torch.Tensor:
     T, K = xr.padded.shape[0], xr.K
     out = torch.empty((T, n_out), dtype=torch.float32, device=raw.device)
-    cfg = cfg or dense_config(qtype, T)
+    qw = kernel_type(qtype, raw, K)
+    cfg = cfg or dense_config(qw, T)
     split = split or SplitK.choose(n_out, K, sm_count(str(raw.device)), cfg.block_n)
     blocks = triton.cdiv(n_out, cfg.block_n)
     if split.split > 1:
@@ -1349,7 +1364,6 @@ def _dense_product(xr: Rounded, raw: torch.Tensor, qtype: QT, n_out: int, cfg: T
     else:
         part, count = out, _counter(raw.device, 1)
     grid = (blocks, split.split)
-    qw = kernel_type(qtype, raw, K)
     kernel, extra = dense_kernel(qw, T)
     launch = functools.partial(kernel.warmup, grid=grid) if compile_only else kernel[grid]
     launch(xr.padded, xr.quants, xr.scales, raw, raw.stride(1), part, out, count, n_out,

@@ -1,5 +1,5 @@
-"""engine/quant/layout.py: the GPU copy's layout (Q6_K padded to 224-byte blocks, MXFP4 rows
-planar) decodes to exactly the values of the GGUF bytes, and only those two types change layout.
+"""engine/quant/layout.py: the GPU copy's layout (Q6_K padded to 224-byte blocks, MXFP4 and Q8_0
+rows planar) decodes to exactly the values of the GGUF bytes, and only those types change layout.
 No Triton needed."""
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ import torch
 from gguf import GGMLQuantizationType as QT
 
 from engine.quant.dequant import dequantize, dequantize_blocks
-from engine.quant.layout import (MXFP4_BLOCK, Q6_K_BLOCK, Q6_K_PADDED_BLOCK, PlanarRows, copy_views,
-                                 dequantize_layout, is_padded_q6_k, is_planar_mxfp4, kernel_layout, layout_bytes,
-                                 mxfp4_planar_row, pad_q6_k, planar_mxfp4)
+from engine.quant.layout import (PLANAR_BLOCKS, Q6_K_BLOCK, Q6_K_PADDED_BLOCK, PlanarRows, copy_views,
+                                 dequantize_layout, is_padded_q6_k, is_planar, kernel_layout, layout_bytes, pad_q6_k,
+                                 planar, planar_row)
 from engine.synth.randblocks import random_blocks
 
 
@@ -34,35 +34,48 @@ def test_padded_q6_k_dequantizes_bit_identically(n: int, K: int) -> None:
     assert torch.equal(blocks[..., :Q6_K_BLOCK].reshape(n, -1), raw) and not blocks[..., Q6_K_BLOCK:].any()
 
 
+PLANAR = [QT.MXFP4, QT.Q8_0]
+
+
+@pytest.mark.parametrize("qtype", PLANAR, ids=lambda t: t.name)
 @pytest.mark.parametrize("n,K", [(1, 32), (3, 512), (2, 2880)])
-def test_planar_mxfp4_dequantizes_bit_identically(n: int, K: int) -> None:
-    raw = _rows(QT.MXFP4, n, K, seed=K)
-    planar = kernel_layout(raw, QT.MXFP4)
+def test_planar_rows_dequantize_bit_identically(qtype: QT, n: int, K: int) -> None:
+    raw = _rows(qtype, n, K, seed=K)
+    laid_out = kernel_layout(raw, qtype)
+    scale, quants = PLANAR_BLOCKS[qtype]
     blocks = K // 32
-    assert planar.shape == (n, mxfp4_planar_row(K)) and planar.is_contiguous()
-    assert is_planar_mxfp4(planar, QT.MXFP4, K) and not is_planar_mxfp4(raw, QT.MXFP4, K)
-    want = dequantize(raw, QT.MXFP4, (n, K))
-    assert torch.equal(dequantize_layout(planar, QT.MXFP4, (n, K)), want)
-    assert torch.equal(dequantize_layout(raw, QT.MXFP4, (n, K)), want)
-    # Nibbles 16-aligned back to back, then the scales, then zeros to a multiple of 16 past them.
-    gguf = raw.reshape(n, blocks, MXFP4_BLOCK)
-    assert torch.equal(planar[:, :16 * blocks].reshape(n, blocks, 16), gguf[..., 1:])
-    assert torch.equal(planar[:, 16 * blocks:17 * blocks], gguf[..., 0]) and not planar[:, 17 * blocks:].any()
+    assert laid_out.shape == (n, planar_row(qtype, K)) and laid_out.is_contiguous()
+    assert is_planar(laid_out, qtype, K) and not is_planar(raw, qtype, K)
+    want = dequantize(raw, qtype, (n, K))
+    assert torch.equal(dequantize_layout(laid_out, qtype, (n, K)), want)
+    assert torch.equal(dequantize_layout(raw, qtype, (n, K)), want)
+    # Quants 16-aligned back to back, then the scales, then zeros to a multiple of 16 past them.
+    gguf = raw.reshape(n, blocks, scale + quants)
+    assert torch.equal(laid_out[:, :quants * blocks].reshape(n, blocks, quants), gguf[..., scale:])
+    end = (quants + scale) * blocks
+    assert torch.equal(laid_out[:, quants * blocks:end].reshape(n, blocks, scale), gguf[..., :scale])
+    assert not laid_out[:, end:].any()
 
 
-def test_planar_mxfp4_rows_never_have_the_gguf_size() -> None:
-    """The kernels tell the layouts apart by row size: it must differ for every K."""
+@pytest.mark.parametrize("qtype", PLANAR, ids=lambda t: t.name)
+def test_planar_rows_never_have_the_gguf_size(qtype: QT) -> None:
+    """The kernels tell the layouts apart by row size: it must differ for every K; and a K
+    step's 16 bytes of scales (8 blocks of Q8_0, two steps of MXFP4) stay inside the row."""
+    scale, quants = PLANAR_BLOCKS[qtype]
     for K in range(32, 32 * 2000, 32):
-        row = mxfp4_planar_row(K)
-        assert row % 16 == 0 and row > K // 32 * MXFP4_BLOCK and row - K // 32 * MXFP4_BLOCK <= 16
-    assert mxfp4_planar_row(2880) == 1536  # gpt-oss: 1,530 GGUF bytes a row
+        row, gguf_row, blocks = planar_row(qtype, K), K // 32 * (scale + quants), K // 32
+        assert row % 16 == 0 and row > gguf_row and row - gguf_row <= 16
+        last_step_scales = quants * blocks + 16 * -(-blocks * scale // 16)
+        assert last_step_scales <= row
+    assert planar_row(QT.MXFP4, 2880) == 1536  # gpt-oss: 1,530 GGUF bytes a row
+    assert planar_row(QT.Q8_0, 4096) == 4368 and planar_row(QT.Q8_0, 768) == 832
 
 
-@pytest.mark.parametrize("qtype", [QT.Q4_K, QT.Q5_K, QT.Q8_0], ids=lambda t: t.name)
+@pytest.mark.parametrize("qtype", [QT.Q4_K, QT.Q5_K], ids=lambda t: t.name)
 def test_other_types_keep_the_gguf_layout(qtype: QT) -> None:
     raw = _rows(qtype, 4, 512)
     assert kernel_layout(raw, qtype) is raw
-    assert not is_padded_q6_k(raw, qtype, 512) and not is_planar_mxfp4(raw, qtype, 512)
+    assert not is_padded_q6_k(raw, qtype, 512) and not is_planar(raw, qtype, 512)
     assert torch.equal(dequantize_layout(raw, qtype, (4, 512)), dequantize(raw, qtype, (4, 512)))
 
 
@@ -104,17 +117,19 @@ def test_copy_views_put_gguf_rows_into_either_layout() -> None:
     assert layout_bytes(QT.Q4_K, 144 * 3, 768) == 144 * 3
 
 
-def test_copy_views_put_gguf_rows_into_planar_mxfp4_slots() -> None:
+@pytest.mark.parametrize("qtype", PLANAR, ids=lambda t: t.name)
+def test_copy_views_put_gguf_rows_into_planar_slots(qtype: QT) -> None:
     K = 2880
-    raw = _rows(QT.MXFP4, 6, K).reshape(3, 2, -1)  # [experts, rows, row_bytes]
-    assert layout_bytes(QT.MXFP4, raw.numel(), K) == 6 * 1536
-    slots = torch.zeros(2, 2, mxfp4_planar_row(K), dtype=torch.uint8)
-    src, dst = copy_views(raw, slots, QT.MXFP4)
+    block = sum(PLANAR_BLOCKS[qtype])
+    raw = _rows(qtype, 6, K).reshape(3, 2, -1)  # [experts, rows, row_bytes]
+    assert layout_bytes(qtype, raw.numel(), K) == 6 * planar_row(qtype, K)
+    slots = torch.zeros(2, 2, planar_row(qtype, K), dtype=torch.uint8)
+    src, dst = copy_views(raw, slots, qtype)
     assert isinstance(dst, PlanarRows) and src is raw
     experts, slot_rows = src.unbind(0), dst.unbind(0)
     slot_rows[1].copy_(experts[2])  # as the slots' copier does: one expert into one slot
-    assert torch.equal(slots[1], planar_mxfp4(raw[2])) and not slots[0].any()
-    with pytest.raises(ValueError, match="not the 90 MXFP4 blocks"):
-        slot_rows[0].copy_(experts[0][:, :-17])
+    assert torch.equal(slots[1], planar(raw[2], qtype)) and not slots[0].any()
+    with pytest.raises(ValueError, match="not the 90 blocks"):
+        slot_rows[0].copy_(experts[0][:, :-block])
     with pytest.raises(ValueError, match="do not go into"):
-        copy_views(raw, torch.zeros(2, 2, 1530 + 32, dtype=torch.uint8), QT.MXFP4)
+        copy_views(raw, torch.zeros(2, 2, 90 * block + 32, dtype=torch.uint8), qtype)

@@ -67,7 +67,7 @@ def weights_to(w: ExpertWeights, device) -> ExpertWeights:
 
 class Case:
     """A layer step: tokens x, top-k ids/weights, experts in permuted slots of slot buffers, in
-    the layout LayerSlots gives them (layout.kernel_layout: Q6_K padded, MXFP4 planar), or with
+    the layout LayerSlots gives them (layout.kernel_layout: Q6_K padded, MXFP4 and Q8_0 planar), or with
     `gguf_layout` as the file holds them."""
 
     def __init__(self, w: ExpertWeights, n_tok: int, k: int, device, seed: int = 0, gguf_layout: bool = False):
@@ -257,10 +257,11 @@ def test_interpreter_gpt_oss_gate_up_split_with_biases() -> None:
 
 
 @interp
-@pytest.mark.parametrize("name,laid_out,gguf", [("Q4_K-Q4_K-Q6_K", Q6_K_PADDED_BLOCK, 210), ("MXFP4", 144, 136)])
+@pytest.mark.parametrize("name,laid_out,gguf", [("Q4_K-Q4_K-Q6_K", Q6_K_PADDED_BLOCK, 210), ("MXFP4", 144, 136),
+                                               ("Q8_0", 288, 272)])
 def test_interpreter_kernels_read_experts_in_either_layout(name: str, laid_out: int, gguf: int) -> None:
-    """Slot buffers hold Q6_K padded and MXFP4 planar (LayerSlots); the kernels still read the
-    GGUF layout."""
+    """Slot buffers hold Q6_K padded, MXFP4 and Q8_0 planar (LayerSlots); the kernels still read
+    the GGUF layout."""
     qtypes, n_embd, n_ff = INTERP_CASES[name]
     w = make_weights(qtypes, n_expert=4, n_embd=n_embd, n_ff=256, seed=9)
     slots = Case(w, n_tok=1, k=2, device="cpu", seed=3)
@@ -324,7 +325,7 @@ def test_kernels_compile_for_hopper_without_spills(aot_report) -> None:
         if not r["loop_instructions"]:  # a short loop the compiler unrolled: barriers only at the end
             assert r["bar_sync"] <= 2, f"{where}: {r['bar_sync']} barriers"
         if r["geometry"] in ("Q4_K", "Q5_K", "Q6_K", "Q4_K_M", "Q8_0"):
-            # whole 16-byte loads of the weights (Q6_K: the slots' padded blocks)
+            # whole 16-byte loads of the weights (Q6_K: the slots' padded blocks; Q8_0: planar)
             narrow = {op: n for op, n in r["loads"].items() if op in ("LDG.E.U8", "LDG.E.U16", "LDG.E.S16")}
             assert r["loads"].get("LDG.E.128", 0) > 0 and not narrow, f"{where}: {r['loads']}"
 
@@ -338,7 +339,7 @@ def test_dense_kernel_compiles_for_hopper_without_spills(aot_report) -> None:
     from engine.quant.triton_aot import DENSE_GEOMETRIES, DENSE_ROWS
 
     dense = [r for r in aot_report if r["kernel"].startswith("dense")]
-    types = [t.name for t in tk.KERNEL_TYPES] + [f"Q6_K/{Q6_K_PADDED_BLOCK}", "MXFP4/planar"]
+    types = [t.name for t in tk.KERNEL_TYPES] + [f"Q6_K/{Q6_K_PADDED_BLOCK}", "MXFP4/planar", "Q8_0/planar"]
     want = {(f"{t} {name}", rows) for t in types for name, _, _ in DENSE_GEOMETRIES for rows in DENSE_ROWS}
     assert {(r["geometry"], int(r["kernel"].split()[1][1:])) for r in dense} == want
     assert any(r["kernel"].endswith("s1") for r in dense) and any(not r["kernel"].endswith("s1") for r in dense)
@@ -353,9 +354,8 @@ def test_dense_kernel_compiles_for_hopper_without_spills(aot_report) -> None:
         loops = 2 if r["geometry"].split()[0] in ("F16", "BF16") else 1
         assert len(r["loop_instructions"]) <= loops, f"{where}: one K loop expected, {r['loop_instructions']}"
         assert r["loop_smem_or_barrier"] == 0, f"{where}: shared memory or barriers in the K loop: {r}"
-        if r["geometry"].split()[0] in ("Q4_K", "Q5_K", "Q8_0", "Q6_K/224", "MXFP4/planar", "F16", "BF16"):
-            # whole 16-byte loads of the weights (Q8_0: K a multiple of 256; Q6_K: padded blocks;
-            # MXFP4: planar rows)
+        if r["geometry"].split()[0] in ("Q4_K", "Q5_K", "Q6_K/224", "MXFP4/planar", "Q8_0/planar", "F16", "BF16"):
+            # whole 16-byte loads of the weights (Q6_K: padded blocks; MXFP4, Q8_0: planar rows)
             narrow = {op: n for op, n in r["loads"].items() if op in ("LDG.E.U8", "LDG.E.U16", "LDG.E.S16")}
             assert r["loads"].get("LDG.E.128", 0) > 0 and not narrow, f"{where}: {r['loads']}"
 
@@ -517,7 +517,7 @@ DENSE_TYPES = [QT.Q4_K, QT.Q5_K, QT.Q6_K, QT.Q8_0, QT.MXFP4, QT.F16, QT.BF16]
 def check_dense(qtype: QT, n_out: int, K: int, rows: int, device: str, cfg: tk.TileConfig | None = None,
                 split: tk.SplitK | None = None, laid_out: bool = False) -> float:
     """tk.dense (a dense weight read in its GGUF bytes, or with `laid_out` as kernel_layout lays
-    them out: Q6_K padded, MXFP4 planar) against round_activation(x) @ dequantize(W).T."""
+    them out: Q6_K padded, MXFP4 and Q8_0 planar) against round_activation(x) @ dequantize(W).T."""
     rng = np.random.default_rng(int(qtype) + n_out + rows)
     raw = _random_raw(rng, qtype, (1, n_out, K), K ** -0.5).to(device)
     x = torch.from_numpy(rng.standard_normal((rows, K)).astype(np.float32) * 2.0).to(device)
@@ -548,15 +548,15 @@ def test_interpreter_dense_matches_reference(qtype: QT, rows: int) -> None:
     K = 768 if qtype in (QT.Q4_K, QT.Q5_K, QT.Q6_K) else 352
     for split in dense_splits(K):
         check_dense(qtype, n_out=160, K=K, rows=rows, device="cpu", cfg=SMALL, split=split)
-    if qtype == QT.Q8_0:  # 3 whole steps (its 16-byte loads), split unevenly: slices of two steps and of one
-        check_dense(qtype, n_out=160, K=768, rows=rows, device="cpu", cfg=SMALL, split=dense_splits(768)[2])
 
 
 @interp
-@pytest.mark.parametrize("qtype,K", [(QT.Q6_K, 768), (QT.MXFP4, 352), (QT.MXFP4, 512)], ids=lambda v: str(v))
+@pytest.mark.parametrize("qtype,K", [(QT.Q6_K, 768), (QT.MXFP4, 352), (QT.MXFP4, 512), (QT.Q8_0, 352),
+                                     (QT.Q8_0, 768)], ids=lambda v: str(v))
 @pytest.mark.parametrize("rows", [1, 3])
 def test_interpreter_dense_kernel_layouts(qtype: QT, K: int, rows: int) -> None:
-    """Q6_K padded, MXFP4 planar (a partial last step; whole steps, the scales' padding a full 16)."""
+    """Q6_K padded, MXFP4 and Q8_0 planar (a partial last step; whole steps, the scales' padding a
+    full 16)."""
     for split in dense_splits(K):
         check_dense(qtype, n_out=160, K=K, rows=rows, device="cpu", cfg=SMALL, split=split, laid_out=True)
 
@@ -591,7 +591,7 @@ def check_linear(qtype: QT, n_out: int, K: int, device: str, monkeypatch, decode
 
 
 @interp
-@pytest.mark.parametrize("qtype", [QT.Q6_K, QT.MXFP4, QT.Q4_K], ids=lambda t: t.name)
+@pytest.mark.parametrize("qtype", [QT.Q6_K, QT.MXFP4, QT.Q8_0, QT.Q4_K], ids=lambda t: t.name)
 def test_interpreter_linear_uses_the_kernel_layout(qtype: QT, monkeypatch) -> None:
     check_linear(qtype, n_out=40, K=768, device="cpu", monkeypatch=monkeypatch)
 
@@ -649,7 +649,7 @@ def test_gpu_dense_matches_reference(qtype: QT, rows: int) -> None:
 
 
 @gpu
-@pytest.mark.parametrize("qtype", [QT.Q6_K, QT.MXFP4], ids=lambda t: t.name)
+@pytest.mark.parametrize("qtype", [QT.Q6_K, QT.MXFP4, QT.Q8_0], ids=lambda t: t.name)
 @pytest.mark.parametrize("rows", [1, 8])
 def test_gpu_dense_kernel_layouts(qtype: QT, rows: int) -> None:
     _needs_compiled()
