@@ -106,10 +106,10 @@ class StatsSeries:
 
     def _ingest_cache(self, t: float, cache: dict, prev: dict | None, dt: float | None) -> None:
         hit = np.asarray(cache["gpu_hit"], np.int64)
-        up = np.asarray(cache["uploaded"], np.int64)
+        up = over_pcie(cache)
         cpu = np.asarray(cache["cpu_computed"], np.int64)
         if prev is not None and len(prev["gpu_hit"]) == len(hit):
-            d = np.array([hit.sum() - sum(prev["gpu_hit"]), up.sum() - sum(prev["uploaded"]),
+            d = np.array([hit.sum() - sum(prev["gpu_hit"]), up.sum() - over_pcie(prev).sum(),
                           cpu.sum() - sum(prev["cpu_computed"])], np.float64)
             total = d.sum()
             if total > 0:
@@ -138,8 +138,15 @@ class StatsSeries:
 def _cache_shrank(prev: dict | None, cache: dict | None) -> bool:
     if not prev or not cache:
         return False
-    return sum(cache["gpu_hit"]) + sum(cache["uploaded"]) + sum(cache["cpu_computed"]) < \
-        sum(prev["gpu_hit"]) + sum(prev["uploaded"]) + sum(prev["cpu_computed"])
+    return sum(cache["gpu_hit"]) + over_pcie(cache).sum() + sum(cache["cpu_computed"]) < \
+        sum(prev["gpu_hit"]) + over_pcie(prev).sum() + sum(prev["cpu_computed"])
+
+
+def over_pcie(cache: dict) -> np.ndarray:
+    """Experts served over PCIe per layer: uploaded on a miss, or read by the GPU straight from
+    pinned host memory (`gpu_mapped`, absent from engines before the mapped route)."""
+    up = np.asarray(cache["uploaded"], np.int64)
+    return up + np.asarray(cache.get("gpu_mapped", np.zeros_like(up)), np.int64)
 
 
 def heat_image(residency: np.ndarray, heat: np.ndarray) -> np.ndarray:

@@ -17,7 +17,7 @@ from PySide6.QtCore import QPointF, Qt, QTimer
 from PySide6.QtGui import QPalette
 from PySide6.QtWidgets import QGraphicsItem, QGridLayout, QLabel, QVBoxLayout, QWidget
 
-from app.dashboard.series import StatsSeries, residency_lut
+from app.dashboard.series import StatsSeries, over_pcie, residency_lut
 
 pg.setConfigOptions(antialias=False, useOpenGL=False)
 
@@ -136,7 +136,7 @@ class DashboardWidget(QWidget):
         self.hit_plot = _plot("Experts served (share)", "%", legend=True)
         self.hit_plot.setYRange(0, 100)
         self.hit_curves = [_curve(self.hit_plot, "GPU hit", COLORS["gpu_hit"]),
-                           _curve(self.hit_plot, "uploaded", COLORS["uploaded"]),
+                           _curve(self.hit_plot, "over PCIe", COLORS["uploaded"]),
                            _curve(self.hit_plot, "CPU", COLORS["cpu"])]
 
         self.pcie_plot = _plot("PCIe uploads", "MB/s")
@@ -317,11 +317,13 @@ class DashboardWidget(QWidget):
         if cache and dashboard_mode(snap) == "cpu":  # no slots, hits or uploads to speak of
             lines.append(f"CPU expert pool busy {cache['cpu_busy_s']:.2f} s")
         elif cache:
-            total = sum(cache["gpu_hit"]) + sum(cache["uploaded"]) + sum(cache["cpu_computed"])
+            total = sum(cache["gpu_hit"]) + over_pcie(cache).sum() + sum(cache["cpu_computed"])
             hit = sum(cache["gpu_hit"]) / total * 100 if total else 0.0
             lines.append(f"{cache['slots_per_layer']} of {cache['n_expert']} experts resident per layer")
             lines.append(f"hit rate since start {hit:.1f}%")
             lines.append(f"swaps {sum(cache['swaps'])}, uploaded {cache['bytes_uploaded'] / 1e6:.1f} MB")
+            if sum(cache.get("gpu_mapped", [])):
+                lines.append(f"misses the GPU read from pinned RAM {sum(cache['gpu_mapped'])}")
             lines.append(f"CPU expert pool busy {cache['cpu_busy_s']:.2f} s")
             if "miss_fraction" in cache:  # engines from before these fields existed do not send them
                 how = " (measured)" if cache.get("miss_fraction_tuning") else ""

@@ -119,7 +119,8 @@ def _timed_runs(engine, tokens: dict[str, list[int]], sync) -> dict:
     c = engine.telemetry.cache
     repeats = PREFILL_REPEATS if c is None or c.slots_per_layer >= c.n_expert else 1  # every expert resident
     prefill_runs, prefill_pcie, prefill_steps = _timed_prefill(engine, prompt, sync, repeats)
-    before = None if c is None else (c.gpu_hit.sum(), c.uploaded.sum(), c.cpu_computed.sum(), c.bytes_uploaded)
+    before = None if c is None else (c.gpu_hit.sum(), c.uploaded.sum(), c.cpu_computed.sum(), c.bytes_uploaded,
+                                     c.gpu_mapped.sum())
     times = []
     pos = len(prompt)
     for tok in stream:  # a step returns once its token is done (the graph's replay is waited for)
@@ -135,10 +136,12 @@ def _timed_runs(engine, tokens: dict[str, list[int]], sync) -> dict:
         out["load_mode"] = c.load_mode
         out["miss_fraction"] = c.miss_fraction
         out["miss_fraction_tuning"] = c.miss_fraction_tuning
-        hit, up, cpu, moved = (a - b for a, b in zip((c.gpu_hit.sum(), c.uploaded.sum(), c.cpu_computed.sum(),
-                                                      c.bytes_uploaded), before))
-        total = hit + up + cpu
+        out["miss_routes"] = c.miss_routes
+        hit, up, cpu, moved, mapped = (a - b for a, b in zip((c.gpu_hit.sum(), c.uploaded.sum(), c.cpu_computed.sum(),
+                                                              c.bytes_uploaded, c.gpu_mapped.sum()), before))
+        total = hit + up + cpu + mapped
         out.update(slots_per_layer=c.slots_per_layer, gpu_hit=hit / total, uploaded=up / total, cpu=cpu / total,
+                   mapped=mapped / total,
                    pcie_mb_per_s=moved / decode_s / 1e6, uploaded_bytes_per_token=moved / len(stream))
     if tokens.get("long"):
         long_runs, long_pcie, long_steps = _timed_prefill(engine, tokens["long"], sync, repeats)

@@ -158,6 +158,8 @@ def report(results: dict) -> str:
             return f"{n['streamed']} / {n['read back']}" if n else "-"
 
         mix = (f"{h['gpu_hit']:.0%} / {h['uploaded']:.0%} / {h['cpu']:.0%}" if "gpu_hit" in h else "-")
+        if h.get("mapped"):  # decode misses the GPU read from pinned RAM (tune.mapped_misses)
+            mix += f" (+{h['mapped']:.0%} mapped)"
         rows.append(f"| {r['scenario']['label']} | {r['scenario']['budget_gib']} GiB ({r['budget_mib']:.0f} MiB) "
                     f"| {f(h, 'decode_tokens_per_s')} | {mix} | {f(h, 'miss_fraction', '{:.3f}')} "
                     f"| {f(sp, 'decode_tokens_per_s')} ({sp.get('n_cpu_moe', '-')}) | {ratio(h, sp)} "

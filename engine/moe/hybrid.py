@@ -60,7 +60,7 @@ class HybridOptions:
     threads: int = 2
     top_k: int = 0  # experts per token; sizes the staging slots (0: as many as the fraction of all experts)
     copy_delay_s: float = 0.0  # tests: slow every copy down
-    route_costs: RouteCosts | None = None  # steps of many rows route misses by these (tune.py)
+    route_costs: RouteCosts | None = None  # misses are routed by these (tune.py): many-row steps, the mapped route
     staging_turn_bytes: int = STAGING_TURN_BYTES  # tests: a prompt's upload turns of fewer experts
 
     def __post_init__(self) -> None:
@@ -150,8 +150,7 @@ class HybridExperts:
     # --- the decode token's graph ----------------------------------------------------------------
     def token_experts(self, k: int, n_embd: int):
         """The one-token step for the decode graph (engine/moe/token_step.py), where it applies:
-        CUDA, the Triton kernels for every layer's expert types, a resident slot in every layer
-        (a pair that missed reads slot 0 and stores nothing)."""
+        CUDA, the Triton kernels for every layer's expert types, a slot in every layer."""
         if self.device.type != "cuda" or self._triton_broken:
             return None
         x = torch.empty(1, n_embd, device=self.device)
@@ -650,8 +649,8 @@ class HybridExperts:
 
 # CacheCounters' fields that steps move (learning_paused puts them back); residency moves with
 # refills only, decode_path once per capture.
-_LEARNT = ("gpu_hit", "uploaded", "cpu_computed", "swaps", "heat", "bytes_uploaded", "cpu_busy_s", "prompt_steps",
-           "prompt_graph_chunks")
+_LEARNT = ("gpu_hit", "gpu_mapped", "uploaded", "cpu_computed", "swaps", "heat", "bytes_uploaded", "cpu_busy_s",
+           "prompt_steps", "prompt_graph_chunks")
 
 
 def _combine(per_slot: torch.Tensor) -> torch.Tensor:
@@ -770,6 +769,9 @@ def attach_hybrid(model, config, progress: Progress | None = None) -> HybridExpe
     hybrid.counters.load_mode = load_mode
     hybrid.counters.miss_fraction = fraction
     hybrid.counters.miss_fraction_tuning = tuning
+    if costs is not None:  # the token graph's TokenExperts fills in the split it takes
+        hybrid.counters.miss_routes = {"cpu_s": costs.cpu_s, "cpu_expert_s": costs.cpu_expert_s,
+                                       "mapped_s": costs.mapped_s, "mapped_of_misses": []}
     ranking = None
     if config.moe_expert_profile:
         from engine.moe.profile import load_profile

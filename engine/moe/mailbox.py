@@ -5,15 +5,19 @@ for the host unless a layer routed the token to an expert that is not resident. 
 the graph runs:
 
   route     one program: the router's ids become slot ids through the residency map (a GPU
-            int32 table, expert -> slot or -1), the expert counts and hits are counted, and the
-            layer's mailbox is published: the slots always (so the host can follow the token),
-            the layer input, ids and weights only when a pair missed; then a sequence number is
-            release-stored at system scope (seq[layer] = the token's number)
+            int32 table, expert -> slot or -1), the expert counts and hits are counted; where
+            the layer has the mapped route, the first of the token's misses (as many as the
+            layer's table gives for their count, tune.mapped_misses) are marked MAPPED (-2) and
+            listed for the mapped launch; the layer's mailbox is published: the slots always (so
+            the host can follow the token), the layer input, ids and weights only when a pair is
+            left to the CPU (-1); then a sequence number is release-stored at system scope
+            (seq[layer] = the token's number)
   experts   the expert kernels over the k pairs (engine/quant/triton_kernels.experts_forward);
-            a pair without a slot reads slot 0 and stores nothing
-  collect   per slice of the hidden size: when a pair missed, spin (acquire loads, bounded by
-            the GPU's clock) until the host's flag says its rows are written, then sum the k
-            weighted rows in top-k order, the missed ones read from the mailbox: the same
+            a pair without a slot does nothing there. With the mapped route, the same kernels
+            again over the experts' pinned host rows for the MAPPED pairs (read over PCIe)
+  collect   per slice of the hidden size: when a pair is the CPU's, spin (acquire loads,
+            bounded by the GPU's clock) until the host's flag says its rows are written, then
+            sum the k weighted rows in top-k order, the CPU's read from the mailbox: the same
             order and maths as the all-resident path
 
 The host (`Mailbox.serve`) walks the layers after launching the replay: it waits for each
@@ -38,6 +42,7 @@ import numpy as np
 import torch
 
 from engine.errors import EngineError
+from engine.quant.triton_kernels import HostTensor
 
 try:
     import triton
@@ -46,20 +51,13 @@ except ImportError:  # pragma: no cover - depends on the environment
     triton = None
 
 WAIT_TIMEOUT_S = 30.0  # the GPU gives up on the host after this; far beyond any layer's CPU work
-
-
-class _HostPtr:
-    """A pinned host tensor handed to Triton as a pointer: under UVA the same address is valid
-    on the device (Triton refuses CPU tensors themselves)."""
-
-    def __init__(self, t: torch.Tensor):
-        self.t, self.dtype = t, t.dtype
-
-    def data_ptr(self) -> int:
-        return self.t.data_ptr()
+CPU, MAPPED = -1, -2  # a pair's slot when the CPU pool computes it / the GPU reads its expert from host memory
 
 
 if triton is not None:
+    _CPU = tl.constexpr(CPU)
+    _MAPPED = tl.constexpr(MAPPED)
+
     @triton.jit
     def _release_store(ptr, value):
         """ptr <- value, ordered after every earlier store of the program (system scope)."""
@@ -79,24 +77,31 @@ if triton is not None:
                                          is_pure=False, pack=1)
 
     @triton.jit
-    def _route_kernel(ids_ptr, map_ptr, slots_ptr, exp_ptr, stats_ptr, token_ptr, armed_ptr,
-                      x_ptr, w_ptr, box_x_ptr, box_ids_ptr, box_w_ptr, box_slots_ptr, seq_ptr,
+    def _route_kernel(ids_ptr, map_ptr, slots_ptr, exp_ptr, stats_ptr, token_ptr, armed_ptr, mapped_ptr,
+                      mapped_exp_ptr, x_ptr, w_ptr, box_x_ptr, box_ids_ptr, box_w_ptr, box_slots_ptr, seq_ptr,
                       n_expert, D: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, BD: tl.constexpr,
-                      MAILBOX: tl.constexpr):
+                      MAILBOX: tl.constexpr, MAPPED_ROUTE: tl.constexpr):
         j = tl.arange(0, BK)
         live = j < K
         e = tl.load(ids_ptr + j, mask=live, other=0).to(tl.int32)
         s = tl.load(map_ptr + e, mask=live, other=0)
+        # stats row: selections per expert, then the hits, then the pairs read from host memory
+        hit = tl.sum(((s >= 0) & live).to(tl.int32), axis=0)
+        if MAPPED_ROUTE:
+            missed = ((s < 0) & live).to(tl.int32)
+            n_mapped = tl.load(mapped_ptr + tl.sum(missed, axis=0))  # of this many misses (the layer's table)
+            mapped = (missed != 0) & (tl.cumsum(missed, axis=0) <= n_mapped)  # the first, in top-k order
+            s = tl.where(mapped, _MAPPED, s)
+            tl.store(mapped_exp_ptr + j, tl.where(mapped, e, -1), mask=live)
+            tl.atomic_add(stats_ptr + n_expert + 1, tl.sum(mapped.to(tl.int32), axis=0))
         tl.store(slots_ptr + j, s, mask=live)
         tl.store(exp_ptr + j, e, mask=live)
-        # stats row: selections per expert, then the hits
         tl.atomic_add(stats_ptr + e, 1, mask=live)
-        hit = tl.sum(((s >= 0) & live).to(tl.int32), axis=0)
         tl.atomic_add(stats_ptr + n_expert, hit)
         if MAILBOX:
             if tl.load(armed_ptr) != 0:
                 tl.store(box_slots_ptr + j, s, mask=live)
-                if hit < K:
+                if tl.sum(((s == _CPU) & live).to(tl.int32), axis=0) > 0:
                     tl.store(box_ids_ptr + j, e, mask=live)
                     tl.store(box_w_ptr + j, tl.load(w_ptr + j, mask=live, other=0.0), mask=live)
                     d = tl.arange(0, BD)
@@ -110,14 +115,14 @@ if triton is not None:
                         out_ptr, layer_tag, timeout_ns, D: tl.constexpr, K: tl.constexpr, BK: tl.constexpr,
                         BD: tl.constexpr, MAILBOX: tl.constexpr):
         """out[slice] = sum over j in top-k order of the pair's weighted row: per_slot[j] for a
-        resident expert, the host's box_out[j] for a missed one."""
+        resident expert or a mapped one, the host's box_out[j] for one the CPU computed."""
         d = tl.program_id(0) * BD + tl.arange(0, BD)
         m = d < D
         if MAILBOX:
             j = tl.arange(0, BK)
             slots = tl.load(slots_ptr + j, mask=j < K, other=0)
-            missed = tl.sum(((slots < 0) & (j < K)).to(tl.int32), axis=0)
-            if (missed > 0) & (tl.load(armed_ptr) != 0):
+            on_cpu = tl.sum(((slots == _CPU) & (j < K)).to(tl.int32), axis=0)
+            if (on_cpu > 0) & (tl.load(armed_ptr) != 0):
                 want = tl.load(token_ptr)
                 got = _acquire_load(flag_ptr)
                 now = _clock_ns(want)
@@ -131,7 +136,7 @@ if triton is not None:
         for jj in tl.static_range(0, K):
             v = tl.load(per_slot_ptr + jj * D + d, mask=m, other=0.0)
             if MAILBOX:
-                if tl.load(slots_ptr + jj) < 0:
+                if tl.load(slots_ptr + jj) == _CPU:
                     v = tl.load(box_out_ptr + jj * D + d, mask=m, other=0.0, volatile=True)
             if jj == 0:
                 total = v
@@ -153,7 +158,12 @@ class Mailbox:
         self.k, self.n_embd, self.n_expert, self.device = k, n_embd, n_expert, device
         self.with_mailbox = with_mailbox
         self.map = torch.full((n, n_expert), -1, dtype=torch.int32, device=device)
-        self.stats = torch.zeros((n, n_expert + 1), dtype=torch.int32, device=device)
+        # per layer: selections per expert, then the hits, then the pairs read from host memory
+        self.stats = torch.zeros((n, n_expert + 2), dtype=torch.int32, device=device)
+        # the mapped route, per layer: whether it has one, and of m misses how many take it
+        self.mapped_route = np.zeros(n, dtype=bool)
+        self.mapped = torch.zeros((n, k + 1), dtype=torch.int32, device=device)
+        self.pair_mapped = torch.full((n, k), -1, dtype=torch.int32, device=device)  # expert, or -1
         self.token = torch.zeros(1, dtype=torch.int32, device=device)  # bumped at each token's start
         self.armed = torch.zeros(1, dtype=torch.int32, device=device)  # 0: publish nothing, wait for nothing
         self.token_no = 0  # the host's count of executed tokens, equal to `token` after each one
@@ -176,8 +186,15 @@ class Mailbox:
         self.error = torch.zeros(1, dtype=torch.int32, pin_memory=pin)
         self._np = {name: getattr(self, name).numpy() for name in
                     ("box_x", "box_ids", "box_w", "box_slots", "seq", "box_out", "flag", "error")}
-        self.stats_host = torch.zeros((n, n_expert + 1), dtype=torch.int32, pin_memory=pin)
+        self.stats_host = torch.zeros((n, n_expert + 2), dtype=torch.int32, pin_memory=pin)
         self._stats_event: torch.cuda.Event | None = None
+
+    def route_mapped(self, layer: int, of_misses: np.ndarray) -> None:
+        """Gives `layer` the mapped route: of m misses of a token, of_misses[m] (the first in
+        top-k order; tune.mapped_misses) are read by the GPU from host memory. Before capture."""
+        i = self.index[layer]
+        self.mapped_route[i] = True
+        self.mapped[i].copy_(torch.from_numpy(np.asarray(of_misses, dtype=np.int32)))
 
     # --- inside the graph ------------------------------------------------------------------------
     def prologue(self) -> None:
@@ -187,17 +204,18 @@ class Mailbox:
         i = self.index[layer]
         bk = triton.next_power_of_2(self.k)
         _route_kernel[(1,)](ids, self.map[i], self.pair_slot[i], self.pair_exp[i], self.stats[i], self.token,
-                            self.armed, x, weights, _HostPtr(self.box_x[i]), _HostPtr(self.box_ids[i]),
-                            _HostPtr(self.box_w[i]), _HostPtr(self.box_slots[i]), _HostPtr(self.seq[i:i + 1]),
+                            self.armed, self.mapped[i], self.pair_mapped[i], x, weights, HostTensor(self.box_x[i]),
+                            HostTensor(self.box_ids[i]), HostTensor(self.box_w[i]), HostTensor(self.box_slots[i]),
+                            HostTensor(self.seq[i:i + 1]),
                             self.n_expert, D=self.n_embd, K=self.k, BK=bk, BD=1024, MAILBOX=self.with_mailbox,
-                            num_warps=4)
+                            MAPPED_ROUTE=bool(self.mapped_route[i]), num_warps=4)
 
     def collect(self, layer: int) -> torch.Tensor:
         i = self.index[layer]
         bd = self.COLLECT_BLOCK
         _collect_kernel[(triton.cdiv(self.n_embd, bd),)](
-            self.pair_slot[i], self.per_slot[i], _HostPtr(self.box_out[i]), _HostPtr(self.flag[i:i + 1]),
-            _HostPtr(self.error), self.token, self.armed, self.out[i], i + 1, int(WAIT_TIMEOUT_S * 1e9),
+            self.pair_slot[i], self.per_slot[i], HostTensor(self.box_out[i]), HostTensor(self.flag[i:i + 1]),
+            HostTensor(self.error), self.token, self.armed, self.out[i], i + 1, int(WAIT_TIMEOUT_S * 1e9),
             D=self.n_embd, K=self.k, BK=triton.next_power_of_2(self.k), BD=bd, MAILBOX=self.with_mailbox,
             num_warps=4)
         return self.out[i]
@@ -226,7 +244,7 @@ class Mailbox:
                     break
             if seq[i] < t:
                 continue
-            pos = np.flatnonzero(slots[i] < 0)
+            pos = np.flatnonzero(slots[i] == CPU)
             if not pos.size:
                 continue
             if failure is None:

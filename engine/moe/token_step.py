@@ -2,8 +2,10 @@
 
 HybridExperts splits along three lines here:
   decide   on the GPU: the residency map turns router ids into slot ids (mailbox.route)
-  execute  on the GPU: the expert kernels over the resident pairs; on the CPU: the missed
-           experts, answered through the mailbox while the graph runs (Mailbox.serve)
+  execute  on the GPU: the expert kernels over the resident pairs, and where measured costs say
+           so the first misses read straight from the experts' pinned host rows (the mapped
+           route, tune.mapped_misses); on the CPU: the other misses, answered through the
+           mailbox while the graph runs (Mailbox.serve)
   learn    on the host, off the critical path: the GPU's per-layer expert counts are read back
            asynchronously after each token, fed to the residency policy, whose refills copy on
            the copier's stream; a map entry flips only once its copy has landed, between tokens
@@ -24,6 +26,8 @@ import numpy as np
 import torch
 
 from engine.moe.mailbox import Mailbox
+from engine.moe.tune import mapped_misses
+from engine.quant.triton_kernels import HostTensor
 from engine.runtime.telemetry import Telemetry
 
 
@@ -39,8 +43,21 @@ class TokenExperts:
         all_resident = all(L.slots.n_slots >= L.w.n_expert and L.slots.resident.min() >= 0
                            for L in hybrid.layers.values())
         self.mailbox = Mailbox(layers, n_expert, k, n_embd, hybrid.device, with_mailbox=not all_resident)
+        # The mapped route where the costs measured at load give it work and the experts are in
+        # pinned RAM: the kernels then read those rows (GGUF layout) as if they were slots.
+        self.host_rows: dict[int, list[HostTensor]] = {}
+        of_misses = mapped_misses(k, hybrid.options.route_costs)
+        if self.mailbox.with_mailbox and of_misses.any():
+            for layer in layers:
+                w = hybrid.layers[layer].w
+                tensors = [t.raw for t in (w.gate, w.up, w.down)]
+                if all(t.is_pinned() for t in tensors):
+                    self.host_rows[layer] = [HostTensor(t) for t in tensors]
+                    self.mailbox.route_mapped(layer, of_misses)
+        if hybrid.counters.miss_routes is not None:
+            hybrid.counters.miss_routes["mapped_of_misses"] = of_misses.tolist() if self.host_rows else []
         self._pushed_version: int | None = None  # the layers' residency versions summed, as the GPU map holds them
-        self._seen = np.zeros((len(layers), n_expert + 1), np.int64)  # counters learnt from so far
+        self._seen = np.zeros((len(layers), n_expert + 2), np.int64)  # counters learnt from so far
         self._refills: list = []  # (layer index, layer, refills) learnt, not yet started
         self._sync_copies: list = []  # occurrence-sync's refills, waited for before the next token
 
@@ -56,6 +73,9 @@ class TokenExperts:
         mb.route(layer, x, ids, weights)
         tk.experts_forward(x, L.slots.buffers, L.w, mb.pair_tok, mb.pair_pos, mb.pair_slot[i], mb.pair_exp[i],
                            weights, mb.per_slot[i])
+        if layer in self.host_rows:  # the mapped misses, into the same per-pair rows
+            tk.experts_forward(x, self.host_rows[layer], L.w, mb.pair_tok, mb.pair_pos, mb.pair_mapped[i],
+                               mb.pair_mapped[i], weights, mb.per_slot[i])
         return mb.collect(layer)
 
     # --- on the host -----------------------------------------------------------------------------
@@ -117,7 +137,7 @@ class TokenExperts:
         now = mb.stats_host.numpy().astype(np.int64)
         delta, self._seen = now - self._seen, now
         n_expert = mb.n_expert
-        chosen, hits = delta[:, :n_expert], delta[:, n_expert]
+        chosen, hits, mapped = delta[:, :n_expert], delta[:, n_expert], delta[:, n_expert + 1]
         if not chosen.any():
             return
         h = self.hybrid
@@ -125,7 +145,8 @@ class TokenExperts:
             return
         c = h.counters
         c.gpu_hit += hits
-        c.cpu_computed += chosen.sum(axis=1) - hits
+        c.gpu_mapped += mapped
+        c.cpu_computed += chosen.sum(axis=1) - hits - mapped
         c.heat *= Telemetry.HEAT_DECAY
         c.heat[:, :n_expert] += chosen
         for i, layer in enumerate(mb.layers):

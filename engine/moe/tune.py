@@ -8,6 +8,16 @@ feeds with bandwidths instead). On a desktop (PCIe 4.0 ~25 GB/s, dual-channel RA
 two are close; on the H200 machine uploads win (pinned copies at ~50 GB/s). Both times are
 taken on real experts of the model, from the memory the engine will read at run time.
 
+A decode token's misses have a third route: the GPU reads the expert straight from pinned host
+memory (UVA) inside the token's graph, over PCIe, while the CPU pool computes the others
+(`mapped_misses`: how many of a step's m misses to read so, the first in top-k order, so that
+both finish soonest). Measured on the H200's host (PCIe 5): the kernels read mapped memory at
+17-27 GB/s, a Q4_K expert of Qwen3-30B-A3B in ~137 µs, against the pool's ~89 µs for one expert
+and ~50 µs for each further one in the same call: the route pays from two or three misses a
+layer on, beside the pool, never instead of it. It needs the experts in pinned RAM
+(`--load-mode none`, or auto where it copies them) and is timed (and checked against the pool's
+result) at load; a failed check leaves it off.
+
 A step of many rows (prefill) routes expert by expert instead (`balanced_uploads`): an upload
 costs the same whatever the rows, while the CPU pool's cost grows with them, so the misses
 with the most rows go to the GPU until the two sides would finish together, the GPU's side
@@ -19,6 +29,7 @@ the text keeps to the resident experts, the next reads back instead (`streaming_
 from __future__ import annotations
 
 import time
+import warnings
 from typing import Callable
 
 import numpy as np
@@ -36,6 +47,9 @@ TIMINGS = 4  # uploads one by one and streamed, the CPU pool at one row and at M
 MANY_ROWS = 64  # rows of one expert in the CPU pool's second timing: its cost per extra row
 GROUPED_EXPERTS = 8  # experts of MANY_ROWS rows in the timed grouped launch (its fixed costs shared)
 HOLD_CYCLES = 40_000_000  # the sleep that holds the GPU while a timed loop is queued: 20 ms at 2 GHz
+# The mapped route's check at load: the GPU's result against the CPU pool's, relative to its
+# largest value (float32 summation order apart they agree to ~1e-6; a wrong read is off by O(1)).
+MAPPED_CHECK_TOL = 1e-3
 # A many-row step streams every expert its layer lacks (no read-back of its routing) from this
 # many pairs per expert on: each expert then goes unchosen with probability (1 - k/E)^T < e^-4.
 STREAM_ALL_PAIRS_PER_EXPERT = 4
@@ -44,14 +58,34 @@ STREAM_ALL_PAIRS_PER_EXPERT = 4
 @dataclass(frozen=True)
 class RouteCosts:
     """Seconds per expert: one upload among a many-row step's stream of them; the CPU pool's FFN
-    at one row, plus each extra row; the accelerator's FFN on a staged expert in a many-row step."""
+    at one row, plus each extra row; the accelerator's FFN on a staged expert in a many-row step;
+    each further expert of a one-row pool call; the GPU's FFN read from mapped host memory at
+    one row (0: no such route)."""
     upload_s: float
     cpu_s: float
     cpu_row_s: float
     gpu_s: float
+    cpu_expert_s: float = 0.0
+    mapped_s: float = 0.0
 
     def cpu(self, rows: np.ndarray) -> np.ndarray:
         return self.cpu_s + self.cpu_row_s * (rows - 1)
+
+    def cpu_experts(self, n: int) -> float:
+        """The pool's one-row call over n experts (a decode token's misses in one layer)."""
+        return self.cpu_s + self.cpu_expert_s * (n - 1) if n else 0.0
+
+
+def mapped_misses(k: int, costs: RouteCosts | None) -> np.ndarray:
+    """For m = 0 .. k misses of a one-token layer step: how many the GPU reads from mapped host
+    memory (the first in top-k order) while the pool computes the rest, so that the two, side
+    by side, finish soonest (ties: fewer mapped). All zeros without the route."""
+    out = np.zeros(k + 1, np.int32)
+    if costs is None or costs.mapped_s <= 0:
+        return out
+    for m in range(1, k + 1):
+        out[m] = min(range(m + 1), key=lambda j: (max(j * costs.mapped_s, costs.cpu_experts(m - j)), j))
+    return out
 
 
 def balanced_uploads(rows: np.ndarray, n_hits: int, costs: RouteCosts) -> int:
@@ -115,8 +149,10 @@ def measure_costs(layer: int, w: ExpertWeights, device: torch.device, pool: CpuE
     routing for the session), and the accelerator's FFN on a staged expert at MANY_ROWS rows,
     through the path a many-row step takes (the grouped GEMM where it applies, per expert of a
     launch of GROUPED_EXPERTS; else dequantize + matmul), its device time
-    (`accelerator_seconds`); returns the times and the one-token miss fraction they imply
-    (`route_costs` makes the RouteCosts of them)."""
+    (`accelerator_seconds`); the pool's one-row call over SAMPLES experts (`cpu_expert_s`: each
+    one past the first) and, where the experts are in pinned RAM on CUDA, the mapped route's
+    FFN per expert (`mapped_s`, mapped_seconds; else 0); returns the times and the one-token
+    miss fraction they imply (`route_costs` makes the RouteCosts of them)."""
     tensors = [t.raw for t in (w.gate, w.up, w.down)]
     experts = np.linspace(0, w.n_expert - 1, TIMINGS * SAMPLES).astype(np.int64).reshape(TIMINGS, SAMPLES)
     dst = [torch.empty(t.shape[1:], dtype=torch.uint8, device=device) for t in tensors]
@@ -148,6 +184,15 @@ def measure_costs(layer: int, w: ExpertWeights, device: torch.device, pool: CpuE
     t_cpu = cpu_seconds(1, experts[2])
     t_row = max(0.0, (cpu_seconds(MANY_ROWS, experts[3]) - t_cpu) / (MANY_ROWS - 1))
 
+    def cpu_call(sample: np.ndarray) -> float:  # one row through each expert: a decode layer's misses
+        start = time.perf_counter()
+        pool.compute(layer, x[:1], np.zeros(len(sample), np.int32), sample.astype(np.int32))
+        return time.perf_counter() - start
+    t_expert = max(0.0, (float(np.median([cpu_call(experts[0]), cpu_call(experts[1])])) - t_cpu) / (SAMPLES - 1))
+    t_mapped = 0.0
+    if device.type == "cuda" and all(t.is_pinned() for t in tensors):
+        t_mapped = mapped_seconds(layer, w, device, pool, x[:1], experts[2])
+
     x_dev = torch.from_numpy(x).to(device)
     from engine.moe.hybrid import TRITON_MAX_PAIRS, _use_grouped  # hybrid imports this module
 
@@ -177,12 +222,48 @@ def measure_costs(layer: int, w: ExpertWeights, device: torch.device, pool: CpuE
     staged_ffn()
     t_gpu = accelerator_seconds(staged_ffn, SAMPLES, device) / SAMPLES / per_call
     return {"upload_s": t_upload, "stream_s": t_stream, "cpu_s": t_cpu, "cpu_row_s": t_row, "gpu_s": t_gpu,
-            "fraction": balanced_fraction(t_upload, t_cpu)}
+            "cpu_expert_s": t_expert, "mapped_s": t_mapped, "fraction": balanced_fraction(t_upload, t_cpu)}
+
+
+def mapped_seconds(layer: int, w: ExpertWeights, device: torch.device, pool: CpuExpertPool, x: np.ndarray,
+                   sample: np.ndarray) -> float:
+    """The GPU's FFN of one row x [1, D] through each expert of `sample`, read from the experts'
+    pinned host rows (the mapped miss route), per expert in device time; 0.0, with a warning,
+    where the kernels cannot read them so or their result is not the CPU pool's."""
+    from engine.quant import triton_kernels as tk
+
+    if not tk.supports(w):
+        return 0.0
+    rows = [tk.HostTensor(t.raw) for t in (w.gate, w.up, w.down)]
+    x_dev = torch.from_numpy(x).to(device)
+    zero = torch.zeros(1, dtype=torch.int32, device=device)
+    weight = torch.ones(1, 1, device=device)
+    pairs = [torch.tensor([int(e)], dtype=torch.int32, device=device) for e in sample]
+    out = torch.zeros(len(sample), 1, 1, x.shape[1], device=device)
+
+    def read_mapped() -> None:
+        for pair, o in zip(pairs, out):
+            tk.experts_forward(x_dev, rows, w, zero, zero, pair, pair, weight, o)
+    try:
+        read_mapped()
+        got = out[:, 0, 0].cpu().numpy()
+    except Exception as e:  # a driver or platform without mapped host memory for kernels
+        warnings.warn(f"the GPU cannot read experts from pinned host memory here ({type(e).__name__}: {e}); "
+                      "decode misses all go to the CPU pool", RuntimeWarning, stacklevel=2)
+        return 0.0
+    want = pool.compute(layer, x, np.zeros(len(sample), np.int32), sample.astype(np.int32))
+    err = float(np.abs(got - want).max()) / max(float(np.abs(want).max()), 1e-30)
+    if not np.isfinite(err) or err > MAPPED_CHECK_TOL:
+        warnings.warn(f"experts read from pinned host memory differ from the CPU pool's by {err:.1e} of their "
+                      "largest value; decode misses all go to the CPU pool", RuntimeWarning, stacklevel=2)
+        return 0.0
+    return accelerator_seconds(read_mapped, 1, device) / len(sample)
 
 
 def route_costs(measured: dict[str, float]) -> RouteCosts:
-    """The costs a many-row step routes its misses by, from measure_costs' times."""
-    return RouteCosts(measured["stream_s"], measured["cpu_s"], measured["cpu_row_s"], measured["gpu_s"])
+    """The costs a step routes its misses by, from measure_costs' times."""
+    return RouteCosts(measured["stream_s"], measured["cpu_s"], measured["cpu_row_s"], measured["gpu_s"],
+                      measured["cpu_expert_s"], measured["mapped_s"])
 
 
 def accelerator_seconds(fn: Callable[[], None], calls: int, device: torch.device,

@@ -624,9 +624,13 @@ if triton is not None:
         nb = tl.program_id(1)
         s = tl.program_id(2)
         tok = tl.load(pair_tok + p).to(tl.int64)
-        # A pair whose expert has no slot (-1: it runs on the CPU) reads slot 0 and its result is
-        # never stored (see _down_kernel): one expert's read instead of a second graph shape.
-        slot = tl.maximum(tl.load(pair_slot + p), 0).to(tl.int64)
+        # A pair without a slot here (< 0: the CPU pool computes it, or a launch over mapped host
+        # memory) does nothing: its programs end before reading a byte, in both kernels, so a
+        # graph keeps one shape whatever the routing.
+        slot_or_none = tl.load(pair_slot + p)
+        if slot_or_none < 0:
+            return
+        slot = slot_or_none.to(tl.int64)
         r4 = tl.arange(0, BLOCK_N)[None, :, None, None, None]
         rows_c = tl.minimum(nb * BLOCK_N + r4, N - 1).to(tl.int64)  # loads stay in bounds; stores are masked
         NS: tl.constexpr = (K + 255) // 256
@@ -720,7 +724,9 @@ if triton is not None:
         p = tl.program_id(0)
         nb = tl.program_id(1)
         slot_or_none = tl.load(pair_slot + p)
-        slot = tl.maximum(slot_or_none, 0).to(tl.int64)
+        if slot_or_none < 0:  # no slot here (see _gate_up_kernel)
+            return
+        slot = slot_or_none.to(tl.int64)
         r4 = tl.arange(0, BLOCK_N)[None, :, None, None, None]
         rows_c = tl.minimum(nb * BLOCK_N + r4, N - 1).to(tl.int64)
         d_rows = d_ptr + slot * d_slot_bytes + rows_c * d_row_bytes
@@ -750,8 +756,7 @@ if triton is not None:
         pos = tl.load(pair_pos + p).to(tl.int64)
         if WEIGHTED:
             y = y * tl.load(wt_ptr + tok * wt_stride_tok + pos)
-        stored = rows < tl.where(slot_or_none >= 0, N, 0)  # nothing for a pair without a slot
-        tl.store(out_ptr + pos * out_stride_pos + tok * out_stride_tok + rows, y, mask=stored)
+        tl.store(out_ptr + pos * out_stride_pos + tok * out_stride_tok + rows, y, mask=live)
 
     # ---------------------------------------------------------------- dense products
 
@@ -1113,6 +1118,22 @@ def _vt(qtype: QT) -> int:
     from engine.quant.activation import activation_type
 
     return int(activation_type(qtype))
+
+
+class HostTensor:
+    """A pinned host tensor handed to Triton as a pointer: under UVA its address is valid on the
+    GPU as well (Triton refuses CPU tensors themselves). Shape and strides stay readable, so
+    expert rows in pinned RAM [experts, rows, row_bytes] stand in for slot buffers
+    (experts_forward: the GPU then reads them over PCIe, the mapped miss route)."""
+
+    def __init__(self, t: torch.Tensor):
+        self.t, self.dtype, self.shape = t, t.dtype, t.shape
+
+    def data_ptr(self) -> int:
+        return self.t.data_ptr()
+
+    def stride(self, dim: int) -> int:
+        return self.t.stride(dim)
 
 
 _counters: dict[tuple, torch.Tensor] = {}

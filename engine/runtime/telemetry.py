@@ -30,6 +30,7 @@ class CacheCounters:
     n_expert: int
     slots_per_layer: int
     gpu_hit: np.ndarray = field(init=False)
+    gpu_mapped: np.ndarray = field(init=False)  # decode misses the GPU read from pinned host memory
     uploaded: np.ndarray = field(init=False)
     cpu_computed: np.ndarray = field(init=False)
     swaps: np.ndarray = field(init=False)
@@ -40,6 +41,10 @@ class CacheCounters:
     load_mode: str = "mmap"  # where uploads and the CPU pool read experts: the map, or RAM copies ("none")
     miss_fraction: float = 0.0  # the share of misses uploaded (measured when auto)
     miss_fraction_tuning: dict | None = None  # upload_s, cpu_s per expert, when measured
+    # A decode token's misses, as measured at load: the CPU pool's one-row call (cpu_s, and
+    # cpu_expert_s per further expert), the mapped route's read (mapped_s; 0: none), and of m
+    # misses how many the mapped route takes (mapped_of_misses[m]; [] while it is off)
+    miss_routes: dict | None = None
     decode_path: str = "per layer"  # "graph": a decode token is one CUDA graph, its misses on the CPU pool
     # A prompt's MoE layer steps by route: its missing experts streamed, every expert resident
     # (neither reads its routing back), or the routing read back and the misses routed by cost.
@@ -49,6 +54,7 @@ class CacheCounters:
     def __post_init__(self) -> None:
         n = len(self.layers)
         self.gpu_hit = np.zeros(n, np.int64)
+        self.gpu_mapped = np.zeros(n, np.int64)
         self.uploaded = np.zeros(n, np.int64)
         self.cpu_computed = np.zeros(n, np.int64)
         self.swaps = np.zeros(n, np.int64)
@@ -127,6 +133,7 @@ class Telemetry:
                     "n_expert": c.n_expert,
                     "slots_per_layer": c.slots_per_layer,
                     "gpu_hit": c.gpu_hit.tolist(),
+                    "gpu_mapped": c.gpu_mapped.tolist(),
                     "uploaded": c.uploaded.tolist(),
                     "cpu_computed": c.cpu_computed.tolist(),
                     "swaps": c.swaps.tolist(),
@@ -135,6 +142,7 @@ class Telemetry:
                     "load_mode": c.load_mode,
                     "miss_fraction": c.miss_fraction,
                     "miss_fraction_tuning": c.miss_fraction_tuning,
+                    "miss_routes": c.miss_routes,
                     "decode_path": c.decode_path,
                     "prompt_steps": dict(c.prompt_steps),
                     "prompt_graph_chunks": c.prompt_graph_chunks,

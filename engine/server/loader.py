@@ -104,7 +104,7 @@ def load_hybrid(cfg: Config, progress: Progress) -> tuple[Any, dict[str, Any]]:
     cache = engine.telemetry.cache
     if cache is not None:
         effective.update(moe_expert_cache_size=cache.slots_per_layer, moe_gpu_miss_fraction=cache.miss_fraction,
-                         load_mode=cache.load_mode)
+                         load_mode=cache.load_mode, decode_miss_routes=cache.miss_routes)
     return engine, effective
 
 

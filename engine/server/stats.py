@@ -84,6 +84,7 @@ class SnapshotCollector:
         yield GaugeMetricFamily("moestudio_gpu_miss_fraction", "share of expert misses uploaded to the GPU "
                                 "(measured at load with --moe-gpu-miss-fraction auto)", value=cache["miss_fraction"])
         for key, doc in (("gpu_hit", "experts served from a resident slot"), ("uploaded", "experts uploaded on a miss"),
+                         ("gpu_mapped", "misses the GPU read from pinned host memory"),
                          ("cpu_computed", "experts computed by the CPU pool"), ("swaps", "residency changes")):
             family = CounterMetricFamily(f"moestudio_expert_{key}", doc, labels=["layer"])
             for layer, value in zip(cache["layers"], cache[key]):

@@ -174,3 +174,37 @@ def test_a_failing_cpu_pool_is_an_engine_error_not_a_hang(make_model, prompt_tex
     h.pool.compute = compute
     assert greedy(model, prompt, n_gen=4)[0] == expected  # the graph keeps working afterwards
     h.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n_slots", [1, 4])
+def test_the_mapped_route_gives_the_all_resident_tokens(make_model, prompt_text, n_slots):
+    """Experts in pinned RAM (--load-mode none) and costs under which the GPU reads some of a
+    layer's misses from there (the first of every two, tune.mapped_misses) while the CPU pool
+    computes the others: the all-resident tokens, and every selection counted once, by route."""
+    from engine.moe.slots import resident_copies
+    from engine.moe.tune import RouteCosts, mapped_misses
+
+    path = make_model("qwen3moe", QT.Q4_K)
+    model = build_model(path, "cuda")
+    prompt = tokenize_text(path, prompt_text)[:N_PROMPT]
+    n_expert, k = model.config.n_expert, model.config.n_expert_used
+    hybrid(model, n_expert).prefill_residency([(layer, e) for layer in model.expert_weights for e in range(n_expert)])
+    expected, expected_logits = greedy(model, prompt)
+    model.experts.close()
+    costs = RouteCosts(upload_s=1.0, cpu_s=1.0, cpu_row_s=0.0, gpu_s=1.0, cpu_expert_s=1.0, mapped_s=1.0)
+    assert mapped_misses(k, costs)[2] == 1
+    pinned = resident_copies(model.expert_weights, pin=True)
+    h = model.experts = HybridExperts(pinned, "cuda", HybridOptions(
+        slots_per_layer=n_slots, miss_fraction=0.0, policy="off", threads=4, route_costs=costs))
+    tokens, logits = greedy(model, prompt)
+    assert tokens == expected
+    assert (logits - expected_logits).abs().max().item() < 1e-3 * max(1.0, expected_logits.abs().max().item())
+    model.settle()
+    mb = model._runner.token_experts.mailbox
+    assert mb.mapped_route.all()
+    c = h.counters
+    assert (c.gpu_hit + c.uploaded + c.gpu_mapped + c.cpu_computed == (N_PROMPT + N_GEN) * k).all()
+    if n_slots == 1:  # most tokens miss in every layer: both routes serve
+        assert c.gpu_mapped.sum() > 0 and c.cpu_computed.sum() > 0
+    h.close()

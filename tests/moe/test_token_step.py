@@ -16,7 +16,7 @@ from gguf import GGMLQuantizationType as QT
 from engine.errors import EngineError
 from engine.models import build_model
 from engine.moe.hybrid import HybridExperts, HybridOptions
-from engine.moe.mailbox import Mailbox
+from engine.moe.mailbox import CPU, MAPPED, Mailbox
 from engine.moe.token_step import TokenExperts
 
 D, K = 4, 2
@@ -33,7 +33,7 @@ def play_gpu(mb: Mailbox, token: int, slots: list[list[int]], results: dict, del
             mb.box_w[i] = torch.tensor([0.25, 0.75])
             mb.box_slots[i] = torch.tensor(layer_slots, dtype=torch.int32)
             mb.seq[i] = token  # the release store
-            if min(layer_slots) < 0:
+            if CPU in layer_slots:  # mapped pairs (MAPPED) are the GPU's own: no wait for them
                 deadline = time.monotonic() + 5
                 while mb.flag[i] < token and time.monotonic() < deadline:
                     pass
@@ -65,6 +65,26 @@ def test_the_host_answers_missed_pairs_and_works_between_layers():
     assert np.allclose(results[0][1].numpy(), x0 * 3 * 0.75)  # expert 2's row, times its weight
     assert np.allclose(results[2].numpy(), np.stack([x2 * 4 * 0.25, x2 * 5 * 0.75]))
     assert mb.flag.tolist() == [1, 0, 1] and len(idle) == 3
+
+
+def test_the_host_computes_only_the_pairs_left_to_the_cpu():
+    """Pairs the GPU reads from mapped host memory (MAPPED) are not the host's: a layer with one of
+    each gets the CPU pair computed, a layer of mapped pairs only is not answered at all."""
+    mb = Mailbox([1, 3], n_expert=8, k=K, n_embd=D, device=torch.device("cpu"), with_mailbox=True)
+    mb.token_no = 1
+    calls = []
+
+    def compute(layer, x, experts):
+        calls.append((layer, experts.tolist()))
+        return np.stack([x[0] * (e + 1) for e in experts])
+
+    results: dict = {}
+    gpu = play_gpu(mb, 1, [[MAPPED, CPU], [MAPPED, MAPPED]], results)
+    mb.serve(compute, lambda: False)
+    gpu.join()
+    assert calls == [(1, [2])]  # layer 1's second pair (expert 2) alone
+    assert np.allclose(results[0][1].numpy(), (np.arange(D) + 0.0) * 3 * 0.75)
+    assert mb.flag.tolist() == [1, 0]
 
 
 def test_a_failing_pool_releases_the_gpu_then_raises():

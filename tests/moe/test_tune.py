@@ -10,8 +10,8 @@ import torch
 from engine.models import build_model
 from engine.moe.cpu_pool import CpuExpertPool
 from engine.moe.tune import (STREAM_ALL_PAIRS_PER_EXPERT, RouteCosts, accelerator_seconds, balanced_uploads,
-                              many_pairs, measure_costs, read_back_seconds, route_costs, streaming_pays,
-                              streams_all)
+                              many_pairs, mapped_misses, measure_costs, read_back_seconds, route_costs,
+                              streaming_pays, streams_all)
 
 
 def test_equal_costs_split_the_misses_in_half():
@@ -81,8 +81,29 @@ def test_measured_on_the_model_the_times_are_positive_and_the_fraction_between(t
         pool.close()
     assert t["upload_s"] > 0 and t["stream_s"] > 0 and t["cpu_s"] > 0 and t["cpu_row_s"] >= 0 and t["gpu_s"] > 0
     assert 0 < t["fraction"] < 1
+    assert t["cpu_expert_s"] >= 0 and t["mapped_s"] == 0  # no GPU: no mapped route
     costs = route_costs(t)  # a prompt streams its uploads: their back-to-back cost routes it
     assert (costs.upload_s, costs.cpu_s, costs.gpu_s) == (t["stream_s"], t["cpu_s"], t["gpu_s"])
+    assert (costs.cpu_expert_s, costs.mapped_s) == (t["cpu_expert_s"], 0.0)
+    assert not mapped_misses(8, costs).any()
+
+
+def test_mapped_misses_split_a_layer_between_the_gpu_and_the_pool():
+    """The H200's measured costs (Qwen3-30B-A3B Q4_K, session 26): a mapped read 137 µs, the
+    pool 89 µs for one expert and 50 µs for each further one. One miss stays on the CPU;
+    from two on, the first go mapped while the pool takes the rest (never all of them)."""
+    costs = RouteCosts(upload_s=57e-6, cpu_s=89e-6, cpu_row_s=13e-6, gpu_s=16e-6, cpu_expert_s=50e-6,
+                       mapped_s=137e-6)
+    table = mapped_misses(8, costs)
+    assert table.dtype == np.int32 and table.shape == (9,)
+    assert table.tolist() == [0, 0, 1, 1, 1, 1, 2, 2, 2]
+    for m, j in enumerate(table):  # no other split of m misses finishes sooner
+        best = min(max(i * costs.mapped_s, costs.cpu_experts(m - i)) for i in range(m + 1))
+        assert max(j * costs.mapped_s, costs.cpu_experts(m - j)) == best
+    # a slow link: never; a slow pool: every miss mapped once the pool's side costs more
+    assert not mapped_misses(8, RouteCosts(0, 89e-6, 0, 0, 50e-6, 2e-3)).any()
+    assert mapped_misses(4, RouteCosts(0, 1e-3, 0, 0, 1e-3, 1e-6)).tolist() == [0, 1, 2, 3, 4]
+    assert not mapped_misses(8, None).any()
 
 
 def test_off_cuda_the_device_time_is_the_wall_time():

@@ -283,6 +283,31 @@ def test_interpreter_shared_experts_and_partial_tiles() -> None:
     check_case(Case(w, n_tok=3, k=4, device="cpu", seed=5), tk.TileConfig(64, 4), tk.TileConfig(64, 4))
 
 
+@interp
+def test_interpreter_pairs_without_a_slot_do_nothing_and_a_second_launch_fills_them() -> None:
+    """The decode graph's two launches over one token's pairs (engine/moe/token_step.py): pairs
+    marked without a slot (< 0) leave their rows as they were (the programs end before reading
+    a byte, split over K or not); a second launch over other buffers (the mapped route: the
+    experts' GGUF rows in host memory, expert ids as slots) writes exactly those rows."""
+    w = make_weights((QT.Q4_K, QT.Q4_K, QT.Q6_K), n_expert=4, n_embd=256, n_ff=256, seed=6)
+    case = Case(w, n_tok=1, k=3, device="cpu", seed=1)
+    _, want = case.reference()
+    kept = torch.tensor([True, False, True])[case.pos.long()]  # top-k position 1 is "missed"
+    for split in (tk.SplitK(1, 1), None):
+        out = torch.full_like(want, 7.0)
+        slot = torch.where(kept, case.slot, torch.full_like(case.slot, -1))
+        tk.experts_forward(case.x, case.buffers, case.w, case.tok, case.pos, slot, case.exp, case.weights, out,
+                           SMALL, SMALL, split)
+        assert (out[1] == 7.0).all(), "a pair without a slot wrote its row"
+        assert rel_err(out[[0, 2]], want[[0, 2]]) < 1e-3
+        # the missed pair from the experts as the file holds them, by expert id
+        host = [t.raw for t in (w.gate, w.up, w.down)]
+        mapped = torch.where(kept, torch.full_like(case.exp, -1), case.exp)
+        tk.experts_forward(case.x, host, case.w, case.tok, case.pos, mapped, mapped, case.weights, out, SMALL,
+                           SMALL, split)
+        assert rel_err(out, want) < 1e-3
+
+
 @pytest.fixture(scope="module")
 def aot_report():
     """engine.quant.triton_aot run in a subprocess (the kernels here may be imported for the
