@@ -16,7 +16,7 @@ both finish soonest). Measured on the H200's host (PCIe 5): the kernels read map
 and ~50 µs for each further one in the same call: the route pays from two or three misses a
 layer on, beside the pool, never instead of it. It needs the experts in pinned RAM
 (`--load-mode none`, or auto where it copies them) and is timed (and checked against the pool's
-result) at load; a failed check leaves it off.
+result) at load; a failed check leaves it off, as does MOESTUDIO_MAPPED_MISSES=0.
 
 A step of many rows (prefill) routes expert by expert instead (`balanced_uploads`): an upload
 costs the same whatever the rows, while the CPU pool's cost grows with them, so the misses
@@ -28,6 +28,7 @@ the text keeps to the resident experts, the next reads back instead (`streaming_
 """
 from __future__ import annotations
 
+import os
 import time
 import warnings
 from typing import Callable
@@ -190,7 +191,7 @@ def measure_costs(layer: int, w: ExpertWeights, device: torch.device, pool: CpuE
         return time.perf_counter() - start
     t_expert = max(0.0, (float(np.median([cpu_call(experts[0]), cpu_call(experts[1])])) - t_cpu) / (SAMPLES - 1))
     t_mapped = 0.0
-    if device.type == "cuda" and all(t.is_pinned() for t in tensors):
+    if device.type == "cuda" and mapped_route_enabled() and all(t.is_pinned() for t in tensors):
         t_mapped = mapped_seconds(layer, w, device, pool, x[:1], experts[2])
 
     x_dev = torch.from_numpy(x).to(device)
@@ -223,6 +224,12 @@ def measure_costs(layer: int, w: ExpertWeights, device: torch.device, pool: CpuE
     t_gpu = accelerator_seconds(staged_ffn, SAMPLES, device) / SAMPLES / per_call
     return {"upload_s": t_upload, "stream_s": t_stream, "cpu_s": t_cpu, "cpu_row_s": t_row, "gpu_s": t_gpu,
             "cpu_expert_s": t_expert, "mapped_s": t_mapped, "fraction": balanced_fraction(t_upload, t_cpu)}
+
+
+def mapped_route_enabled() -> bool:
+    """The mapped route is measured at load, and taken where it pays, unless MOESTUDIO_MAPPED_MISSES=0
+    (the decode benchmarks' A/B; a way out should a platform misread pinned memory)."""
+    return os.environ.get("MOESTUDIO_MAPPED_MISSES", "1") != "0"
 
 
 def mapped_seconds(layer: int, w: ExpertWeights, device: torch.device, pool: CpuExpertPool, x: np.ndarray,

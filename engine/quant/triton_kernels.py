@@ -227,7 +227,7 @@ if triton is not None:
                 l = tl.arange(0, 4)[None, None, None, :, None] * 2 + tl.arange(0, 2)[None, None, None, None, :]
             elif QT == _MXFP4:  # a block's 16 quant bytes (1-aligned): 4 words of 4 bytes
                 l = tl.arange(0, 4)[None, None, None, :, None] * 4 + tl.arange(0, 4)[None, None, None, None, :]
-            else:  # Q4_K, Q5_K, padded Q6_K, planar MXFP4: a 16-byte run as 4 words
+            else:  # Q4_K, Q5_K, padded Q6_K, planar MXFP4 and Q8_0: a 16-byte run as 4 words
                 l = tl.arange(0, 1)[None, None, None, :, None] * 4 + tl.arange(0, 4)[None, None, None, None, :]
         return p, r, c, l
 

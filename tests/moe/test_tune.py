@@ -121,3 +121,23 @@ def test_the_device_time_leaves_the_launching_host_out():
         x.add_(1)
     assert accelerator_seconds(step, 4, torch.device("cuda")) < 0.002
     assert x[0].item() == 4
+
+
+@pytest.mark.gpu
+def test_the_mapped_route_is_timed_and_checked_at_load_on_pinned_experts(tiny, monkeypatch):
+    """Experts in pinned RAM on CUDA: the mapped read is timed (and agreed with the CPU pool's
+    result, or it would be 0); in the memory map, or with MOESTUDIO_MAPPED_MISSES=0, it is not."""
+    from engine.moe.slots import resident_copies
+
+    model = build_model(tiny, "cuda")
+    layer = min(model.expert_weights)
+    pinned = resident_copies(model.expert_weights, pin=True)
+    pool = CpuExpertPool(pinned, 2)
+    try:
+        t = measure_costs(layer, pinned[layer], torch.device("cuda"), pool)
+        assert t["mapped_s"] > 0 and t["cpu_expert_s"] >= 0
+        assert measure_costs(layer, model.expert_weights[layer], torch.device("cuda"), pool)["mapped_s"] == 0
+        monkeypatch.setenv("MOESTUDIO_MAPPED_MISSES", "0")
+        assert measure_costs(layer, pinned[layer], torch.device("cuda"), pool)["mapped_s"] == 0
+    finally:
+        pool.close()
