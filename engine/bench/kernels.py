@@ -331,7 +331,8 @@ def bench_experts(name: str, sc: ExpertScenario, rows: list[int], dev: torch.dev
         nbytes = sum(s.bytes for s in steps) / len(steps)
         row = {"kind": "experts", "shape": name, "types": [q.name for q in sc.qtypes], "n_embd": sc.n_embd,
                "n_ff": sc.n_ff, "top_k": sc.top_k, "rows": t, "MB": round(nbytes / 1e6, 2),
-               "slots": layer.n_slots, "new": rate(nbytes, us, copy), "host_us_eager": round(host, 1)}
+               "slots": layer.n_slots, "new": rate(nbytes, us, copy), "host_us_eager": round(host, 1),
+               "launches_us": expert_step_launches(layer, steps, replays)}
         if sweep:  # one tile for gate/up and down alike
             row["sweep"] = []
             for cfg in sweep:
@@ -346,6 +347,28 @@ def bench_experts(name: str, sc: ExpertScenario, rows: list[int], dev: torch.dev
     del layer
     torch.cuda.empty_cache()
     return out
+
+
+def expert_step_launches(layer: ExpertLayer, steps: list[ExpertStep], replays: int) -> dict[str, float]:
+    """The expert step's launches each timed alone, in a graph of its own, on the inputs the
+    launch before it made (µs per step): where the step's time goes. The three together take
+    longer than the step, each graph paying its own first launch."""
+    from engine.quant import triton_kernels as tk
+
+    w = layer.w
+    xs = [tk.round_rows(s.x, w.gate.qtype) for s in steps]
+    xus = [x if tk._vt(w.up.qtype) == tk._vt(w.gate.qtype) else tk.round_rows(s.x, w.up.qtype)
+           for x, s in zip(xs, steps)]
+    hrs = [tk.gate_up(x, xu, layer.buffers[0], layer.buffers[1], w, s.tok, s.slot, s.exp)[1]
+           for x, xu, s in zip(xs, xus, steps)]
+    return {
+        "round x": round(graph_us([lambda s=s: tk.round_rows(s.x, w.gate.qtype) for s in steps], replays), 2),
+        "gate/up": round(graph_us([lambda x=x, xu=xu, s=s: tk.gate_up(x, xu, layer.buffers[0], layer.buffers[1], w,
+                                                                      s.tok, s.slot, s.exp)
+                                   for x, xu, s in zip(xs, xus, steps)], replays), 2),
+        "down": round(graph_us([lambda hr=hr, s=s: tk.down(hr, layer.buffers[2], w, s.tok, s.pos, s.slot, s.exp,
+                                                           s.weights, s.out)
+                                for hr, s in zip(hrs, steps)], replays), 2)}
 
 
 # ------------------------------------------------------------------------------ the prefill expert step
@@ -687,7 +710,12 @@ def dense_line(r: dict) -> str:
 
 def expert_line(r: dict) -> str:
     return (f"experts {r['shape']:26s} rows={r['rows']}  {r['MB']:8.2f} MB  {r['new']['us']:8.2f} us "
-            f"{r['new']['GBps']:7.0f} GB/s ({r['new']['of_copy_bw']:.2f} of copy)  host {r['host_us_eager']} us eager")
+            f"{r['new']['GBps']:7.0f} GB/s ({r['new']['of_copy_bw']:.2f} of copy)  host {r['host_us_eager']} us eager"
+            f"  alone: {launches(r)}")
+
+
+def launches(r: dict) -> str:
+    return ", ".join(f"{name} {us}" for name, us in r["launches_us"].items()) + " us"
 
 
 def grouped_line(r: dict) -> str:
@@ -716,14 +744,14 @@ def markdown(result: dict) -> str:
                              f"{CHANGED_LAYOUTS[QT[r['type']]]} | {r['rows']} | {r['MB']} | {n['us']} | "
                              f"{n['GBps']:.0f} | {n['of_copy_bw']:.2f} | {o['us']} | {o['GBps']:.0f} | "
                              f"{o['of_copy_bw']:.2f} | {o['us'] / n['us']:.2f}x | {r['split'][0]} x {r['split'][1]} |")
-    lines += ["", "| expert step | types | n_embd x n_ff, top-k | rows | MB | µs | GB/s | share | host µs eager |",
-              "|" + "---|" * 9]
+    lines += ["", "| expert step | types | n_embd x n_ff, top-k | rows | MB | µs | GB/s | share | host µs eager | "
+              "launches alone, µs |", "|" + "---|" * 10]
     for r in result["results"]:
         if r["kind"] == "experts":
             n = r["new"]
             lines.append(f"| {r['shape']} | {'/'.join(r['types'])} | {r['n_embd']} x {r['n_ff']}, {r['top_k']} | "
                          f"{r['rows']} | {r['MB']} | {n['us']} | {n['GBps']:.0f} | {n['of_copy_bw']:.2f} | "
-                         f"{r['host_us_eager']} |")
+                         f"{r['host_us_eager']} | {launches(r)} |")
     lines += ["", "| prefill expert step | types | experts, top-k, n_embd x n_ff | tokens | GFLOP | grouped µs | "
               "grouped TFLOP/s | grouped eager µs | torch µs | torch TFLOP/s | speedup (eager) | max rel diff |",
               "|" + "---|" * 12]

@@ -70,7 +70,8 @@ def test_table_has_a_line_per_result() -> None:
              "rows": 1, "MB": 8.91, "split": [4, 2], "new": rate, "old": {**rate, "us": 20.0}, "speedup": 2.0}
     q6 = {**dense, "type": "Q6_K", "new_laid_out": {**rate, "us": 5.0}}
     experts = {"kind": "experts", "shape": "gpt-oss-120b MXFP4", "types": ["MXFP4"] * 3, "n_embd": 2880,
-               "n_ff": 2880, "top_k": 4, "rows": 8, "MB": 284.0, "new": rate, "host_us_eager": 500.0}
+               "n_ff": 2880, "top_k": 4, "rows": 8, "MB": 284.0, "new": rate, "host_us_eager": 500.0,
+               "launches_us": {"round x": 2.5, "gate/up": 180.0, "down": 120.0}}
     grouped = {"kind": "grouped", "shape": "qwen3-30b-a3b Q4_K_M", "types": ["Q4_K", "Q4_K", "Q6_K"],
                "n_embd": 2048, "n_ff": 768, "top_k": 8, "experts": 128, "tokens": 512, "GFLOP": 38.7,
                "max_rel_diff_grouped_torch": 1e-6, "grouped": {"us": 200.0, "TFLOPs": 193.3},
@@ -91,6 +92,7 @@ def test_table_has_a_line_per_result() -> None:
     assert "| qwen3-30b-a3b attn_q | 4096 x 2048 | Q8_0 | 1 |" in table and "| 2.0x | 4 x 2 |" in table
     assert "| Q6_K padded to 224 B blocks | 1 | 8.91 | 5.0 |" in table and "| 4.00x |" in table
     assert "| gpt-oss-120b MXFP4 | MXFP4/MXFP4/MXFP4 | 2880 x 2880, 4 | 8 |" in table
+    assert "| 500.0 | round x 2.5, gate/up 180.0, down 120.0 us |" in table
     assert ("| qwen3-30b-a3b Q4_K_M | Q4_K/Q4_K/Q6_K | 128, 8, 2048 x 768 | 512 | 38.7 | 200.0 | 193.3 | 400.0 | "
             "8000.0 | 4.8 | 20.0x | 1.0e-06 |") in table
     assert "TFLOP/s" in kb.grouped_line(grouped)

@@ -45,7 +45,7 @@ def _expert_row(shape: str, rows: int) -> dict:
     rate = {"us": 24.5, "GBps": 868.0, "of_copy_bw": 0.21}  # the Q4_K step's one-token figures (measured-h200)
     return {"kind": "experts", "shape": shape, "types": [q.name for q in sc.qtypes], "n_embd": sc.n_embd,
             "n_ff": sc.n_ff, "top_k": sc.top_k, "rows": rows, "MB": 21.2, "slots": 40, "new": rate,
-            "host_us_eager": 359.0}
+            "host_us_eager": 359.0, "launches_us": {"round x": 3.0, "gate/up": 12.0, "down": 9.0}}
 
 
 def test_parser_reads_every_timed_product_of_the_real_output() -> None:
