@@ -356,16 +356,14 @@ def expert_step_launches(layer: ExpertLayer, steps: list[ExpertStep], replays: i
     from engine.quant import triton_kernels as tk
 
     w = layer.w
-    xs = [tk.round_rows(s.x, w.gate.qtype) for s in steps]
-    xus = [x if tk._vt(w.up.qtype) == tk._vt(w.gate.qtype) else tk.round_rows(s.x, w.up.qtype)
-           for x, s in zip(xs, steps)]
-    hrs = [tk.gate_up(x, xu, layer.buffers[0], layer.buffers[1], w, s.tok, s.slot, s.exp)[1]
-           for x, xu, s in zip(xs, xus, steps)]
+    rounded = [tk.round_inputs(s.x, w) for s in steps]
+    hrs = [tk.gate_up(*r, layer.buffers[0], layer.buffers[1], w, s.tok, s.slot, s.exp)[1]
+           for r, s in zip(rounded, steps)]
     return {
-        "round x": round(graph_us([lambda s=s: tk.round_rows(s.x, w.gate.qtype) for s in steps], replays), 2),
-        "gate/up": round(graph_us([lambda x=x, xu=xu, s=s: tk.gate_up(x, xu, layer.buffers[0], layer.buffers[1], w,
-                                                                      s.tok, s.slot, s.exp)
-                                   for x, xu, s in zip(xs, xus, steps)], replays), 2),
+        "round x": round(graph_us([lambda s=s: tk.round_inputs(s.x, w) for s in steps], replays), 2),
+        "gate/up": round(graph_us([lambda r=r, s=s: tk.gate_up(*r, layer.buffers[0], layer.buffers[1], w,
+                                                               s.tok, s.slot, s.exp)
+                                   for r, s in zip(rounded, steps)], replays), 2),
         "down": round(graph_us([lambda hr=hr, s=s: tk.down(hr, layer.buffers[2], w, s.tok, s.pos, s.slot, s.exp,
                                                            s.weights, s.out)
                                 for hr, s in zip(hrs, steps)], replays), 2)}
@@ -677,22 +675,22 @@ def _sweep_tiles() -> list:
 
 def _dense_sweep(qw: int, rows: int) -> list:
     """(tile, programs per SM) pairs --sweep times for the dense product of weights of kernel
-    type `qw` (triton_kernels.kernel_type) at `rows` activation rows (16-bit weights at one row
-    and planar Q8_0: lanes along K, BLOCK_N rows on num_warps warps; 16-bit at more rows on
-    tensor cores, BLOCK_N of at least 16)."""
+    type `qw` (triton_kernels.kernel_type) at `rows` activation rows, by the tile it takes
+    (triton_kernels.dense_tile: lanes along K take BLOCK_N rows on num_warps warps; tensor
+    cores a BLOCK_N of at least 16)."""
     from engine.quant import triton_kernels as tk
 
-    sixteen_bit = qw in (int(QT.F16), int(QT.BF16))
-    if sixteen_bit and rows > 1:
+    tile = tk.dense_tile(qw, rows)
+    if tile == "mma":
         tiles = [tk.TileConfig(16, 4, num_stages=3), tk.TileConfig(64, 4, num_stages=3),
                  tk.TileConfig(32, 4, num_stages=2), tk.TileConfig(32, 4, num_stages=4),
                  tk.TileConfig(32, 2, num_stages=3), tk.TileConfig(64, 8, num_stages=3)]
-    elif sixteen_bit or (qw == tk.Q8_0_PLANAR and rows == 1):
+    elif tile == "row":
         tiles = [tk.TileConfig(4, 4), tk.TileConfig(8, 8), tk.TileConfig(16, 8), tk.TileConfig(4, 2),
                  tk.TileConfig(2, 2), tk.TileConfig(16, 4)]
     else:
         tiles = _sweep_tiles()
-    default = tk.dense_config(qw, rows)
+    default = tk.DENSE_CONFIG[tile]
     return [(t, tk.PROGRAMS_PER_SM) for t in tiles if t != default] + [(default, n) for n in (2, 4, 8, 16)]
 
 

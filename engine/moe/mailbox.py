@@ -160,8 +160,8 @@ class Mailbox:
         self.map = torch.full((n, n_expert), -1, dtype=torch.int32, device=device)
         # per layer: selections per expert, then the hits, then the pairs read from host memory
         self.stats = torch.zeros((n, n_expert + 2), dtype=torch.int32, device=device)
-        # the mapped route, per layer: whether it has one, and of m misses how many take it
-        self.mapped_route = np.zeros(n, dtype=bool)
+        # the mapped route, per layer: of m misses how many take it (read where route() is told the
+        # layer has the route)
         self.mapped = torch.zeros((n, k + 1), dtype=torch.int32, device=device)
         self.pair_mapped = torch.full((n, k), -1, dtype=torch.int32, device=device)  # expert, or -1
         self.token = torch.zeros(1, dtype=torch.int32, device=device)  # bumped at each token's start
@@ -190,17 +190,16 @@ class Mailbox:
         self._stats_event: torch.cuda.Event | None = None
 
     def route_mapped(self, layer: int, of_misses: np.ndarray) -> None:
-        """Gives `layer` the mapped route: of m misses of a token, of_misses[m] (the first in
-        top-k order; tune.mapped_misses) are read by the GPU from host memory. Before capture."""
-        i = self.index[layer]
-        self.mapped_route[i] = True
-        self.mapped[i].copy_(torch.from_numpy(np.asarray(of_misses, dtype=np.int32)))
+        """The mapped route's split for `layer`: of m misses of a token, of_misses[m] (the first
+        in top-k order; tune.mapped_misses) are read by the GPU from host memory. Before capture."""
+        self.mapped[self.index[layer]].copy_(torch.from_numpy(np.asarray(of_misses, dtype=np.int32)))
 
     # --- inside the graph ------------------------------------------------------------------------
     def prologue(self) -> None:
         self.token.add_(1)
 
-    def route(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> None:
+    def route(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
+              mapped_route: bool = False) -> None:
         i = self.index[layer]
         bk = triton.next_power_of_2(self.k)
         _route_kernel[(1,)](ids, self.map[i], self.pair_slot[i], self.pair_exp[i], self.stats[i], self.token,
@@ -208,7 +207,7 @@ class Mailbox:
                             HostTensor(self.box_ids[i]), HostTensor(self.box_w[i]), HostTensor(self.box_slots[i]),
                             HostTensor(self.seq[i:i + 1]),
                             self.n_expert, D=self.n_embd, K=self.k, BK=bk, BD=1024, MAILBOX=self.with_mailbox,
-                            MAPPED_ROUTE=bool(self.mapped_route[i]), num_warps=4)
+                            MAPPED_ROUTE=mapped_route, num_warps=4)
 
     def collect(self, layer: int) -> torch.Tensor:
         i = self.index[layer]

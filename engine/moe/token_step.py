@@ -70,12 +70,13 @@ class TokenExperts:
 
         mb, i = self.mailbox, self.mailbox.index[layer]
         L = self.hybrid.layers[layer]
-        mb.route(layer, x, ids, weights)
+        mb.route(layer, x, ids, weights, mapped_route=layer in self.host_rows)
+        rounded = tk.round_inputs(x, L.w)
         tk.experts_forward(x, L.slots.buffers, L.w, mb.pair_tok, mb.pair_pos, mb.pair_slot[i], mb.pair_exp[i],
-                           weights, mb.per_slot[i])
+                           weights, mb.per_slot[i], rounded=rounded)
         if layer in self.host_rows:  # the mapped misses, into the same per-pair rows
             tk.experts_forward(x, self.host_rows[layer], L.w, mb.pair_tok, mb.pair_pos, mb.pair_mapped[i],
-                               mb.pair_mapped[i], weights, mb.per_slot[i])
+                               mb.pair_mapped[i], weights, mb.per_slot[i], rounded=rounded)
         return mb.collect(layer)
 
     # --- on the host -----------------------------------------------------------------------------

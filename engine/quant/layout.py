@@ -51,7 +51,7 @@ def layout_bytes(qtype: QT, n_bytes: int, K: int) -> int:
     if qtype == QT.Q6_K:
         return n_bytes // Q6_K_BLOCK * Q6_K_PADDED_BLOCK
     if qtype in PLANAR_BLOCKS:
-        return n_bytes // (K // 32 * sum(PLANAR_BLOCKS[qtype])) * planar_row(qtype, K)
+        return n_bytes // (K // 32 * GGML_QUANT_SIZES[qtype][1]) * planar_row(qtype, K)
     return n_bytes
 
 
@@ -77,7 +77,7 @@ def pad_q6_k(raw: torch.Tensor) -> torch.Tensor:
 def planar(raw: torch.Tensor, qtype: QT) -> torch.Tensor:
     """MXFP4 or Q8_0 rows [..., n, block * blocks] made planar (quants, then zero-padded
     scales), on raw's device."""
-    blocks = _check_rows(raw, sum(PLANAR_BLOCKS[qtype]), f"planar {qtype.name}")
+    blocks = _check_rows(raw, GGML_QUANT_SIZES[qtype][1], f"planar {qtype.name}")
     out = raw.new_zeros((*raw.shape[:-1], planar_row(qtype, 32 * blocks)))
     PlanarRows.of(out, qtype, blocks).copy_(raw)
     return out
@@ -119,9 +119,9 @@ def dequantize_layout(raw: torch.Tensor, qtype: QT, shape: tuple[int, ...]) -> t
     if is_planar(raw, qtype, K):
         rows = raw.reshape(-1, raw.shape[-1])
         blocks = K // 32
-        gguf = rows.new_empty((rows.shape[0], blocks * sum(PLANAR_BLOCKS[qtype])))
+        gguf = rows.new_empty((rows.shape[0], blocks * GGML_QUANT_SIZES[qtype][1]))
         PlanarRows.of(rows, qtype, blocks).copy_to(gguf)
-        return dequantize_blocks(gguf.reshape(-1, sum(PLANAR_BLOCKS[qtype])), qtype, shape)
+        return dequantize_blocks(gguf.reshape(-1, GGML_QUANT_SIZES[qtype][1]), qtype, shape)
     return dequantize(raw, qtype, shape)
 
 

@@ -768,7 +768,7 @@ if triton is not None:
         if t < ROWS:
             KP: tl.constexpr = (K + 255) // 256 * 256
             acc = _use_w(acc, a, b, cc, dd, xr_ptr + t * KP, xq_ptr + t * KP, xd_ptr + t * (KP // 32), ks, K,
-                            BLOCK_N, QW, INTERP, REV)
+                         BLOCK_N, QW, INTERP, REV)
         return acc
 
     @triton.jit
@@ -883,22 +883,14 @@ if triton is not None:
         return w
 
     @triton.jit
-    def _dense16_rows(acc, t: tl.constexpr, ROWS: tl.constexpr, w, xr_ptr, ks, k, n, K: tl.constexpr):
-        """acc of activation row t += this step's weights times its rounded values (zero-padded
-        to whole steps, so unmasked), loaded at the tile's full shape (zero stride along n) so
-        that Triton gives them the weights' layout: nothing moves through shared memory."""
-        if t < ROWS:
-            KP: tl.constexpr = (K + 255) // 256 * 256
-            acc += w * tl.load(xr_ptr + t * KP + ks * 256 + k + n * 0)
-        return acc
-
-    @triton.jit
     def _dense16_kernel(xr_ptr, xq_ptr, xd_ptr, w_ptr, w_row_bytes, part_ptr, out_ptr, count_ptr, N,
                         K: tl.constexpr, QW: tl.constexpr, ROWS: tl.constexpr, SPLIT: tl.constexpr,
                         STEPS: tl.constexpr, BLOCK_N: tl.constexpr, INTERP: tl.constexpr):
         """_dense_kernel's product (its grid, arguments and split-K) for F16 and BF16 weights
-        (QW): out [ROWS, N] = rounded x [ROWS, K] . W [N, K], in the 16-bit tile above (the int8
-        quants xq, xd are not read)."""
+        (QW) and one activation row (ROWS = 1): out [1, N] = rounded x [1, K] . W [N, K], in the
+        16-bit tile above (the int8 quants xq, xd are not read). The rounded values are loaded
+        at the tile's full shape (zero stride along n) so that Triton gives them the weights'
+        layout: nothing moves through shared memory."""
         nb = tl.program_id(0)
         s = tl.program_id(1)
         n = nb * BLOCK_N + tl.arange(0, BLOCK_N)[:, None]
@@ -907,14 +899,7 @@ if triton is not None:
         NS: tl.constexpr = (K + 255) // 256
         k0 = s * STEPS
         k1 = tl.minimum(k0 + STEPS, NS)
-        acc0 = tl.zeros((BLOCK_N, 256), tl.float32)
-        acc1 = tl.zeros((BLOCK_N, 256), tl.float32)
-        acc2 = tl.zeros((BLOCK_N, 256), tl.float32)
-        acc3 = tl.zeros((BLOCK_N, 256), tl.float32)
-        acc4 = tl.zeros((BLOCK_N, 256), tl.float32)
-        acc5 = tl.zeros((BLOCK_N, 256), tl.float32)
-        acc6 = tl.zeros((BLOCK_N, 256), tl.float32)
-        acc7 = tl.zeros((BLOCK_N, 256), tl.float32)
+        acc = tl.zeros((BLOCK_N, 256), tl.float32)
         nxt = _load16(w_rows, k0, k, K)  # the next step's bytes load while this one is computed
         for ks in range(k0, k1):
             bits = nxt
@@ -923,17 +908,9 @@ if triton is not None:
                 w = bits.to(tl.float16, bitcast=True).to(tl.float32)
             else:
                 w = (bits.to(tl.int32) << 16).to(tl.float32, bitcast=True)
-            acc0 = _dense16_rows(acc0, 0, ROWS, w, xr_ptr, ks, k, n, K)
-            acc1 = _dense16_rows(acc1, 1, ROWS, w, xr_ptr, ks, k, n, K)
-            acc2 = _dense16_rows(acc2, 2, ROWS, w, xr_ptr, ks, k, n, K)
-            acc3 = _dense16_rows(acc3, 3, ROWS, w, xr_ptr, ks, k, n, K)
-            acc4 = _dense16_rows(acc4, 4, ROWS, w, xr_ptr, ks, k, n, K)
-            acc5 = _dense16_rows(acc5, 5, ROWS, w, xr_ptr, ks, k, n, K)
-            acc6 = _dense16_rows(acc6, 6, ROWS, w, xr_ptr, ks, k, n, K)
-            acc7 = _dense16_rows(acc7, 7, ROWS, w, xr_ptr, ks, k, n, K)
-        _dense_finish(tl.sum(acc0, axis=1), tl.sum(acc1, axis=1), tl.sum(acc2, axis=1), tl.sum(acc3, axis=1),
-                      tl.sum(acc4, axis=1), tl.sum(acc5, axis=1), tl.sum(acc6, axis=1), tl.sum(acc7, axis=1),
-                      part_ptr, out_ptr, count_ptr, nb, s, N, ROWS, SPLIT, BLOCK_N, INTERP)
+            acc += w * tl.load(xr_ptr + ks * 256 + k + n * 0)  # rounded rows are zero-padded to whole steps
+        y = tl.sum(acc, axis=1)
+        _dense_finish(y, y, y, y, y, y, y, y, part_ptr, out_ptr, count_ptr, nb, s, N, ROWS, SPLIT, BLOCK_N, INTERP)
 
     @triton.jit
     def _dense16_mma_kernel(xr_ptr, xq_ptr, xd_ptr, w_ptr, w_row_bytes, part_ptr, out_ptr, count_ptr, N,
@@ -1292,23 +1269,31 @@ def down(hr: Rounded, down_buf: torch.Tensor, w, pair_tok: torch.Tensor, pair_po
         BLOCK_N=cfg.block_n, UNROLL=cfg.unroll, INTERP=INTERPRETED, REV=reversed_ties(), **_launch_opts(cfg))
 
 
+def round_inputs(x: torch.Tensor, w) -> tuple[Rounded, Rounded]:
+    """x [T, D] rounded for the experts' gate and up types (one object where they round alike):
+    the first launch of experts_forward, which a second launch over the same rows can share."""
+    xg = round_rows(x, w.gate.qtype)
+    return xg, (xg if _vt(w.up.qtype) == _vt(w.gate.qtype) else round_rows(x, w.up.qtype))
+
+
 def experts_forward(x: torch.Tensor, buffers, w, pair_tok: torch.Tensor, pair_pos: torch.Tensor,
                     pair_slot: torch.Tensor, pair_exp: torch.Tensor, weights: torch.Tensor | None,
                     out: torch.Tensor, gate_up_cfg: TileConfig | None = None,
-                    down_cfg: TileConfig | None = None, gate_up_split: SplitK | None = None) -> None:
+                    down_cfg: TileConfig | None = None, gate_up_split: SplitK | None = None,
+                    rounded: tuple[Rounded, Rounded] | None = None) -> None:
     """Every pair's expert output, weighted, into out[pos, tok, :]: three launches in all
-    (round x; gate/up + activation + round h; down).
+    (round x, unless `rounded` holds round_inputs(x, w) already; gate/up + activation + round h;
+    down). A pair whose slot is negative does nothing.
 
     x [T, D] float32; buffers = [gate, up, down] uint8 slot buffers [slots, rows, row_bytes]
-    (GGUF rows, or as layout.kernel_layout lays them out, as LayerSlots does: Q6_K padded, MXFP4 planar);
-    pair_* int32 [P] on x's device (pairs sorted by slot let pairs of one expert meet in L2)."""
+    (GGUF rows, or as layout.kernel_layout lays them out, as LayerSlots does: Q6_K padded, MXFP4
+    and Q8_0 planar; or HostTensor rows in pinned RAM); pair_* int32 [P] on x's device (pairs
+    sorted by slot let pairs of one expert meet in L2)."""
     if pair_tok.numel() == 0:
         return
-    xg = round_rows(x, w.gate.qtype)
-    xu = xg if _vt(w.up.qtype) == _vt(w.gate.qtype) else round_rows(x, w.up.qtype)
+    xg, xu = rounded or round_inputs(x, w)
     _, hr = gate_up(xg, xu, buffers[0], buffers[1], w, pair_tok, pair_slot, pair_exp, gate_up_cfg, gate_up_split)
     down(hr, buffers[2], w, pair_tok, pair_pos, pair_slot, pair_exp, weights, out, down_cfg)
-
 
 
 def dense_supported(qtype: QT) -> bool:
@@ -1318,37 +1303,40 @@ def dense_supported(qtype: QT) -> bool:
 # Dense products of up to DENSE_MAX_ROWS rows (attention projections, output head, shared
 # experts, dense FFNs at decode): each program a block of weight rows times a slice of the K
 # steps (split-K), so that a one-row product of few output rows still puts work on every SM.
-# Quantized weights: one weight row per lane pair as in the expert kernels (32 rows on 2 warps);
-# for one activation row, planar Q8_0 and F16/BF16 with a warp's lanes along each weight row
-# instead (_dense_q8p_kernel, _dense16_kernel: BLOCK_N rows on num_warps warps); F16/BF16 at
-# more rows on tensor cores (_dense16_mma_kernel: BLOCK_N rows a program, Triton's pipeliner
-# keeping num_stages steps in flight).
+# Three tiles (dense_tile picks one), each with its kernel and its default:
+#   "tile"  quantized weights: one weight row per lane pair as in the expert kernels (_dense_kernel)
+#   "row"   one activation row of 16-bit or planar Q8_0 weights: a warp's lanes along each weight
+#           row (_dense16_kernel, _dense_q8p_kernel; BLOCK_N rows on num_warps warps)
+#   "mma"   2-8 rows of 16-bit weights on tensor cores (_dense16_mma_kernel; BLOCK_N rows a
+#           program, Triton's pipeliner keeping num_stages steps in flight)
 DENSE_MAX_ROWS = 8  # activation rows one launch multiplies (the kernel's accumulators)
-SIXTEEN_BIT: frozenset[QT] = frozenset({QT.F16, QT.BF16})
-DENSE_CONFIG: dict[QT, TileConfig] = {t: TileConfig(8, 4) if t in SIXTEEN_BIT else TileConfig(32, 2)
-                                      for t in KERNEL_TYPES}
-DENSE_MMA_CONFIG = TileConfig(32, 4, num_stages=2)
-DENSE_Q8_PLANAR_CONFIG = TileConfig(8, 4)
+DENSE_CONFIG: dict[str, TileConfig] = {"tile": TileConfig(32, 2), "row": TileConfig(8, 4),
+                                       "mma": TileConfig(32, 4, num_stages=2)}
+_SIXTEEN_BIT = (int(QT.F16), int(QT.BF16))
+
+
+def dense_tile(qw: int, rows: int) -> str:
+    """The tile (a DENSE_CONFIG key) of a dense product of `rows` activation rows over weights
+    of kernel type `qw` (kernel_type)."""
+    if qw in _SIXTEEN_BIT:
+        return "mma" if rows > 1 else "row"
+    return "row" if qw == Q8_0_PLANAR and rows == 1 else "tile"
 
 
 def dense_config(qw: int, rows: int) -> TileConfig:
     """The default tile of a dense product of `rows` activation rows over weights of kernel
-    type `qw` (kernel_type)."""
-    if qw == Q8_0_PLANAR and rows == 1:
-        return DENSE_Q8_PLANAR_CONFIG
-    qtype = QT(qw % 256)
-    return DENSE_MMA_CONFIG if qtype in SIXTEEN_BIT and rows > 1 else DENSE_CONFIG[qtype]
+    type `qw`."""
+    return DENSE_CONFIG[dense_tile(qw, rows)]
 
 
 def dense_kernel(qw: int, rows: int, target=None) -> tuple[Callable, dict]:
     """The kernel of a dense product of `rows` activation rows and weights of kernel type `qw`
     (kernel_type) and the constexprs it takes beyond the ones all take (K, QW, ROWS, SPLIT,
     STEPS, BLOCK_N, INTERP), for compile target `target` (default: the current GPU)."""
-    if qw in (int(QT.F16), int(QT.BF16)):
-        return (_dense16_mma_kernel if rows > 1 else _dense16_kernel), {}
-    if qw == Q8_0_PLANAR and rows == 1:  # more rows: the quantized tile (see _dense_q8p_kernel)
-        return _dense_q8p_kernel, {"REV": reversed_ties(target)}
-    return _dense_kernel, {"REV": reversed_ties(target)}
+    tile = dense_tile(qw, rows)
+    if qw in _SIXTEEN_BIT:
+        return (_dense16_mma_kernel if tile == "mma" else _dense16_kernel), {}
+    return (_dense_q8p_kernel if tile == "row" else _dense_kernel), {"REV": reversed_ties(target)}
 
 
 def dense(x: torch.Tensor, raw: torch.Tensor, qtype: QT, n_out: int, cfg: TileConfig | None = None,

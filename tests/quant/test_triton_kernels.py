@@ -293,18 +293,19 @@ def test_interpreter_pairs_without_a_slot_do_nothing_and_a_second_launch_fills_t
     case = Case(w, n_tok=1, k=3, device="cpu", seed=1)
     _, want = case.reference()
     kept = torch.tensor([True, False, True])[case.pos.long()]  # top-k position 1 is "missed"
+    rounded = tk.round_inputs(case.x, case.w)  # both launches share x's rounding, as the token step does
     for split in (tk.SplitK(1, 1), None):
         out = torch.full_like(want, 7.0)
         slot = torch.where(kept, case.slot, torch.full_like(case.slot, -1))
         tk.experts_forward(case.x, case.buffers, case.w, case.tok, case.pos, slot, case.exp, case.weights, out,
-                           SMALL, SMALL, split)
+                           SMALL, SMALL, split, rounded=rounded)
         assert (out[1] == 7.0).all(), "a pair without a slot wrote its row"
         assert rel_err(out[[0, 2]], want[[0, 2]]) < 1e-3
         # the missed pair from the experts as the file holds them, by expert id
         host = [t.raw for t in (w.gate, w.up, w.down)]
         mapped = torch.where(kept, torch.full_like(case.exp, -1), case.exp)
         tk.experts_forward(case.x, host, case.w, case.tok, case.pos, mapped, mapped, case.weights, out, SMALL,
-                           SMALL, split)
+                           SMALL, split, rounded=rounded)
         assert rel_err(out, want) < 1e-3
 
 
