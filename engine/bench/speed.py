@@ -242,6 +242,14 @@ def add_ctx_argument(p: argparse.ArgumentParser) -> None:
     p.add_argument("-c", "--ctx", type=int, default=Config.ctx, help=FIELDS["ctx"].help)
 
 
+def _runs(value: str) -> tuple[str, ...]:
+    names = tuple(n.strip() for n in value.split(",") if n.strip())
+    unknown = [n for n in names if n not in RUNS]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(f"unknown run(s) {unknown or value!r}; choose from {', '.join(RUNS)}")
+    return names
+
+
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("speed", help="decode/prefill speed against llama.cpp at a VRAM budget")
     p.add_argument("model", type=Path)
@@ -252,6 +260,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--decode-tokens", type=int, default=64)
     add_long_argument(p, 0)
     add_ctx_argument(p)
+    p.add_argument("--runs", type=_runs, default=RUNS,
+                   help=f"comma-separated configurations to run (default: all of {','.join(RUNS)})")
     p.add_argument("--out", type=Path, help="write the JSON result here too (after each run)")
     p.set_defaults(run=_run)
 
@@ -262,6 +272,6 @@ def _run(args: argparse.Namespace) -> int:
 
     r = bench(args.model, args.vram_budget_mib, device=resolve_device(args.device), threads=args.threads,
               n_prompt=args.prompt_tokens, n_decode=args.decode_tokens, ctx=args.ctx, n_long=args.long_prompt_tokens,
-              on_run=save if args.out else None)
+              runs=args.runs, on_run=save if args.out else None)
     print(json.dumps(r, indent=2, default=float))
     return 0

@@ -54,6 +54,8 @@ def test_unknown_flag_shows_the_commands_own_usage():
     assert "unrecognized arguments: --bogus-flag" in res.stderr
     res = _moestudio("bench", "hitrate", "x.gguf", "--nope")
     assert res.stderr.startswith("usage: moestudio bench hitrate "), res.stderr
+    res = _moestudio("bench", "speed", "x.gguf", "--vram-budget-mib", "1", "--runs", "hybrid,llama-cpu")
+    assert res.returncode == 2 and "unknown run(s) ['llama-cpu']; choose from hybrid, " in res.stderr, res.stderr
 
 
 @pytest.mark.parametrize("argv", [["bench", "hitrate"], ["bench", "speed", "--vram-budget-mib", "1024"],
