@@ -34,7 +34,7 @@ import argparse
 import json
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -125,7 +125,7 @@ def legacy_dense(x: torch.Tensor, raw: torch.Tensor, qtype: QT, n_out: int) -> t
     hr = tk.round_rows(x, qtype)
     tok = torch.arange(T, dtype=torch.int32, device=x.device)
     zero = torch.zeros(T, dtype=torch.int32, device=x.device)
-    cfg = tk.DOWN_CONFIG[qtype]
+    cfg = tk.DOWN_CONFIG
     tk._down_kernel[(T, math.ceil(n_out / cfg.block_n))](
         hr.padded, hr.quants, hr.scales, raw, raw.stride(0), raw.stride(1), hr.padded, hr.padded, 0,
         out, out.stride(0), out.stride(1), tok, zero, zero, zero, n_out,
@@ -221,7 +221,7 @@ def bench_dense(name: str, n_out: int, K: int, qtype: QT, rows: list[int], dev: 
         new = tk.dense(x, raws[0], qtype, n_out)
         old = legacy_dense(x, raws[0], qtype, n_out)
         err = ((new - old).abs().max() / old.abs().max()).item()
-        split = tk.SplitK.choose(n_out, K, tk.sm_count(str(dev)), tk.dense_config(qw, t).block_n)
+        split = tk.SplitK.choose(n_out, K, tk.sm_count(str(dev)), tk.dense_config(qw, t))
 
         def calls(fn, rs, *extra):  # one graph's calls, each on the next copy of the weight
             return [lambda i=i: fn(x, rs[i % n_copies], qtype, n_out, *extra) for i in range(calls_per_graph)]
@@ -241,12 +241,12 @@ def bench_dense(name: str, n_out: int, K: int, qtype: QT, rows: list[int], dev: 
             [lambda: tk.dense(x, engine_raws[0], qtype, n_out)] * calls_per_graph, replays), copy)
         if sweep:
             row["sweep"] = []
-            for cfg, per_sm in _dense_sweep(qw, t):  # in the engine's layout
-                sp = tk.SplitK.choose(n_out, K, tk.sm_count(str(dev)), cfg.block_n, per_sm)
+            for cfg in _dense_sweep(qw, t):  # in the engine's layout
+                sp = tk.SplitK.choose(n_out, K, tk.sm_count(str(dev)), cfg)
                 tk.dense(x, engine_raws[0], qtype, n_out, cfg, sp)
-                row["sweep"].append({"config": f"{cfg_name(cfg)} {per_sm}/SM", "split": [sp.split, sp.steps],
-                                     **rate(one.numel(), graph_us(calls(tk.dense, engine_raws, cfg, sp), replays),
-                                             copy)})
+                us = graph_us(calls(tk.dense, engine_raws, cfg, sp), replays)
+                row["sweep"].append({"config": f"{cfg_name(cfg)} {cfg.programs_per_sm}/SM",
+                                     "split": [sp.split, sp.steps], **rate(one.numel(), us, copy)})
             best = min(row["sweep"], key=lambda r: r["us"])
             print(f"       sweep best {best['config']} split {best['split']}: {best['us']} us {best['GBps']} GB/s",
                   flush=True)
@@ -304,19 +304,23 @@ class ExpertStep:
 
 
 def bench_experts(name: str, sc: ExpertScenario, rows: list[int], dev: torch.device, copy: float, l2_bytes: int,
-                  replays: int, n_steps: int, sweep: list | None) -> list[dict]:
+                  replays: int, n_steps: int, sweep: bool) -> list[dict]:
     import torch
 
     from engine.quant import triton_kernels as tk
 
     layer = ExpertLayer(sc, dev, l2_bytes)
+    w = layer.w
+    qg, qu = (tk.kernel_type(t.qtype, b, t.shape[2]) for t, b in zip((w.gate, w.up), layer.buffers))
     out = []
     for t in rows:
         g = torch.Generator().manual_seed(t)
         steps = [ExpertStep(layer, t, sc.top_k, g, dev) for _ in range(n_steps)]
+        tile = tk.expert_tile(qg, qu, t)
 
-        def run(s: ExpertStep, cfg=None) -> None:
-            tk.experts_forward(s.x, layer.buffers, layer.w, s.tok, s.pos, s.slot, s.exp, s.weights, s.out, cfg, cfg)
+        def run(s: ExpertStep, cfg=None) -> None:  # a swept tile for gate/up, and for down where it is the same kind
+            tk.experts_forward(s.x, layer.buffers, layer.w, s.tok, s.pos, s.slot, s.exp, s.weights, s.out, cfg,
+                               cfg if tile == "tile" else None)
 
         run(steps[0])
         eager = steps[0].out.clone()
@@ -333,9 +337,9 @@ def bench_experts(name: str, sc: ExpertScenario, rows: list[int], dev: torch.dev
                "n_ff": sc.n_ff, "top_k": sc.top_k, "rows": t, "MB": round(nbytes / 1e6, 2),
                "slots": layer.n_slots, "new": rate(nbytes, us, copy), "host_us_eager": round(host, 1),
                "launches_us": expert_step_launches(layer, steps, replays)}
-        if sweep:  # one tile for gate/up and down alike
+        if sweep:
             row["sweep"] = []
-            for cfg in sweep:
+            for cfg in _expert_sweep(tile):
                 run(steps[0], cfg)
                 row["sweep"].append({"config": cfg_name(cfg),
                                      **rate(nbytes, graph_us([lambda s=s: run(s, cfg) for s in steps], replays),
@@ -665,6 +669,16 @@ def llama_line(row: dict) -> str:
 
 # ------------------------------------------------------------------------------ report
 
+def _expert_sweep(tile: str) -> list:
+    """Tiles --sweep times for the expert step whose gate/up takes `tile` (triton_kernels.expert_tile)."""
+    from engine.quant import triton_kernels as tk
+
+    if tile == "row":
+        return [tk.TileConfig(2, 1), tk.TileConfig(2, 2), tk.TileConfig(4, 2), tk.TileConfig(8, 4),
+                tk.TileConfig(8, 8), tk.TileConfig(16, 4)]
+    return _sweep_tiles()
+
+
 def _sweep_tiles() -> list:
     """Tiles --sweep times: a row per lane pair (BLOCK_N = 16 x warps) or two (32 x warps)."""
     from engine.quant import triton_kernels as tk
@@ -674,10 +688,10 @@ def _sweep_tiles() -> list:
 
 
 def _dense_sweep(qw: int, rows: int) -> list:
-    """(tile, programs per SM) pairs --sweep times for the dense product of weights of kernel
-    type `qw` (triton_kernels.kernel_type) at `rows` activation rows, by the tile it takes
+    """Tiles --sweep times for the dense product of weights of kernel type `qw`
+    (triton_kernels.kernel_type) at `rows` activation rows, by the tile it takes
     (triton_kernels.dense_tile: lanes along K take BLOCK_N rows on num_warps warps; tensor
-    cores a BLOCK_N of at least 16)."""
+    cores a BLOCK_N of at least 16), the default at several programs per SM (its split)."""
     from engine.quant import triton_kernels as tk
 
     tile = tk.dense_tile(qw, rows)
@@ -688,10 +702,13 @@ def _dense_sweep(qw: int, rows: int) -> list:
     elif tile == "row":
         tiles = [tk.TileConfig(4, 4), tk.TileConfig(8, 8), tk.TileConfig(16, 8), tk.TileConfig(4, 2),
                  tk.TileConfig(2, 2), tk.TileConfig(16, 4)]
+    elif tile == "row_kquant":
+        tiles = [tk.TileConfig(2, 2, programs_per_sm=1), tk.TileConfig(4, 2, programs_per_sm=1),
+                 tk.TileConfig(4, 4, programs_per_sm=1), tk.TileConfig(8, 4, programs_per_sm=1)]
     else:
         tiles = _sweep_tiles()
     default = tk.DENSE_CONFIG[tile]
-    return [(t, tk.PROGRAMS_PER_SM) for t in tiles if t != default] + [(default, n) for n in (2, 4, 8, 16)]
+    return [t for t in tiles if t != default] + [replace(default, programs_per_sm=n) for n in (1, 2, 4, 8, 16)]
 
 
 def cfg_name(cfg) -> str:
@@ -835,7 +852,7 @@ def run(args: argparse.Namespace) -> int:
         for name, sc in _expert_scenarios().items():
             if set(sc.qtypes) <= set(types):
                 result["results"] += bench_experts(name, sc, args.rows, dev, copy, l2_bytes, args.replays,
-                                                   args.steps, _sweep_tiles() if args.sweep else None)
+                                                   args.steps, args.sweep)
     if "grouped" in args.only:
         for name, sc in _expert_scenarios().items():
             if set(sc.qtypes) <= set(types):

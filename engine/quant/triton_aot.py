@@ -148,25 +148,34 @@ def slot_type(q: QT) -> int:
 
 
 def decode_variants(gate: QT, up: QT, down: QT, n_embd: int, n_ff: int, activation: int = 0, bias: bool = False,
-                    gate_up_cfg: tk.TileConfig | None = None, down_cfg: tk.TileConfig | None = None,
                     arch: int = 90):
     """(label, kernel, constexprs, config) of every launch experts_forward makes for this geometry,
     over slot buffers as engine/moe/slots.LayerSlots lays them out (Q6_K padded, MXFP4 and Q8_0
     planar)."""
     vt = tk._vt
     rev = tk.reversed_ties(_target(arch))
-    gu = gate_up_cfg or tk.GATE_UP_CONFIG[gate]
-    dn = down_cfg or tk.DOWN_CONFIG[down]
+    qg, qu = slot_type(gate), slot_type(up)
+    gate_up = {"N": n_ff, "K": n_embd, "QG": qg, "QU": qu, "SAME_X": vt(gate) == vt(up), "VT_DOWN": vt(down),
+               "ACT": activation, "HAS_BIAS": bias, "INTERP": False, "REV": rev}
     out = [("round_x", tk._round_rows_kernel, {"K": n_embd, "VT": vt(gate), "INTERP": False, "SUMS": False},
             tk.TileConfig(0, 4))]
-    # gate/up unsplit (many pairs: Triton specializes the split of 1 as a constant) and split
-    # over K (one token's top-8 on an H200; the split a runtime argument)
-    one_token = tk.SplitK.choose(ONE_TOKEN_PAIRS * -(-n_ff // gu.block_n) * gu.block_n, n_embd, H200_SMS, gu.block_n)
-    for split in ({"split": 1}, {}) if one_token.split > 1 and not gu.unroll else ({"split": 1},):
-        out.append((f"gate_up s{split.get('split', one_token.split)}", tk._gate_up_kernel,
-                    {"N": n_ff, "K": n_embd, "QG": slot_type(gate), "QU": slot_type(up), "SAME_X": vt(gate) == vt(up),
-                     "VT_DOWN": vt(down), "ACT": activation, "HAS_BIAS": bias, "BLOCK_N": gu.block_n,
-                     "UNROLL": gu.unroll, "INTERP": False, "REV": rev, **split}, gu))
+    # gate/up unsplit (many tokens' pairs: Triton specializes the split of 1 as a constant), and for
+    # one token's top-8 on an H200 in its own tile, split over K where that tile takes a split (the
+    # split a runtime argument)
+    many = tk.GATE_UP_CONFIG["tile"]
+    out.append(("gate_up s1", tk._gate_up_kernel, {**gate_up, "BLOCK_N": many.block_n, "UNROLL": many.unroll,
+                                                   "split": 1}, many))
+    tile = tk.expert_tile(qg, qu, 1)
+    one = tk.GATE_UP_CONFIG[tile]
+    split = tk.SplitK.choose(ONE_TOKEN_PAIRS * -(-n_ff // one.block_n) * one.block_n, n_embd, H200_SMS, one)
+    if tile == "row":
+        out.append((f"gate_up row s{split.split}", tk._gate_up_k4_kernel,
+                    {**gate_up, "BLOCK_N": one.block_n, "UNROLL": False, **({"split": 1} if split.split == 1 else {})},
+                    one))
+    elif split.split > 1 and not one.unroll:
+        out.append((f"gate_up s{split.split}", tk._gate_up_kernel,
+                    {**gate_up, "BLOCK_N": one.block_n, "UNROLL": one.unroll}, one))
+    dn = tk.DOWN_CONFIG
     out.append(("down", tk._down_kernel,
                 {"K": n_ff, "QD": slot_type(down), "HAS_BIAS": bias, "WEIGHTED": True, "BLOCK_N": dn.block_n,
                  "UNROLL": dn.unroll, "INTERP": False, "REV": rev}, dn))
@@ -193,7 +202,7 @@ def dense_variants(qtype: QT, n_out: int, K: int, rows: int, cfg: tk.TileConfig 
     layout.kernel_layout lays them out (Q6_K padded, MXFP4 and Q8_0 planar), else the GGUF rows."""
     qw = slot_type(qtype) if laid_out else int(qtype)
     cfg = cfg or tk.dense_config(qw, rows)
-    split = tk.SplitK.choose(n_out, K, sm_count, cfg.block_n)
+    split = tk.SplitK.choose(n_out, K, sm_count, cfg)
     kernel, extra = tk.dense_kernel(qw, rows, _target(arch))
     return [(f"dense r{rows} s{split.split}", kernel,
              {"K": K, "QW": qw, "ROWS": rows, "SPLIT": split.split, "STEPS": split.steps, "BLOCK_N": cfg.block_n,

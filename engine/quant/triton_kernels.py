@@ -15,14 +15,16 @@ engine/quant/layout.py). Three launches per batch of pairs
    gpt-oss's SWIGLU_OAI) -> h [pairs, n_ff]; the last program of each pair to finish (a
    semaphore) then rounds the whole h row for the down type. A launch of few pairs (one token's
    8: 192 programs of 32 rows for 132 SMs) splits its K steps over `split` programs (SplitK),
-   whose partial sums the last of them adds, in order, before the activation.
+   whose partial sums the last of them adds, in order, before the activation. One token's Q4_K /
+   Q5_K pairs take `_gate_up_k4_kernel` instead (the same grid and results; lanes along K).
 2. `_down_kernel`, grid (pairs, n_embd / BLOCK_N): the rounded h against the down rows, plus
    bias, times the routing weight, stored straight into the executor's per_slot[j, t, :].
 
 A dense product (attention projections, output head, shared experts at decode) is two
-launches: `_round_rows_kernel`, then `_dense_kernel`, grid (n_out / BLOCK_N, split): each
-program a block of weight rows times a slice of the K steps against every activation row,
-the slices' partial sums added by the last program of each row block (SplitK).
+launches: `_round_rows_kernel`, then `_dense_kernel` (or, for one row, a kernel with lanes along
+K: `dense_tile`), grid (n_out / BLOCK_N, split): each program a block of weight rows times a
+slice of the K steps against every activation row, the slices' partial sums added by the last
+program of each row block (SplitK).
 
 Exactness: the rounding is bit-exact with round_activation (correctly rounded divisions,
 half-to-even); weights decode with dequant.py's arithmetic; products are summed in float32
@@ -603,6 +605,51 @@ if triton is not None:
                                       is_pure=False, pack=1)
         tl.debug_barrier()
 
+    @triton.jit
+    def _gate_up_finish(g, u, rows, p, s, split, n_pairs, gb_ptr, ub_ptr, h_ptr, hr_ptr, hq_ptr, hd_ptr, part_ptr,
+                        count_ptr, pair_exp, N: tl.constexpr, VT_DOWN: tl.constexpr, ACT: tl.constexpr,
+                        HAS_BIAS: tl.constexpr, INTERP: tl.constexpr):
+        """The end of a gate/up program (either tile): its gate and up sums g, u for `rows`; with
+        split > 1 its partials, which the last program of the row block adds in split order;
+        then bias, activation, h, and the pair's last row block rounds the whole h row."""
+        nb = tl.program_id(1)
+        live = rows < N
+        p64 = p.to(tl.int64)
+        finish = split == 1  # constexpr where Triton specialized split to 1, else a runtime flag
+        if split > 1:
+            part = part_ptr + (p64 * split + s) * (2 * N)
+            tl.store(part + rows, g, mask=live)
+            tl.store(part + N + rows, u, mask=live)
+            _fence_stores(rows, INTERP)
+            block_sem = count_ptr + n_pairs + p * tl.num_programs(1) + nb
+            finish = tl.atomic_add(block_sem, 1, sem="acq_rel", scope="gpu") == split - 1
+            if finish:
+                tl.store(block_sem, 0)
+                part = part_ptr + p64 * (split * 2 * N)
+                g = tl.load(part + rows, mask=live, other=0.0, cache_modifier=".cg")
+                u = tl.load(part + N + rows, mask=live, other=0.0, cache_modifier=".cg")
+                for j in range(1, split):
+                    g += tl.load(part + j * 2 * N + rows, mask=live, other=0.0, cache_modifier=".cg")
+                    u += tl.load(part + j * 2 * N + N + rows, mask=live, other=0.0, cache_modifier=".cg")
+        if finish:
+            if HAS_BIAS:
+                e = tl.load(pair_exp + p).to(tl.int64)
+                g = g + tl.load(gb_ptr + e * N + rows, mask=live, other=0.0)
+                u = u + tl.load(ub_ptr + e * N + rows, mask=live, other=0.0)
+            h = _activate(g, u, ACT)
+            h_row = h_ptr + p64 * N
+            tl.store(h_row + rows, h, mask=live)
+            # The last row block of this pair to finish rounds the whole h row for the down
+            # weights (the same semaphore pattern, one per pair; reset by that program).
+            _fence_stores(rows, INTERP)
+            done = tl.atomic_add(count_ptr + p, 1, sem="acq_rel", scope="gpu")
+            if done == tl.num_programs(1) - 1:
+                tl.store(count_ptr + p, 0)
+                NSH: tl.constexpr = (N + 255) // 256
+                for c in tl.static_range(0, NSH):
+                    _round_chunk(h_row, hr_ptr + p64 * (NSH * 256), hq_ptr + p64 * (NSH * 256),
+                                 hd_ptr + p64 * (NSH * 8), hd_ptr, c, N, VT_DOWN, INTERP, False)
+
     # The split is a runtime argument: it follows the launch's pair count, and a constexpr would
     # compile a variant per count class (Triton still gives split 1 a variant of its own).
     @triton.jit(do_not_specialize=["n_pairs", "steps"])
@@ -675,45 +722,9 @@ if triton is not None:
                 acc_u = _use_w(acc_u, ua, ub, uc, ud, xu_row, xuq_row, xud_row, ks, K, BLOCK_N, QU, INTERP, REV)
                 ga, gb, gc, gd = nga, ngb, ngc, ngd
                 ua, ub, uc, ud = nua, nub, nuc, nud
-        g = _reduce_acc(acc_g)
-        u = _reduce_acc(acc_u)
         rows = nb * BLOCK_N + tl.arange(0, BLOCK_N)
-        live = rows < N
-        p64 = p.to(tl.int64)
-        finish = split == 1  # constexpr where Triton specialized split to 1, else a runtime flag
-        if split > 1:
-            part = part_ptr + (p64 * split + s) * (2 * N)
-            tl.store(part + rows, g, mask=live)
-            tl.store(part + N + rows, u, mask=live)
-            _fence_stores(rows, INTERP)
-            block_sem = count_ptr + n_pairs + p * tl.num_programs(1) + nb
-            finish = tl.atomic_add(block_sem, 1, sem="acq_rel", scope="gpu") == split - 1
-            if finish:
-                tl.store(block_sem, 0)
-                part = part_ptr + p64 * (split * 2 * N)
-                g = tl.load(part + rows, mask=live, other=0.0, cache_modifier=".cg")
-                u = tl.load(part + N + rows, mask=live, other=0.0, cache_modifier=".cg")
-                for j in range(1, split):
-                    g += tl.load(part + j * 2 * N + rows, mask=live, other=0.0, cache_modifier=".cg")
-                    u += tl.load(part + j * 2 * N + N + rows, mask=live, other=0.0, cache_modifier=".cg")
-        if finish:
-            if HAS_BIAS:
-                e = tl.load(pair_exp + p).to(tl.int64)
-                g = g + tl.load(gb_ptr + e * N + rows, mask=live, other=0.0)
-                u = u + tl.load(ub_ptr + e * N + rows, mask=live, other=0.0)
-            h = _activate(g, u, ACT)
-            h_row = h_ptr + p64 * N
-            tl.store(h_row + rows, h, mask=live)
-            # The last row block of this pair to finish rounds the whole h row for the down
-            # weights (the same semaphore pattern, one per pair; reset by that program).
-            _fence_stores(rows, INTERP)
-            done = tl.atomic_add(count_ptr + p, 1, sem="acq_rel", scope="gpu")
-            if done == tl.num_programs(1) - 1:
-                tl.store(count_ptr + p, 0)
-                NSH: tl.constexpr = (N + 255) // 256
-                for c in tl.static_range(0, NSH):
-                    _round_chunk(h_row, hr_ptr + p64 * (NSH * 256), hq_ptr + p64 * (NSH * 256),
-                                 hd_ptr + p64 * (NSH * 8), hd_ptr, c, N, VT_DOWN, INTERP, False)
+        _gate_up_finish(_reduce_acc(acc_g), _reduce_acc(acc_u), rows, p, s, split, n_pairs, gb_ptr, ub_ptr, h_ptr,
+                        hr_ptr, hq_ptr, hd_ptr, part_ptr, count_ptr, pair_exp, N, VT_DOWN, ACT, HAS_BIAS, INTERP)
 
     @triton.jit
     def _down_kernel(hr_ptr, hq_ptr, hd_ptr, d_ptr, d_slot_bytes, d_row_bytes, db_ptr, wt_ptr, wt_stride_tok,
@@ -746,8 +757,13 @@ if triton is not None:
                 na, nb2, nc, nd = _load_w(d_rows, tl.minimum(ks + 1, NS - 1), K, BLOCK_N, QD, REV)
                 acc = _use_w(acc, a, b, cc, dd, x_row, xq_row, xd_row, ks, K, BLOCK_N, QD, INTERP, REV)
                 a, b, cc, dd = na, nb2, nc, nd
-        y = _reduce_acc(acc)
-        rows = nb * BLOCK_N + tl.arange(0, BLOCK_N)
+        _down_finish(_reduce_acc(acc), nb * BLOCK_N + tl.arange(0, BLOCK_N), p, db_ptr, wt_ptr, wt_stride_tok, out_ptr,
+                     out_stride_pos, out_stride_tok, pair_tok, pair_pos, pair_exp, N, HAS_BIAS, WEIGHTED)
+
+    @triton.jit
+    def _down_finish(y, rows, p, db_ptr, wt_ptr, wt_stride_tok, out_ptr, out_stride_pos, out_stride_tok, pair_tok,
+                     pair_pos, pair_exp, N, HAS_BIAS: tl.constexpr, WEIGHTED: tl.constexpr):
+        """The end of a down program (either tile): bias, the routing weight, the store of `rows`."""
         live = rows < N
         if HAS_BIAS:
             e = tl.load(pair_exp + p).to(tl.int64)
@@ -1022,6 +1038,162 @@ if triton is not None:
         y = tl.sum(acc, axis=0)
         _dense_finish(y, y, y, y, y, y, y, y, part_ptr, out_ptr, count_ptr, nb, s, N, ROWS, SPLIT, BLOCK_N, INTERP)
 
+    # ---------------------------------------------------------------- Q4_K and Q5_K one-row dense products
+    # The same idea for GGUF Q4_K / Q5_K rows, whose K step is one block (144 / 176 bytes, 16-aligned):
+    # a warp reads four steps of a weight row at once, eight lanes a block, lane g holding 16
+    # contiguous bytes of block g // 8's quants (piece g % 8: sub-blocks 2c and 2c + 1, c = piece //
+    # 2), its block's 16-byte header (the block's eight lanes read one run) and, for Q5_K, the 16
+    # bytes of fifth bits its quants take: 576 (704) contiguous bytes of a row an access, where the
+    # quantized tile gives a row two lanes of 16. Each lane picks its sub-blocks' scales and mins
+    # out of the header run (which bytes depends on the lane: a select-and-sum over its own words).
+
+    @triton.jit
+    def _run_byte(run, wd, k3, k2):
+        """Byte k of each lane's 16-byte run held as 4 words along wd; k per lane, given as
+        [32, 1, 1] (k3) and [32, 1] (k2)."""
+        word = tl.sum(tl.where(wd == k3 // 4, run, 0), axis=2)
+        return (word >> ((k2 % 4) * 8)) & 255
+
+    @triton.jit
+    def _k4_lane_scale_min(hdr, wd, j3, j2):
+        """get_scale_min_k4 of sub-block j (per lane) from Q4_K/Q5_K header runs."""
+        a = _run_byte(hdr, wd, 4 + j3, 4 + j2)
+        b = _run_byte(hdr, wd, 8 + j3, 8 + j2)
+        e = _run_byte(hdr, wd, 4 + (j3 & 3), 4 + (j2 & 3))
+        low = j2 < 4
+        sc = tl.where(low, a & 63, (b & 15) | ((e >> 6) << 4))
+        mn = tl.where(low, b & 63, (b >> 4) | ((a >> 6) << 4))
+        return sc.to(tl.float32), mn.to(tl.float32)
+
+    @triton.jit
+    def _k4_load(w_words, kq, k1, g, wd, NS: tl.constexpr, QW: tl.constexpr, REV: tl.constexpr):
+        """Steps kq ... kq + 3 (those from k1 on masked): the lanes' quant words, their blocks'
+        header runs and (Q5_K) their runs of fifth bits."""
+        blk = kq + g // 8
+        live = (blk < k1) & (wd >= 0)
+        if QW == _Q4_K:  # d, dmin | scales[12] | qs[128]
+            base = w_words + tl.minimum(blk, NS - 1) * 36
+            w = _ld3(base + 4 + (g % 8) * 4 + wd, REV, live)
+            qh = w
+        else:  # d, dmin | scales[12] | qh[32] | qs[128]
+            base = w_words + tl.minimum(blk, NS - 1) * 44
+            w = _ld3(base + 12 + (g % 8) * 4 + wd, REV, live)
+            qh = _ld3(base + 4 + (g % 2) * 4 + wd, REV, live)
+        hdr = _ld3(base + wd, REV, live)
+        return w, hdr, qh
+
+    @triton.jit
+    def _k4_dot(w, hdr, qh, xq_ptr, xd_ptr, kq, k1, g, n, wd, QW: tl.constexpr, INTERP: tl.constexpr,
+                REV: tl.constexpr):
+        """Each lane's 32 values of steps kq ... kq + 3 dotted with the activation's Q8_K quants:
+        dx * (d * sc * sum(q * qx) - dmin * m * sum(qx)) per sub-block, [32, BLOCK_N]."""
+        blk = kq + g // 8 + n * 0 + wd * 0
+        live = (blk < k1)
+        c3 = g % 8 // 2
+        c2 = tl.arange(0, 32)[:, None] % 8 // 2
+        qlo = w & 0x0F0F0F0F
+        qhi = (w >> 4) & 0x0F0F0F0F
+        if QW == _Q5_K:  # qh byte i: bit 2c the fifth bit of low nibble i of sub-block 2c, bit 2c + 1 the high's
+            qlo = qlo | (((qh >> (c3 * 2)) & 0x01010101) << 4)
+            qhi = qhi | (((qh >> (c3 * 2 + 1)) & 0x01010101) << 4)
+        # the activation's quant words of the lane's values (low nibbles; high ones 32 values on)
+        xw = xq_ptr.to(tl.pointer_type(tl.int32)) + blk * 64 + c3 * 16 + (g % 2) * 4 + wd
+        xlo = _ld3(xw, REV, live)
+        xhi = _ld3(xw + 8, REV, live)
+        ones = xlo * 0 + 0x01010101
+        slo = tl.sum(_dp4a(qlo, xlo, INTERP), axis=2).to(tl.float32)
+        shi = tl.sum(_dp4a(qhi, xhi, INTERP), axis=2).to(tl.float32)
+        blo = tl.sum(_dp4a(ones, xlo, INTERP), axis=2).to(tl.float32)
+        bhi = tl.sum(_dp4a(ones, xhi, INTERP), axis=2).to(tl.float32)
+        # Q8_K's scale of the block: the first word of a run of 4 at 8 words a step
+        run = _ld3(xd_ptr.to(tl.pointer_type(tl.int32)) + blk * 8 + wd, REV, live)
+        dx = tl.sum(tl.where(wd == 0, run, 0), axis=2).to(tl.float32, bitcast=True)
+        w0 = tl.sum(tl.where(wd == 0, hdr, 0), axis=2)
+        d = _f16_bits(w0 & 0xFFFF)
+        dmin = _f16_bits((w0 >> 16) & 0xFFFF)
+        sc0, mn0 = _k4_lane_scale_min(hdr, wd, c3 * 2, c2 * 2)
+        sc1, mn1 = _k4_lane_scale_min(hdr, wd, c3 * 2 + 1, c2 * 2 + 1)
+        return dx * (((d * sc0) * slo - (dmin * mn0) * blo) + ((d * sc1) * shi - (dmin * mn1) * bhi))
+
+    @triton.jit
+    def _dense_k4_kernel(xr_ptr, xq_ptr, xd_ptr, w_ptr, w_row_bytes, part_ptr, out_ptr, count_ptr, N,
+                         K: tl.constexpr, QW: tl.constexpr, ROWS: tl.constexpr, SPLIT: tl.constexpr,
+                         STEPS: tl.constexpr, BLOCK_N: tl.constexpr, INTERP: tl.constexpr, REV: tl.constexpr):
+        """_dense_kernel's product (its grid, arguments and split-K) for Q4_K or Q5_K weights (QW,
+        GGUF rows) and one activation row (ROWS = 1), in the tile above: out [1, N] = rounded x
+        [1, K] . W [N, K], from the activation's Q8_K quants xq and scales xd (xr is not read)."""
+        nb = tl.program_id(0)
+        s = tl.program_id(1)
+        g = tl.arange(0, 32)[:, None, None]
+        n = nb * BLOCK_N + tl.arange(0, BLOCK_N)[None, :, None]
+        wd = tl.arange(0, 4)[None, None, :]
+        w_words = w_ptr.to(tl.pointer_type(tl.int32)) + tl.minimum(n, N - 1).to(tl.int64) * (w_row_bytes // 4)
+        NS: tl.constexpr = K // 256
+        k0 = s * STEPS
+        k1 = tl.minimum(k0 + STEPS, NS)
+        acc = tl.zeros((32, BLOCK_N), tl.float32)
+        w, hdr, qh = _k4_load(w_words, k0, k1, g, wd, NS, QW, REV)  # the next four steps load while these are used
+        for kq in range(k0, k1, 4):
+            nw, nhdr, nqh = _k4_load(w_words, kq + 4, k1, g, wd, NS, QW, REV)
+            acc += _k4_dot(w, hdr, qh, xq_ptr, xd_ptr, kq, k1, g, n, wd, QW, INTERP, REV)
+            w, hdr, qh = nw, nhdr, nqh
+        y = tl.sum(acc, axis=0)
+        _dense_finish(y, y, y, y, y, y, y, y, part_ptr, out_ptr, count_ptr, nb, s, N, ROWS, SPLIT, BLOCK_N, INTERP)
+
+    # gate/up in the same tile, for Q4_K / Q5_K experts at one token (_gate_up_kernel's grid,
+    # arguments, results and end): a pair's BLOCK_N rows of gate and up a program, four K steps
+    # a warp's access. (The down product in this tile, timed too, was slower than the quantized
+    # tile at 1-8 tokens: 768 values are three K steps, a quarter of the lanes idle.)
+
+    @triton.jit(do_not_specialize=["n_pairs", "steps"])
+    def _gate_up_k4_kernel(xg_ptr, xgq_ptr, xgd_ptr, xu_ptr, xuq_ptr, xud_ptr,
+                           g_ptr, g_slot_bytes, g_row_bytes, u_ptr, u_slot_bytes, u_row_bytes,
+                           gb_ptr, ub_ptr, h_ptr, hr_ptr, hq_ptr, hd_ptr, part_ptr, count_ptr,
+                           pair_tok, pair_slot, pair_exp, n_pairs, split, steps,
+                           N: tl.constexpr, K: tl.constexpr, QG: tl.constexpr, QU: tl.constexpr,
+                           SAME_X: tl.constexpr, VT_DOWN: tl.constexpr, ACT: tl.constexpr, HAS_BIAS: tl.constexpr,
+                           BLOCK_N: tl.constexpr, UNROLL: tl.constexpr, INTERP: tl.constexpr, REV: tl.constexpr):
+        """_gate_up_kernel for Q4_K / Q5_K gate and up weights (QG, QU), lanes along K (UNROLL unused)."""
+        p = tl.program_id(0)
+        nb = tl.program_id(1)
+        s = tl.program_id(2)
+        tok = tl.load(pair_tok + p).to(tl.int64)
+        slot_or_none = tl.load(pair_slot + p)
+        if slot_or_none < 0:  # no slot here (see _gate_up_kernel)
+            return
+        slot = slot_or_none.to(tl.int64)
+        g = tl.arange(0, 32)[:, None, None]
+        n = nb * BLOCK_N + tl.arange(0, BLOCK_N)[None, :, None]
+        wd = tl.arange(0, 4)[None, None, :]
+        rows_c = tl.minimum(n, N - 1).to(tl.int64)
+        g_words = (g_ptr + slot * g_slot_bytes).to(tl.pointer_type(tl.int32)) + rows_c * (g_row_bytes // 4)
+        u_words = (u_ptr + slot * u_slot_bytes).to(tl.pointer_type(tl.int32)) + rows_c * (u_row_bytes // 4)
+        NS: tl.constexpr = K // 256
+        xgq_row = xgq_ptr + tok * (NS * 256)
+        xgd_row = xgd_ptr + tok * (NS * 8)
+        if SAME_X:
+            xuq_row = xgq_row
+            xud_row = xgd_row
+        else:
+            xuq_row = xuq_ptr + tok * (NS * 256)
+            xud_row = xud_ptr + tok * (NS * 8)
+        k0 = s * steps
+        k1 = tl.minimum(k0 + steps, NS)
+        acc_g = tl.zeros((32, BLOCK_N), tl.float32)
+        acc_u = tl.zeros((32, BLOCK_N), tl.float32)
+        gw, gh, gq = _k4_load(g_words, k0, k1, g, wd, NS, QG, REV)  # the next four steps load while these are used
+        uw, uh, uq = _k4_load(u_words, k0, k1, g, wd, NS, QU, REV)
+        for kq in range(k0, k1, 4):
+            ngw, ngh, ngq = _k4_load(g_words, kq + 4, k1, g, wd, NS, QG, REV)
+            nuw, nuh, nuq = _k4_load(u_words, kq + 4, k1, g, wd, NS, QU, REV)
+            acc_g += _k4_dot(gw, gh, gq, xgq_row, xgd_row, kq, k1, g, n, wd, QG, INTERP, REV)
+            acc_u += _k4_dot(uw, uh, uq, xuq_row, xud_row, kq, k1, g, n, wd, QU, INTERP, REV)
+            gw, gh, gq = ngw, ngh, ngq
+            uw, uh, uq = nuw, nuh, nuq
+        _gate_up_finish(tl.sum(acc_g, axis=0), tl.sum(acc_u, axis=0), nb * BLOCK_N + tl.arange(0, BLOCK_N), p, s,
+                        split, n_pairs, gb_ptr, ub_ptr, h_ptr, hr_ptr, hq_ptr, hd_ptr, part_ptr, count_ptr, pair_exp,
+                        N, VT_DOWN, ACT, HAS_BIAS, INTERP)
+
     @triton.jit
     def _order_probe_kernel(ptr):
         i = tl.arange(0, 2)[:, None, None] * 1000 + tl.arange(0, 4)[None, :, None] * 100 \
@@ -1050,6 +1222,9 @@ def reversed_ties(target=None) -> bool:
     return (m.group(1), m.group(2)) == ("1", "0")
 
 
+PROGRAMS_PER_SM = 4  # programs wanted per SM (split-K's target): enough loads in flight to cover HBM latency
+
+
 @dataclass(frozen=True)
 class TileConfig:
     block_n: int  # weight rows per program (quantized tiles: a warp covers 16 rows, two lanes per row)
@@ -1057,15 +1232,27 @@ class TileConfig:
     num_warps: int
     unroll: bool = False  # K steps fully unrolled, or a loop that loads one step ahead
     num_stages: int = 1  # Triton's own pipeliner: only the 16-bit tensor-core product has work for it
+    programs_per_sm: int = PROGRAMS_PER_SM  # SplitK.choose's target for this tile
 
 
-# Defaults, one per (kernel, weight type). Every tile puts two lanes on a row and 16 rows on a
-# warp (see "weight tiles"), so BLOCK_N = 16 x num_warps gives each lane pair one row; 2 warps
-# and 32 rows keep enough programs for decode (Qwen3-30B: 8 pairs x 24 of them for gate/up).
-# BLOCK_N = 32 x num_warps gives a lane two rows (more loads in flight per lane).
-# `moestudio bench kernels --sweep` times alternatives on the device.
-GATE_UP_CONFIG: dict[QT, TileConfig] = {t: TileConfig(32, 2) for t in KERNEL_TYPES}
-DOWN_CONFIG: dict[QT, TileConfig] = {t: TileConfig(32, 2) for t in KERNEL_TYPES}
+# The expert kernels' tiles and their defaults. gate/up takes one of two (expert_tile picks):
+#   "tile"  the quantized tile ("weight tiles" above), every type and token count (_gate_up_kernel)
+#   "row"   Q4_K / Q5_K gate and up at one token: a warp's lanes along each weight row, four K
+#           steps an access (_gate_up_k4_kernel; BLOCK_N rows on num_warps warps). At 2 and 8
+#           tokens the tile was faster (H200: 17.4 / 44.6 against 17.9 / 51.4 us, Qwen3 Q4_K).
+# The down kernel takes the quantized tile. That tile puts two lanes on a row and 16 rows on a
+# warp, so BLOCK_N = 16 x num_warps gives each lane pair one row; 2 warps and 32 rows keep enough
+# programs for decode (Qwen3-30B: 8 pairs x 24 of them for gate/up); BLOCK_N = 32 x num_warps
+# gives a lane two rows. `moestudio bench kernels --sweep` times alternatives on the device.
+GATE_UP_CONFIG: dict[str, TileConfig] = {"tile": TileConfig(32, 2), "row": TileConfig(4, 4)}
+DOWN_CONFIG = TileConfig(32, 2)
+_K_QUANT_ROWS = (int(QT.Q4_K), int(QT.Q5_K))  # the types the lanes-along-K kernels read
+
+
+def expert_tile(qg: int, qu: int, tokens: int) -> str:
+    """The tile (a GATE_UP_CONFIG key) of a gate/up launch over `tokens` tokens' pairs and
+    weights of kernel types `qg`, `qu` (kernel_type)."""
+    return "row" if tokens == 1 and qg in _K_QUANT_ROWS and qu in _K_QUANT_ROWS else "tile"
 
 _ACT = {"silu": 0, "swiglu_oai": 1}
 
@@ -1176,7 +1363,6 @@ def round_rows(x: torch.Tensor, weight_qtype: QT, sums: bool = False) -> Rounded
 
 # Split-K: a product of few weight rows (one token's experts, a small projection) puts a
 # slice of its K steps on each of several programs, so that every SM has loads in flight.
-PROGRAMS_PER_SM = 4  # programs wanted per SM: enough loads in flight to cover HBM latency
 
 
 @dataclass(frozen=True)
@@ -1185,17 +1371,16 @@ class SplitK:
     steps: int  # K steps (of 256) per program
 
     @classmethod
-    def choose(cls, n_out: int, K: int, sm_count: int, block_n: int,
-               programs_per_sm: int = PROGRAMS_PER_SM) -> "SplitK":
-        """The fewest K slices that give `n_out` weight rows (in blocks of `block_n`) about
-        `programs_per_sm` programs per SM, at least one K step each: a wide product (an output
-        head) is not split and needs no reduction; a 4096 x 2048 projection on 132 SMs takes 4
-        slices of 2 steps (512 programs); a 512-row k/v projection one step per program (8
-        slices); one token's Qwen3-30B gate/up (8 experts x 768 rows x 2048) 3 slices of 3, 3
-        and 2 steps."""
+    def choose(cls, n_out: int, K: int, sm_count: int, tile: TileConfig) -> "SplitK":
+        """The fewest K slices that give `n_out` weight rows (in blocks of the tile's block_n)
+        about the tile's programs_per_sm programs per SM, at least one K step each: a wide product
+        (an output head) is not split and needs no reduction; in tiles of 32 rows and 4 programs
+        an SM on 132 SMs a 4096 x 2048 projection takes 4 slices of 2 steps (512 programs), a
+        512-row k/v projection one step per program (8 slices), one token's Qwen3-30B gate/up
+        (8 experts x 768 rows x 2048) 3 slices of 3, 3 and 2 steps."""
         n_steps = -(-K // KSTEP)
-        blocks = -(-n_out // block_n)
-        wanted = -(-programs_per_sm * sm_count // blocks)
+        blocks = -(-n_out // tile.block_n)
+        wanted = -(-tile.programs_per_sm * sm_count // blocks)
         steps = -(-n_steps // max(1, min(wanted, n_steps)))
         return cls(-(-n_steps // steps), steps)
 
@@ -1223,10 +1408,12 @@ def gate_up(xg: Rounded, xu: Rounded, gate_buf: torch.Tensor, up_buf: torch.Tens
     if P == 0:
         return h, hr
     assert xg.values.shape[1] == d_in
-    cfg = cfg or GATE_UP_CONFIG[w.gate.qtype]
+    qg, qu = kernel_type(w.gate.qtype, gate_buf, d_in), kernel_type(w.up.qtype, up_buf, d_in)
+    tile = expert_tile(qg, qu, xg.padded.shape[0])
+    cfg = cfg or GATE_UP_CONFIG[tile]
     blocks = triton.cdiv(n_ff, cfg.block_n)
     if split is None:
-        split = SplitK.choose(P * blocks * cfg.block_n, d_in, sm_count(str(h.device)), cfg.block_n)
+        split = SplitK.choose(P * blocks * cfg.block_n, d_in, sm_count(str(h.device)), cfg)
         if cfg.unroll or P * (blocks + 1) > COUNTERS:
             split = SplitK(1, -(-d_in // KSTEP))
     assert split.split == 1 or not cfg.unroll, "an unrolled tile takes every K step"
@@ -1234,14 +1421,17 @@ def gate_up(xg: Rounded, xu: Rounded, gate_buf: torch.Tensor, up_buf: torch.Tens
     has_bias = w.gate.bias is not None
     gb = w.gate.bias if has_bias else h
     ub = w.up.bias if w.up.bias is not None else gb
-    _gate_up_kernel[(P, blocks, split.split)](
+    kernel = _gate_up_k4_kernel if tile == "row" else _gate_up_kernel
+    # semaphores: one per pair (h's rounding), and with a split one per pair and row block
+    kernel[(P, blocks, split.split)](
         xg.padded, xg.quants, xg.scales, xu.padded, xu.quants, xu.scales,
         gate_buf, gate_buf.stride(0), gate_buf.stride(1), up_buf, up_buf.stride(0), up_buf.stride(1),
-        gb, ub, h, hr.padded, hr.quants, hr.scales, part, _counter(h.device, P * (blocks + 1)),
+        gb, ub, h, hr.padded, hr.quants, hr.scales, part,
+        _counter(h.device, P * (blocks + 1) if split.split > 1 else P),
         pair_tok, pair_slot, pair_exp, P, split.split, split.steps,
-        N=n_ff, K=d_in, QG=kernel_type(w.gate.qtype, gate_buf, d_in), QU=kernel_type(w.up.qtype, up_buf, d_in),
-        SAME_X=xg is xu, VT_DOWN=_vt(w.down.qtype), ACT=_ACT[w.activation], HAS_BIAS=has_bias,
-        BLOCK_N=cfg.block_n, UNROLL=cfg.unroll, INTERP=INTERPRETED, REV=reversed_ties(), **_launch_opts(cfg))
+        N=n_ff, K=d_in, QG=qg, QU=qu, SAME_X=xg is xu, VT_DOWN=_vt(w.down.qtype), ACT=_ACT[w.activation],
+        HAS_BIAS=has_bias, BLOCK_N=cfg.block_n, UNROLL=cfg.unroll, INTERP=INTERPRETED, REV=reversed_ties(),
+        **_launch_opts(cfg))
     return h, hr
 
 
@@ -1257,7 +1447,7 @@ def down(hr: Rounded, down_buf: torch.Tensor, w, pair_tok: torch.Tensor, pair_po
     if P == 0:
         return
     assert out.stride(2) == 1
-    cfg = cfg or DOWN_CONFIG[w.down.qtype]
+    cfg = cfg or DOWN_CONFIG
     has_bias = w.down.bias is not None
     db = w.down.bias if has_bias else hr.padded
     wt = weights if weights is not None else hr.padded
@@ -1303,14 +1493,19 @@ def dense_supported(qtype: QT) -> bool:
 # Dense products of up to DENSE_MAX_ROWS rows (attention projections, output head, shared
 # experts, dense FFNs at decode): each program a block of weight rows times a slice of the K
 # steps (split-K), so that a one-row product of few output rows still puts work on every SM.
-# Three tiles (dense_tile picks one), each with its kernel and its default:
+# Four tiles (dense_tile picks one), each with its kernel and its default:
 #   "tile"  quantized weights: one weight row per lane pair as in the expert kernels (_dense_kernel)
 #   "row"   one activation row of 16-bit or planar Q8_0 weights: a warp's lanes along each weight
 #           row (_dense16_kernel, _dense_q8p_kernel; BLOCK_N rows on num_warps warps)
+#   "row_kquant"  the same for one row of Q4_K or Q5_K weights, four K steps an access (_dense_k4_kernel)
 #   "mma"   2-8 rows of 16-bit weights on tensor cores (_dense16_mma_kernel; BLOCK_N rows a
 #           program, Triton's pipeliner keeping num_stages steps in flight)
 DENSE_MAX_ROWS = 8  # activation rows one launch multiplies (the kernel's accumulators)
+# (A "row_kquant" program is one warp over 2 rows, unsplit wherever there are 132 of them: on the
+# H200 within 8% of the best tile and split at each decode shape, the split's reduction costing
+# more than the SMs it fills.)
 DENSE_CONFIG: dict[str, TileConfig] = {"tile": TileConfig(32, 2), "row": TileConfig(8, 4),
+                                       "row_kquant": TileConfig(2, 1, programs_per_sm=1),
                                        "mma": TileConfig(32, 4, num_stages=2)}
 _SIXTEEN_BIT = (int(QT.F16), int(QT.BF16))
 
@@ -1320,7 +1515,9 @@ def dense_tile(qw: int, rows: int) -> str:
     of kernel type `qw` (kernel_type)."""
     if qw in _SIXTEEN_BIT:
         return "mma" if rows > 1 else "row"
-    return "row" if qw == Q8_0_PLANAR and rows == 1 else "tile"
+    if rows == 1 and qw == Q8_0_PLANAR:
+        return "row"
+    return "row_kquant" if rows == 1 and qw in _K_QUANT_ROWS else "tile"
 
 
 def dense_config(qw: int, rows: int) -> TileConfig:
@@ -1336,7 +1533,8 @@ def dense_kernel(qw: int, rows: int, target=None) -> tuple[Callable, dict]:
     tile = dense_tile(qw, rows)
     if qw in _SIXTEEN_BIT:
         return (_dense16_mma_kernel if tile == "mma" else _dense16_kernel), {}
-    return (_dense_q8p_kernel if tile == "row" else _dense_kernel), {"REV": reversed_ties(target)}
+    kernel = {"tile": _dense_kernel, "row": _dense_q8p_kernel, "row_kquant": _dense_k4_kernel}[tile]
+    return kernel, {"REV": reversed_ties(target)}
 
 
 def dense(x: torch.Tensor, raw: torch.Tensor, qtype: QT, n_out: int, cfg: TileConfig | None = None,
@@ -1365,7 +1563,7 @@ def _dense_product(xr: Rounded, raw: torch.Tensor, qtype: QT, n_out: int, cfg: T
     out = torch.empty((T, n_out), dtype=torch.float32, device=raw.device)
     qw = kernel_type(qtype, raw, K)
     cfg = cfg or dense_config(qw, T)
-    split = split or SplitK.choose(n_out, K, sm_count(str(raw.device)), cfg.block_n)
+    split = split or SplitK.choose(n_out, K, sm_count(str(raw.device)), cfg)
     blocks = triton.cdiv(n_out, cfg.block_n)
     if split.split > 1:
         part = torch.empty((split.split, T, n_out), dtype=torch.float32, device=raw.device)

@@ -251,6 +251,18 @@ def test_interpreter_gate_up_split_over_k(name: str, n_embd: int, split: tk.Spli
 
 
 @interp
+@pytest.mark.parametrize("name,split", [("Q4_K", None), ("Q5_K", tk.SplitK(2, 3)), ("Q4_K-Q5_K-Q8_0", tk.SplitK(3, 2))])
+def test_interpreter_one_token_gate_up_with_lanes_along_k(name: str, split: tk.SplitK | None) -> None:
+    """One token's Q4_K / Q5_K gate/up takes the lanes-along-K kernel (four K steps an access):
+    5 steps are a whole group and a partial one, or slices of 3 and 2 (2, 2 and 1) steps."""
+    qtypes = INTERP_CASES[name][0]
+    assert tk.expert_tile(int(qtypes[0]), int(qtypes[1]), 1) == "row"
+    assert tk.expert_tile(int(qtypes[0]), int(qtypes[1]), 2) == "tile"
+    w = make_weights(qtypes, n_expert=6, n_embd=1280, n_ff=256, seed=12)
+    check_case(Case(w, n_tok=1, k=3, device="cpu", seed=6), tk.TileConfig(64, 4), SMALL, split=split)
+
+
+@interp
 def test_interpreter_gpt_oss_gate_up_split_with_biases() -> None:
     w = make_weights((QT.MXFP4,) * 3, n_expert=5, n_embd=576, n_ff=192, activation=SWIGLU_OAI, bias=True, seed=3)
     check_case(Case(w, n_tok=1, k=3, device="cpu", seed=2), SMALL, SMALL, whole=False, split=tk.SplitK(3, 1))
@@ -482,6 +494,19 @@ def test_gpu_other_tile_configs(cfg: tk.TileConfig, qtypes) -> None:
     check_case(Case(w, n_tok=2, k=8, device="cuda", seed=7), cfg, cfg)
 
 
+@gpu
+@pytest.mark.parametrize("cfg", [tk.TileConfig(2, 1), tk.TileConfig(2, 2), tk.TileConfig(8, 8), tk.TileConfig(16, 4)],
+                         ids=lambda c: f"bn{c.block_n}w{c.num_warps}")
+@pytest.mark.parametrize("qtype", [QT.Q4_K, QT.Q5_K], ids=lambda t: t.name)
+def test_gpu_other_row_tiles(cfg: tk.TileConfig, qtype: QT) -> None:
+    """The lanes-along-K kernels (one token's gate/up; the one-row dense product) at the tiles the
+    benchmark sweeps."""
+    _needs_compiled()
+    w = make_weights((qtype,) * 3, n_expert=16, n_embd=2048, n_ff=768, seed=8)
+    check_case(Case(w, n_tok=1, k=8, device="cuda", seed=8), cfg)
+    check_dense(qtype, n_out=4096, K=2048, rows=1, device="cuda", cfg=cfg)
+
+
 # ------------------------------------------------------------------------------ the hybrid hook
 
 def _hook_outputs(make_model, arch: str, qtype: QT, device: str, monkeypatch, mode: str) -> tuple:
@@ -519,8 +544,9 @@ def _hook_outputs(make_model, arch: str, qtype: QT, device: str, monkeypatch, mo
 @interp
 @pytest.mark.parametrize("arch,qtype", [("qwen3moe", QT.Q4_K), ("gpt-oss", QT.MXFP4), ("llama", QT.Q6_K)])
 def test_interpreter_hybrid_hook_matches_torch_path(make_model, monkeypatch, arch, qtype) -> None:
-    for table in (tk.GATE_UP_CONFIG, tk.DOWN_CONFIG):  # one program per pair: the interpreter's fastest
-        monkeypatch.setitem(table, qtype, tk.TileConfig(256, 4))
+    for tile in tk.GATE_UP_CONFIG:  # one program per pair: the interpreter's fastest
+        monkeypatch.setitem(tk.GATE_UP_CONFIG, tile, tk.TileConfig(256, 4))
+    monkeypatch.setattr(tk, "DOWN_CONFIG", tk.TileConfig(256, 4))
     got, want = _hook_outputs(make_model, arch, qtype, "cpu", monkeypatch, "force")
     assert rel_err(got, want) < 1e-3, rel_err(got, want)
 
@@ -587,6 +613,16 @@ def test_interpreter_dense_kernel_layouts(qtype: QT, K: int, rows: int) -> None:
         check_dense(qtype, n_out=160, K=K, rows=rows, device="cpu", cfg=SMALL, split=split, laid_out=True)
 
 
+@interp
+@pytest.mark.parametrize("qtype", [QT.Q4_K, QT.Q5_K], ids=lambda t: t.name)
+def test_interpreter_one_row_k4_kernel_over_several_step_groups(qtype: QT) -> None:
+    """The one-row Q4_K / Q5_K kernel reads four K steps an access: 6 steps are a whole group and a
+    partial one (unsplit), or groups cut by the split (3 and 2 steps a slice, 1 step a slice)."""
+    assert tk.dense_tile(int(qtype), 1) == "row_kquant" and tk.dense_tile(int(qtype), 2) == "tile"
+    for split in (tk.SplitK(1, 6), tk.SplitK(2, 3), tk.SplitK(3, 2), tk.SplitK(6, 1)):
+        check_dense(qtype, n_out=40, K=1536, rows=1, device="cpu", cfg=tk.TileConfig(16, 4), split=split)
+
+
 def check_linear(qtype: QT, n_out: int, K: int, device: str, monkeypatch, decode_rows=(1, 3),
                  prefill_rows: int = 40) -> None:
     """engine.layers.linear.Linear with the kernels (MOESTUDIO_TRITON=force, or 1 on CUDA)
@@ -647,7 +683,7 @@ def test_dense_rejects_more_rows_than_it_takes() -> None:
     (64 * 768, 2048, 132, tk.SplitK(1, 8)),   # eight tokens' gate/up: 1,536 row blocks fill the GPU
 ])
 def test_split_heuristic(n_out: int, K: int, sms: int, want) -> None:
-    got = tk.SplitK.choose(n_out, K, sms, 32)
+    got = tk.SplitK.choose(n_out, K, sms, tk.TileConfig(32, 2))
     assert got == want
     n_steps = -(-K // tk.KSTEP)
     assert (got.split - 1) * got.steps < n_steps <= got.split * got.steps, "every slice has a step"
