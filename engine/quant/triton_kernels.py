@@ -980,6 +980,15 @@ if triton is not None:
     # quantized tile (H200, Mixtral's 4096 x 14336: 65.6 against 44.8 us, 130 against 58).
 
     @triton.jit
+    def _row_tile(w_ptr, w_row_bytes, nb, N, BLOCK_N: tl.constexpr):
+        """Row block nb of the tile [32 (g: lanes), BLOCK_N (n: weight rows), 4 (wd: words)]: its
+        index tensors and its weight rows as int32 word pointers (rows past N read row N - 1)."""
+        g = tl.arange(0, 32)[:, None, None]
+        n = nb * BLOCK_N + tl.arange(0, BLOCK_N)[None, :, None]
+        wd = tl.arange(0, 4)[None, None, :]
+        return g, n, wd, w_ptr.to(tl.pointer_type(tl.int32)) + tl.minimum(n, N - 1).to(tl.int64) * (w_row_bytes // 4)
+
+    @triton.jit
     def _ld3(ptr, REV: tl.constexpr, mask):
         """tl.load (masked, zeros elsewhere) of a [32, BLOCK_N, 4] tile with the lanes along its
         first axis whatever order this Triton gives dimensions of equal contiguity (REV: see _ld)."""
@@ -1014,10 +1023,7 @@ if triton is not None:
         from the activation's int8 quants xq and block scales xd (the values xr are not read)."""
         nb = tl.program_id(0)
         s = tl.program_id(1)
-        g = tl.arange(0, 32)[:, None, None]
-        n = nb * BLOCK_N + tl.arange(0, BLOCK_N)[None, :, None]
-        wd = tl.arange(0, 4)[None, None, :]
-        w_words = w_ptr.to(tl.pointer_type(tl.int32)) + tl.minimum(n, N - 1).to(tl.int64) * (w_row_bytes // 4)
+        g, n, wd, w_words = _row_tile(w_ptr, w_row_bytes, nb, N, BLOCK_N)
         NB: tl.constexpr = K // 32
         NS: tl.constexpr = (K + 255) // 256
         k0 = s * STEPS
@@ -1124,10 +1130,7 @@ if triton is not None:
         [1, K] . W [N, K], from the activation's Q8_K quants xq and scales xd (xr is not read)."""
         nb = tl.program_id(0)
         s = tl.program_id(1)
-        g = tl.arange(0, 32)[:, None, None]
-        n = nb * BLOCK_N + tl.arange(0, BLOCK_N)[None, :, None]
-        wd = tl.arange(0, 4)[None, None, :]
-        w_words = w_ptr.to(tl.pointer_type(tl.int32)) + tl.minimum(n, N - 1).to(tl.int64) * (w_row_bytes // 4)
+        g, n, wd, w_words = _row_tile(w_ptr, w_row_bytes, nb, N, BLOCK_N)
         NS: tl.constexpr = K // 256
         k0 = s * STEPS
         k1 = tl.minimum(k0 + STEPS, NS)
@@ -1162,12 +1165,8 @@ if triton is not None:
         if slot_or_none < 0:  # no slot here (see _gate_up_kernel)
             return
         slot = slot_or_none.to(tl.int64)
-        g = tl.arange(0, 32)[:, None, None]
-        n = nb * BLOCK_N + tl.arange(0, BLOCK_N)[None, :, None]
-        wd = tl.arange(0, 4)[None, None, :]
-        rows_c = tl.minimum(n, N - 1).to(tl.int64)
-        g_words = (g_ptr + slot * g_slot_bytes).to(tl.pointer_type(tl.int32)) + rows_c * (g_row_bytes // 4)
-        u_words = (u_ptr + slot * u_slot_bytes).to(tl.pointer_type(tl.int32)) + rows_c * (u_row_bytes // 4)
+        g, n, wd, g_words = _row_tile(g_ptr + slot * g_slot_bytes, g_row_bytes, nb, N, BLOCK_N)
+        _, _, _, u_words = _row_tile(u_ptr + slot * u_slot_bytes, u_row_bytes, nb, N, BLOCK_N)
         NS: tl.constexpr = K // 256
         xgq_row = xgq_ptr + tok * (NS * 256)
         xgd_row = xgd_ptr + tok * (NS * 8)
