@@ -757,13 +757,8 @@ if triton is not None:
                 na, nb2, nc, nd = _load_w(d_rows, tl.minimum(ks + 1, NS - 1), K, BLOCK_N, QD, REV)
                 acc = _use_w(acc, a, b, cc, dd, x_row, xq_row, xd_row, ks, K, BLOCK_N, QD, INTERP, REV)
                 a, b, cc, dd = na, nb2, nc, nd
-        _down_finish(_reduce_acc(acc), nb * BLOCK_N + tl.arange(0, BLOCK_N), p, db_ptr, wt_ptr, wt_stride_tok, out_ptr,
-                     out_stride_pos, out_stride_tok, pair_tok, pair_pos, pair_exp, N, HAS_BIAS, WEIGHTED)
-
-    @triton.jit
-    def _down_finish(y, rows, p, db_ptr, wt_ptr, wt_stride_tok, out_ptr, out_stride_pos, out_stride_tok, pair_tok,
-                     pair_pos, pair_exp, N, HAS_BIAS: tl.constexpr, WEIGHTED: tl.constexpr):
-        """The end of a down program (either tile): bias, the routing weight, the store of `rows`."""
+        y = _reduce_acc(acc)
+        rows = nb * BLOCK_N + tl.arange(0, BLOCK_N)
         live = rows < N
         if HAS_BIAS:
             e = tl.load(pair_exp + p).to(tl.int64)
@@ -1362,8 +1357,6 @@ def round_rows(x: torch.Tensor, weight_qtype: QT, sums: bool = False) -> Rounded
 
 # Split-K: a product of few weight rows (one token's experts, a small projection) puts a
 # slice of its K steps on each of several programs, so that every SM has loads in flight.
-
-
 @dataclass(frozen=True)
 class SplitK:
     split: int  # programs along K per block of weight rows
