@@ -71,7 +71,9 @@ if [[ ",$STAGES," == *",tests,"* ]]; then
   echo "[$(date +%T)] GPU kernel tests rc=$? $(tail -1 "$OUT/gpu_kernel_tests.log")"
 fi
 if [[ ",$STAGES," == *",bench,"* ]]; then
-  timeout "${BENCH_TIMEOUT:-290}" python3 -m engine.cli bench kernels --out "$OUT" "$@" 2>&1 \
+  # 540 s: within a device call's 600 s; at 290 a whole-table run (every type, 1 and 8 rows) was cut off
+  # before llama.cpp's cases ran (they run after ours)
+  timeout "${BENCH_TIMEOUT:-540}" python3 -m engine.cli bench kernels --out "$OUT" "$@" 2>&1 \
     | tee "$OUT/bench_kernels.log"
   echo "[$(date +%T)] bench kernels rc=${PIPESTATUS[0]}"
 fi
