@@ -15,8 +15,9 @@ engine/quant/layout.py). Three launches per batch of pairs
    gpt-oss's SWIGLU_OAI) -> h [pairs, n_ff]; the last program of each pair to finish (a
    semaphore) then rounds the whole h row for the down type. A launch of few pairs (one token's
    8: 192 programs of 32 rows for 132 SMs) splits its K steps over `split` programs (SplitK),
-   whose partial sums the last of them adds, in order, before the activation. One token's Q4_K /
-   Q5_K pairs take `_gate_up_k4_kernel` instead (the same grid and results; lanes along K).
+   whose partial sums the last of them adds, in order, before the activation. One token's Q4_K,
+   Q5_K, padded Q6_K and planar MXFP4 pairs take `_gate_up_k4_kernel` instead (the same grid and
+   results; lanes along K).
 2. `_down_kernel`, grid (pairs, n_embd / BLOCK_N): the rounded h against the down rows, plus
    bias, times the routing weight, stored straight into the executor's per_slot[j, t, :].
 
@@ -1039,14 +1040,17 @@ if triton is not None:
         y = tl.sum(acc, axis=0)
         _dense_finish(y, y, y, y, y, y, y, y, part_ptr, out_ptr, count_ptr, nb, s, N, ROWS, SPLIT, BLOCK_N, INTERP)
 
-    # ---------------------------------------------------------------- Q4_K and Q5_K one-row dense products
-    # The same idea for GGUF Q4_K / Q5_K rows, whose K step is one block (144 / 176 bytes, 16-aligned):
-    # a warp reads four steps of a weight row at once, eight lanes a block, lane g holding 16
-    # contiguous bytes of block g // 8's quants (piece g % 8: sub-blocks 2c and 2c + 1, c = piece //
-    # 2), its block's 16-byte header (the block's eight lanes read one run) and, for Q5_K, the 16
-    # bytes of fifth bits its quants take: 576 (704) contiguous bytes of a row an access, where the
-    # quantized tile gives a row two lanes of 16. Each lane picks its sub-blocks' scales and mins
-    # out of the header run (which bytes depends on the lane: a select-and-sum over its own words).
+    # ---------------------------------------------------------------- K-quant and MXFP4 one-row dense products
+    # The same idea for GGUF Q4_K / Q5_K rows, padded Q6_K and planar MXFP4, whose K step is one
+    # block (144 / 176 / 224 bytes, 16-aligned) or eight (MXFP4: 8 x 16 quant bytes): a warp reads
+    # four steps of a weight row at once. K-quants: eight lanes a block, lane g holding 16
+    # contiguous bytes of block g // 8's quants (its piece g % 8), its block's 16-byte header
+    # (Q6_K: its scales, and the run holding d; the block's eight lanes read one run) and, for
+    # Q5_K / Q6_K, the 16 bytes of high bits its quants take: 576 (704, 896) contiguous bytes of
+    # a row an access, where the quantized tile gives a row two lanes of 16. MXFP4: lane g holds
+    # block g's 16 nibble bytes (512 contiguous bytes an access) and the 16-byte run of e8m0
+    # scales holding its own (16 lanes read one run). Each lane picks its scales out of those
+    # runs (which bytes depends on the lane: a select-and-sum over its own words).
 
     @triton.jit
     def _run_byte(run, wd, k3, k2):
@@ -1067,29 +1071,88 @@ if triton is not None:
         return sc.to(tl.float32), mn.to(tl.float32)
 
     @triton.jit
-    def _k4_load(w_words, kq, k1, g, wd, NS: tl.constexpr, QW: tl.constexpr, REV: tl.constexpr):
-        """Steps kq ... kq + 3 (those from k1 on masked): the lanes' quant words, their blocks'
-        header runs and (Q5_K) their runs of fifth bits."""
+    def _k4_load(w_words, kq, k1, g, wd, K: tl.constexpr, QW: tl.constexpr, REV: tl.constexpr):
+        """Steps kq ... kq + 3 (those from k1 on masked): the lanes' quant words, their header
+        runs (MXFP4: scale runs), their runs of high bits (Q5_K, Q6_K) and Q6_K's run holding d
+        (unused ones repeat the quant words)."""
+        NS: tl.constexpr = (K + 255) // 256
+        if QW == _MXFP4_PLANAR:  # qs[16] of every block | their e8m0 scales, zero-padded (layout.planar)
+            NB: tl.constexpr = K // 32
+            blk = kq * 8 + g
+            live = (blk < k1 * 8) & (blk < NB) & (wd >= 0)
+            w = _ld3(w_words + tl.minimum(blk, NB - 1) * 4 + wd, REV, live)
+            hdr = _ld3(w_words + NB * 4 + (blk // 16) * 4 + wd, REV, live)
+            return w, hdr, w, w
         blk = kq + g // 8
         live = (blk < k1) & (wd >= 0)
         if QW == _Q4_K:  # d, dmin | scales[12] | qs[128]
             base = w_words + tl.minimum(blk, NS - 1) * 36
             w = _ld3(base + 4 + (g % 8) * 4 + wd, REV, live)
             qh = w
-        else:  # d, dmin | scales[12] | qh[32] | qs[128]
+            dd = w
+            hdr = _ld3(base + wd, REV, live)
+        elif QW == _Q5_K:  # d, dmin | scales[12] | qh[32] | qs[128]
             base = w_words + tl.minimum(blk, NS - 1) * 44
             w = _ld3(base + 12 + (g % 8) * 4 + wd, REV, live)
             qh = _ld3(base + 4 + (g % 2) * 4 + wd, REV, live)
-        hdr = _ld3(base + wd, REV, live)
-        return w, hdr, qh
+            dd = w
+            hdr = _ld3(base + wd, REV, live)
+        else:  # padded Q6_K: ql[128] | qh[64] | scales[16] | d, zeros; piece c: qh bytes 32 (c // 4) + 16 (c % 2)
+            base = w_words + tl.minimum(blk, NS - 1) * 56
+            w = _ld3(base + (g % 8) * 4 + wd, REV, live)
+            qh = _ld3(base + 32 + (g % 8 // 4 * 2 + g % 2) * 4 + wd, REV, live)
+            hdr = _ld3(base + 48 + wd, REV, live)
+            dd = _ld3(base + 52 + wd, REV, live)
+        return w, hdr, qh, dd
 
     @triton.jit
-    def _k4_dot(w, hdr, qh, xq_ptr, xd_ptr, kq, k1, g, n, wd, QW: tl.constexpr, INTERP: tl.constexpr,
-                REV: tl.constexpr):
-        """Each lane's 32 values of steps kq ... kq + 3 dotted with the activation's Q8_K quants:
-        dx * (d * sc * sum(q * qx) - dmin * m * sum(qx)) per sub-block, [32, BLOCK_N]."""
+    def _k4_dot(w, hdr, qh, dd, xq_ptr, xd_ptr, kq, k1, g, n, wd, K: tl.constexpr, QW: tl.constexpr,
+                INTERP: tl.constexpr, REV: tl.constexpr):
+        """Each lane's 32 values of steps kq ... kq + 3 dotted with the activation's int8 quants
+        (Q8_K; MXFP4: Q8_0), scaled per group of values sharing scales, [32, BLOCK_N]."""
+        if QW == _MXFP4_PLANAR:
+            # block blk: word wd of its nibbles holds values 4wd .. 4wd + 3 (low) and 16 + 4wd .. (high)
+            NB: tl.constexpr = K // 32
+            blk = kq * 8 + g + n * 0 + wd * 0
+            live = (blk < k1 * 8) & (blk < NB)
+            xw = xq_ptr.to(tl.pointer_type(tl.int32)) + blk * 8 + wd
+            sw = tl.sum(_dp4a(_e2m1_words(w, INTERP), _ld3(xw, REV, live), INTERP, True)
+                        + _dp4a(_e2m1_words(w >> 4, INTERP), _ld3(xw + 4, REV, live), INTERP, True), axis=2)
+            b2 = kq * 8 + tl.arange(0, 32)[:, None]
+            e = _run_byte(hdr, wd, (kq * 8 + g) % 16, b2 % 16)
+            dw = tl.where(e < 2, 0x00200000 << e, (e - 1) << 23).to(tl.float32, bitcast=True)
+            # Q8_0's scale of the block: word blk % 4 of a run of 4
+            run = _ld3(xd_ptr.to(tl.pointer_type(tl.int32)) + blk // 4 * 4 + wd, REV, live)
+            dx = tl.sum(tl.where(wd == blk % 4, run, 0), axis=2).to(tl.float32, bitcast=True)
+            return (dw * dx) * sw.to(tl.float32)
         blk = kq + g // 8 + n * 0 + wd * 0
         live = (blk < k1)
+        # Q8_K's scale of the block: the first word of a run of 4 at 8 words a step
+        run = _ld3(xd_ptr.to(tl.pointer_type(tl.int32)) + blk * 8 + wd, REV, live)
+        dx = tl.sum(tl.where(wd == 0, run, 0), axis=2).to(tl.float32, bitcast=True)
+        xw = xq_ptr.to(tl.pointer_type(tl.int32)) + blk * 64 + wd
+        if QW == _Q6_K_PADDED:
+            # piece c = g % 8 holds ql bytes 16c ...: half h = c // 4, a = c // 2 % 2, o = c % 2; low
+            # nibbles are values 128h + 32a + 16o + i (scale 8h + 2a + o), high ones 64 on (scale
+            # + 4); top bits from qh at shift 2a (+ 4). 6-bit quants less 32 in the sums.
+            c3 = g % 8
+            c2 = tl.arange(0, 32)[:, None] % 8
+            sh = c3 // 2 % 2 * 2
+            q0 = (w & 0x0F0F0F0F) | (((qh >> sh) & 0x03030303) << 4)
+            q1 = ((w >> 4) & 0x0F0F0F0F) | (((qh >> (sh + 4)) & 0x03030303) << 4)
+            xlo = _ld3(xw + c3 // 4 * 32 + c3 % 4 * 4, REV, live)
+            xhi = _ld3(xw + c3 // 4 * 32 + c3 % 4 * 4 + 16, REV, live)
+            ones = xlo * 0 + 0x01010101
+            s0 = tl.sum(_dp4a(q0, xlo, INTERP) - 32 * _dp4a(ones, xlo, INTERP), axis=2).to(tl.float32)
+            s1 = tl.sum(_dp4a(q1, xhi, INTERP) - 32 * _dp4a(ones, xhi, INTERP), axis=2).to(tl.float32)
+            si3 = c3 // 4 * 8 + c3 // 2 % 2 * 2 + c3 % 2
+            si2 = c2 // 4 * 8 + c2 // 2 % 2 * 2 + c2 % 2
+            b0 = _run_byte(hdr, wd, si3, si2)
+            b1 = _run_byte(hdr, wd, si3 + 4, si2 + 4)
+            sc0 = (b0 - ((b0 & 128) << 1)).to(tl.float32)
+            sc1 = (b1 - ((b1 & 128) << 1)).to(tl.float32)
+            d = _f16_bits(tl.sum(tl.where(wd == 0, dd, 0), axis=2) & 0xFFFF)
+            return dx * ((d * sc0) * s0 + (d * sc1) * s1)
         c3 = g % 8 // 2
         c2 = tl.arange(0, 32)[:, None] % 8 // 2
         qlo = w & 0x0F0F0F0F
@@ -1098,17 +1161,13 @@ if triton is not None:
             qlo = qlo | (((qh >> (c3 * 2)) & 0x01010101) << 4)
             qhi = qhi | (((qh >> (c3 * 2 + 1)) & 0x01010101) << 4)
         # the activation's quant words of the lane's values (low nibbles; high ones 32 values on)
-        xw = xq_ptr.to(tl.pointer_type(tl.int32)) + blk * 64 + c3 * 16 + (g % 2) * 4 + wd
-        xlo = _ld3(xw, REV, live)
-        xhi = _ld3(xw + 8, REV, live)
+        xlo = _ld3(xw + c3 * 16 + (g % 2) * 4, REV, live)
+        xhi = _ld3(xw + c3 * 16 + (g % 2) * 4 + 8, REV, live)
         ones = xlo * 0 + 0x01010101
         slo = tl.sum(_dp4a(qlo, xlo, INTERP), axis=2).to(tl.float32)
         shi = tl.sum(_dp4a(qhi, xhi, INTERP), axis=2).to(tl.float32)
         blo = tl.sum(_dp4a(ones, xlo, INTERP), axis=2).to(tl.float32)
         bhi = tl.sum(_dp4a(ones, xhi, INTERP), axis=2).to(tl.float32)
-        # Q8_K's scale of the block: the first word of a run of 4 at 8 words a step
-        run = _ld3(xd_ptr.to(tl.pointer_type(tl.int32)) + blk * 8 + wd, REV, live)
-        dx = tl.sum(tl.where(wd == 0, run, 0), axis=2).to(tl.float32, bitcast=True)
         w0 = tl.sum(tl.where(wd == 0, hdr, 0), axis=2)
         d = _f16_bits(w0 & 0xFFFF)
         dmin = _f16_bits((w0 >> 16) & 0xFFFF)
@@ -1120,25 +1179,26 @@ if triton is not None:
     def _dense_k4_kernel(xr_ptr, xq_ptr, xd_ptr, w_ptr, w_row_bytes, part_ptr, out_ptr, count_ptr, N,
                          K: tl.constexpr, QW: tl.constexpr, ROWS: tl.constexpr, SPLIT: tl.constexpr,
                          STEPS: tl.constexpr, BLOCK_N: tl.constexpr, INTERP: tl.constexpr, REV: tl.constexpr):
-        """_dense_kernel's product (its grid, arguments and split-K) for Q4_K or Q5_K weights (QW,
-        GGUF rows) and one activation row (ROWS = 1), in the tile above: out [1, N] = rounded x
-        [1, K] . W [N, K], from the activation's Q8_K quants xq and scales xd (xr is not read)."""
+        """_dense_kernel's product (its grid, arguments and split-K) for Q4_K, Q5_K, padded Q6_K or
+        planar MXFP4 weights (QW) and one activation row (ROWS = 1), in the tile above: out [1, N] =
+        rounded x [1, K] . W [N, K], from the activation's int8 quants xq and scales xd (xr is not
+        read)."""
         nb = tl.program_id(0)
         s = tl.program_id(1)
         g, n, wd, w_words = _row_tile(w_ptr, w_row_bytes, nb, N, BLOCK_N)
-        NS: tl.constexpr = K // 256
+        NS: tl.constexpr = (K + 255) // 256
         k0 = s * STEPS
         k1 = tl.minimum(k0 + STEPS, NS)
         acc = tl.zeros((32, BLOCK_N), tl.float32)
-        w, hdr, qh = _k4_load(w_words, k0, k1, g, wd, NS, QW, REV)  # the next four steps load while these are used
+        w, hdr, qh, dd = _k4_load(w_words, k0, k1, g, wd, K, QW, REV)  # the next four steps load while these are used
         for kq in range(k0, k1, 4):
-            nw, nhdr, nqh = _k4_load(w_words, kq + 4, k1, g, wd, NS, QW, REV)
-            acc += _k4_dot(w, hdr, qh, xq_ptr, xd_ptr, kq, k1, g, n, wd, QW, INTERP, REV)
-            w, hdr, qh = nw, nhdr, nqh
+            nw, nhdr, nqh, ndd = _k4_load(w_words, kq + 4, k1, g, wd, K, QW, REV)
+            acc += _k4_dot(w, hdr, qh, dd, xq_ptr, xd_ptr, kq, k1, g, n, wd, K, QW, INTERP, REV)
+            w, hdr, qh, dd = nw, nhdr, nqh, ndd
         y = tl.sum(acc, axis=0)
         _dense_finish(y, y, y, y, y, y, y, y, part_ptr, out_ptr, count_ptr, nb, s, N, ROWS, SPLIT, BLOCK_N, INTERP)
 
-    # gate/up in the same tile, for Q4_K / Q5_K experts at one token (_gate_up_kernel's grid,
+    # gate/up in the same tile, for the same types' experts at one token (_gate_up_kernel's grid,
     # arguments, results and end): a pair's BLOCK_N rows of gate and up a program, four K steps
     # a warp's access. (The down product in this tile, timed too, was slower than the quantized
     # tile at 1-8 tokens: 768 values are three K steps, a quarter of the lanes idle.)
@@ -1151,7 +1211,8 @@ if triton is not None:
                            N: tl.constexpr, K: tl.constexpr, QG: tl.constexpr, QU: tl.constexpr,
                            SAME_X: tl.constexpr, VT_DOWN: tl.constexpr, ACT: tl.constexpr, HAS_BIAS: tl.constexpr,
                            BLOCK_N: tl.constexpr, UNROLL: tl.constexpr, INTERP: tl.constexpr, REV: tl.constexpr):
-        """_gate_up_kernel for Q4_K / Q5_K gate and up weights (QG, QU), lanes along K (UNROLL unused)."""
+        """_gate_up_kernel for Q4_K, Q5_K, padded Q6_K or planar MXFP4 gate and up weights (QG, QU),
+        lanes along K (UNROLL unused)."""
         p = tl.program_id(0)
         nb = tl.program_id(1)
         s = tl.program_id(2)
@@ -1162,7 +1223,7 @@ if triton is not None:
         slot = slot_or_none.to(tl.int64)
         g, n, wd, g_words = _row_tile(g_ptr + slot * g_slot_bytes, g_row_bytes, nb, N, BLOCK_N)
         _, _, _, u_words = _row_tile(u_ptr + slot * u_slot_bytes, u_row_bytes, nb, N, BLOCK_N)
-        NS: tl.constexpr = K // 256
+        NS: tl.constexpr = (K + 255) // 256
         xgq_row = xgq_ptr + tok * (NS * 256)
         xgd_row = xgd_ptr + tok * (NS * 8)
         if SAME_X:
@@ -1175,15 +1236,15 @@ if triton is not None:
         k1 = tl.minimum(k0 + steps, NS)
         acc_g = tl.zeros((32, BLOCK_N), tl.float32)
         acc_u = tl.zeros((32, BLOCK_N), tl.float32)
-        gw, gh, gq = _k4_load(g_words, k0, k1, g, wd, NS, QG, REV)  # the next four steps load while these are used
-        uw, uh, uq = _k4_load(u_words, k0, k1, g, wd, NS, QU, REV)
+        gw, gh, gq, gd = _k4_load(g_words, k0, k1, g, wd, K, QG, REV)  # the next four steps load while these are used
+        uw, uh, uq, ud = _k4_load(u_words, k0, k1, g, wd, K, QU, REV)
         for kq in range(k0, k1, 4):
-            ngw, ngh, ngq = _k4_load(g_words, kq + 4, k1, g, wd, NS, QG, REV)
-            nuw, nuh, nuq = _k4_load(u_words, kq + 4, k1, g, wd, NS, QU, REV)
-            acc_g += _k4_dot(gw, gh, gq, xgq_row, xgd_row, kq, k1, g, n, wd, QG, INTERP, REV)
-            acc_u += _k4_dot(uw, uh, uq, xuq_row, xud_row, kq, k1, g, n, wd, QU, INTERP, REV)
-            gw, gh, gq = ngw, ngh, ngq
-            uw, uh, uq = nuw, nuh, nuq
+            ngw, ngh, ngq, ngd = _k4_load(g_words, kq + 4, k1, g, wd, K, QG, REV)
+            nuw, nuh, nuq, nud = _k4_load(u_words, kq + 4, k1, g, wd, K, QU, REV)
+            acc_g += _k4_dot(gw, gh, gq, gd, xgq_row, xgd_row, kq, k1, g, n, wd, K, QG, INTERP, REV)
+            acc_u += _k4_dot(uw, uh, uq, ud, xuq_row, xud_row, kq, k1, g, n, wd, K, QU, INTERP, REV)
+            gw, gh, gq, gd = ngw, ngh, ngq, ngd
+            uw, uh, uq, ud = nuw, nuh, nuq, nud
         _gate_up_finish(tl.sum(acc_g, axis=0), tl.sum(acc_u, axis=0), nb * BLOCK_N + tl.arange(0, BLOCK_N), p, s,
                         split, n_pairs, gb_ptr, ub_ptr, h_ptr, hr_ptr, hq_ptr, hd_ptr, part_ptr, count_ptr, pair_exp,
                         N, VT_DOWN, ACT, HAS_BIAS, INTERP)
@@ -1231,8 +1292,9 @@ class TileConfig:
 
 # The expert kernels' tiles and their defaults. gate/up takes one of two (expert_tile picks):
 #   "tile"  the quantized tile ("weight tiles" above), every type and token count (_gate_up_kernel)
-#   "row"   Q4_K / Q5_K gate and up at one token: a warp's lanes along each weight row, four K
-#           steps an access (_gate_up_k4_kernel; BLOCK_N rows on num_warps warps). At 2 and 8
+#   "row"   Q4_K / Q5_K / padded Q6_K / planar MXFP4 gate and up at one token: a warp's lanes
+#           along each weight row, four K steps an access (_gate_up_k4_kernel; BLOCK_N rows on
+#           num_warps warps). At 2 and 8
 #           tokens the tile was faster (H200: 17.4 / 44.6 against 17.9 / 51.4 us, Qwen3 Q4_K).
 # The down kernel takes the quantized tile. That tile puts two lanes on a row and 16 rows on a
 # warp, so BLOCK_N = 16 x num_warps gives each lane pair one row; 2 warps and 32 rows keep enough
@@ -1240,7 +1302,8 @@ class TileConfig:
 # gives a lane two rows. `moestudio bench kernels --sweep` times alternatives on the device.
 GATE_UP_CONFIG: dict[str, TileConfig] = {"tile": TileConfig(32, 2), "row": TileConfig(4, 4)}
 DOWN_CONFIG = TileConfig(32, 2)
-_K_QUANT_ROWS = (int(QT.Q4_K), int(QT.Q5_K))  # the types the lanes-along-K kernels read
+# the types the lanes-along-K kernels read (_dense_k4_kernel, _gate_up_k4_kernel)
+_K_QUANT_ROWS = (int(QT.Q4_K), int(QT.Q5_K), Q6_K_PADDED, MXFP4_PLANAR)
 
 
 def expert_tile(qg: int, qu: int, tokens: int) -> str:
@@ -1489,7 +1552,8 @@ def dense_supported(qtype: QT) -> bool:
 #   "tile"  quantized weights: one weight row per lane pair as in the expert kernels (_dense_kernel)
 #   "row"   one activation row of 16-bit or planar Q8_0 weights: a warp's lanes along each weight
 #           row (_dense16_kernel, _dense_q8p_kernel; BLOCK_N rows on num_warps warps)
-#   "row_kquant"  the same for one row of Q4_K or Q5_K weights, four K steps an access (_dense_k4_kernel)
+#   "row_kquant"  the same for one row of Q4_K, Q5_K, padded Q6_K or planar MXFP4 weights, four K
+#           steps an access (_dense_k4_kernel)
 #   "mma"   2-8 rows of 16-bit weights on tensor cores (_dense16_mma_kernel; BLOCK_N rows a
 #           program, Triton's pipeliner keeping num_stages steps in flight)
 DENSE_MAX_ROWS = 8  # activation rows one launch multiplies (the kernel's accumulators)

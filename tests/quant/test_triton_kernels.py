@@ -44,6 +44,9 @@ def _random_raw(rng: np.random.Generator, qtype: QT, shape: tuple[int, int, int]
         arr = bits.astype(np.uint16).view(np.uint8)
     else:
         arr = random_blocks(rng, qtype, shape, std)
+        if qtype == QT.MXFP4:  # random_blocks gives every block one exponent: vary them, so a scale mixed up shows
+            blocks = arr.reshape(-1, 17)
+            blocks[:, 0] = (blocks[:, 0].astype(np.int16) + rng.integers(-1, 3, blocks.shape[0])).astype(np.uint8)
     return torch.from_numpy(np.ascontiguousarray(arr).reshape(shape[0], shape[1], -1))
 
 
@@ -228,6 +231,7 @@ INTERP_CASES = {
     "Q4_K-Q4_K-Q6_K": ((QT.Q4_K, QT.Q4_K, QT.Q6_K), 256, 256),
     "Q4_K-Q5_K-Q8_0": ((QT.Q4_K, QT.Q5_K, QT.Q8_0), 256, 256),
     "Q8_0-Q6_K-MXFP4": ((QT.Q8_0, QT.Q6_K, QT.MXFP4), 256, 256),
+    "Q6_K-MXFP4-Q4_K": ((QT.Q6_K, QT.MXFP4, QT.Q4_K), 256, 256),  # gate and up rounded apart
 }
 
 
@@ -250,16 +254,33 @@ def test_interpreter_gate_up_split_over_k(name: str, n_embd: int, split: tk.Spli
     check_case(Case(w, n_tok=2, k=2, device="cpu", seed=4), SMALL, SMALL, split=split)
 
 
+def laid_out_type(qtype: QT) -> int:
+    """The kernel type of a weight's rows in layout.kernel_layout's layout."""
+    return tk.LAID_OUT_TYPES.get(qtype, int(qtype))
+
+
 @interp
-@pytest.mark.parametrize("name,split", [("Q4_K", None), ("Q5_K", tk.SplitK(2, 3)), ("Q4_K-Q5_K-Q8_0", tk.SplitK(3, 2))])
+@pytest.mark.parametrize("name,split", [("Q4_K", None), ("Q5_K", tk.SplitK(2, 3)), ("Q4_K-Q5_K-Q8_0", tk.SplitK(3, 2)),
+                                        ("Q6_K", None), ("Q6_K-MXFP4-Q4_K", tk.SplitK(2, 3)),
+                                        ("MXFP4", tk.SplitK(3, 2))])
 def test_interpreter_one_token_gate_up_with_lanes_along_k(name: str, split: tk.SplitK | None) -> None:
-    """One token's Q4_K / Q5_K gate/up takes the lanes-along-K kernel (four K steps an access):
-    5 steps are a whole group and a partial one, or slices of 3 and 2 (2, 2 and 1) steps."""
+    """One token's Q4_K / Q5_K / Q6_K / MXFP4 gate/up takes the lanes-along-K kernel (four K steps
+    an access): 5 steps are a whole group and a partial one, or slices of 3 and 2 (2, 2 and 1) steps."""
     qtypes = INTERP_CASES[name][0]
-    assert tk.expert_tile(int(qtypes[0]), int(qtypes[1]), 1) == "row"
-    assert tk.expert_tile(int(qtypes[0]), int(qtypes[1]), 2) == "tile"
+    assert tk.expert_tile(laid_out_type(qtypes[0]), laid_out_type(qtypes[1]), 1) == "row"
+    assert tk.expert_tile(laid_out_type(qtypes[0]), laid_out_type(qtypes[1]), 2) == "tile"
     w = make_weights(qtypes, n_expert=6, n_embd=1280, n_ff=256, seed=12)
     check_case(Case(w, n_tok=1, k=3, device="cpu", seed=6), tk.TileConfig(64, 4), SMALL, split=split)
+
+
+@interp
+@pytest.mark.parametrize("split", [None, tk.SplitK(2, 3)], ids=["unsplit", "split"])
+def test_interpreter_one_token_gpt_oss_gate_up_with_lanes_along_k(split: tk.SplitK | None) -> None:
+    """gpt-oss's one-token gate/up in the lanes-along-K kernel: MXFP4 rows of a partial last K step
+    (45 blocks: five whole steps and one of 5 blocks), biases, SWIGLU_OAI."""
+    assert tk.expert_tile(tk.MXFP4_PLANAR, tk.MXFP4_PLANAR, 1) == "row"
+    w = make_weights((QT.MXFP4,) * 3, n_expert=5, n_embd=1440, n_ff=192, activation=SWIGLU_OAI, bias=True, seed=13)
+    check_case(Case(w, n_tok=1, k=3, device="cpu", seed=7), tk.TileConfig(64, 4), SMALL, split=split)
 
 
 @interp
@@ -497,14 +518,15 @@ def test_gpu_other_tile_configs(cfg: tk.TileConfig, qtypes) -> None:
 @gpu
 @pytest.mark.parametrize("cfg", [tk.TileConfig(2, 1), tk.TileConfig(2, 2), tk.TileConfig(8, 8), tk.TileConfig(16, 4)],
                          ids=lambda c: f"bn{c.block_n}w{c.num_warps}")
-@pytest.mark.parametrize("qtype", [QT.Q4_K, QT.Q5_K], ids=lambda t: t.name)
+@pytest.mark.parametrize("qtype", [QT.Q4_K, QT.Q5_K, QT.Q6_K, QT.MXFP4], ids=lambda t: t.name)
 def test_gpu_other_row_tiles(cfg: tk.TileConfig, qtype: QT) -> None:
     """The lanes-along-K kernels (one token's gate/up; the one-row dense product) at the tiles the
-    benchmark sweeps."""
+    benchmark sweeps (MXFP4 at gpt-oss's K = 2880: a partial last K step)."""
     _needs_compiled()
-    w = make_weights((qtype,) * 3, n_expert=16, n_embd=2048, n_ff=768, seed=8)
+    K = 2880 if qtype == QT.MXFP4 else 2048
+    w = make_weights((qtype,) * 3, n_expert=16, n_embd=K, n_ff=768, seed=8)
     check_case(Case(w, n_tok=1, k=8, device="cuda", seed=8), cfg)
-    check_dense(qtype, n_out=4096, K=2048, rows=1, device="cuda", cfg=cfg)
+    check_dense(qtype, n_out=4096, K=K, rows=1, device="cuda", cfg=cfg, laid_out=True)
 
 
 # ------------------------------------------------------------------------------ the hybrid hook
@@ -614,13 +636,17 @@ def test_interpreter_dense_kernel_layouts(qtype: QT, K: int, rows: int) -> None:
 
 
 @interp
-@pytest.mark.parametrize("qtype", [QT.Q4_K, QT.Q5_K], ids=lambda t: t.name)
-def test_interpreter_one_row_k4_kernel_over_several_step_groups(qtype: QT) -> None:
-    """The one-row Q4_K / Q5_K kernel reads four K steps an access: 6 steps are a whole group and a
-    partial one (unsplit), or groups cut by the split (3 and 2 steps a slice, 1 step a slice)."""
-    assert tk.dense_tile(int(qtype), 1) == "row_kquant" and tk.dense_tile(int(qtype), 2) == "tile"
+@pytest.mark.parametrize("qtype,K", [(QT.Q4_K, 1536), (QT.Q5_K, 1536), (QT.Q6_K, 1536), (QT.MXFP4, 1536),
+                                     (QT.MXFP4, 1440)], ids=lambda v: str(v))
+def test_interpreter_one_row_k4_kernel_over_several_step_groups(qtype: QT, K: int) -> None:
+    """The one-row Q4_K / Q5_K / padded Q6_K / planar MXFP4 kernel reads four K steps an access:
+    6 steps are a whole group and a partial one (unsplit), or groups cut by the split (3 and 2
+    steps a slice, 1 step a slice); MXFP4 at K = 1440 ends in a partial step (5 of its 8 blocks)."""
+    qw = laid_out_type(qtype)
+    assert tk.dense_tile(qw, 1) == "row_kquant" and tk.dense_tile(qw, 2) == "tile"
+    assert tk.dense_tile(int(qtype), 1) == ("row_kquant" if qw == int(qtype) else "tile")  # GGUF rows: the tile
     for split in (tk.SplitK(1, 6), tk.SplitK(2, 3), tk.SplitK(3, 2), tk.SplitK(6, 1)):
-        check_dense(qtype, n_out=40, K=1536, rows=1, device="cpu", cfg=tk.TileConfig(16, 4), split=split)
+        check_dense(qtype, n_out=40, K=K, rows=1, device="cpu", cfg=tk.TileConfig(16, 4), split=split, laid_out=True)
 
 
 def check_linear(qtype: QT, n_out: int, K: int, device: str, monkeypatch, decode_rows=(1, 3),
