@@ -12,8 +12,8 @@ engine/quant/layout.py). Three launches per batch of pairs
    also the int8 quants and per-256 scales), zero-padded to whole K steps.
 1. `_gate_up_kernel`, grid (pairs, n_ff / BLOCK_N, split): the gate and up rows of the pair's
    expert against the token's rounded activation, biases, the activation function (SiLU, or
-   gpt-oss's SWIGLU_OAI) -> h [pairs, n_ff]; the last program of each pair to finish (a
-   semaphore) then rounds the whole h row for the down type. A launch of few pairs (one token's
+   gpt-oss's SWIGLU_OAI) -> h [pairs, n_ff]; the last program to finish of each 256 values of a
+   pair's h (a semaphore) then rounds them for the down type. A launch of few pairs (one token's
    8: 192 programs of 32 rows for 132 SMs) splits its K steps over `split` programs (SplitK),
    whose partial sums the last of them adds, in order, before the activation. One token's Q4_K,
    Q5_K, padded Q6_K and planar MXFP4 pairs take `_gate_up_k4_kernel` instead (the same grid and
@@ -98,7 +98,7 @@ if triton is not None:
     # Rounding needs block-wide maxima, i.e. cross-thread reductions and CTA barriers. They
     # are kept out of the weight loops (barriers would stop the compiler from issuing the
     # weight loads early): x is rounded by _round_rows_kernel, h by the last program of each
-    # pair in _gate_up_kernel; the weight loops then only load rounded values.
+    # pair's K step of it in _gate_up_kernel; the weight loops then only load rounded values.
 
     @triton.jit
     def _rint(v, INTERP: tl.constexpr):
@@ -609,20 +609,22 @@ if triton is not None:
     @triton.jit
     def _gate_up_finish(g, u, rows, p, s, split, n_pairs, gb_ptr, ub_ptr, h_ptr, hr_ptr, hq_ptr, hd_ptr, part_ptr,
                         count_ptr, pair_exp, N: tl.constexpr, VT_DOWN: tl.constexpr, ACT: tl.constexpr,
-                        HAS_BIAS: tl.constexpr, INTERP: tl.constexpr):
+                        HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, INTERP: tl.constexpr):
         """The end of a gate/up program (either tile): its gate and up sums g, u for `rows`; with
         split > 1 its partials, which the last program of the row block adds in split order;
-        then bias, activation, h, and the pair's last row block rounds the whole h row."""
+        then bias, activation, h, and the last row block of each 256 values of the pair's h
+        rounds those 256 (semaphores: count_ptr[p * NSH + chunk], then the split's per row block)."""
         nb = tl.program_id(1)
         live = rows < N
         p64 = p.to(tl.int64)
+        NSH: tl.constexpr = (N + 255) // 256
         finish = split == 1  # constexpr where Triton specialized split to 1, else a runtime flag
         if split > 1:
             part = part_ptr + (p64 * split + s) * (2 * N)
             tl.store(part + rows, g, mask=live)
             tl.store(part + N + rows, u, mask=live)
             _fence_stores(rows, INTERP)
-            block_sem = count_ptr + n_pairs + p * tl.num_programs(1) + nb
+            block_sem = count_ptr + n_pairs * NSH + p * tl.num_programs(1) + nb
             finish = tl.atomic_add(block_sem, 1, sem="acq_rel", scope="gpu") == split - 1
             if finish:
                 tl.store(block_sem, 0)
@@ -640,16 +642,19 @@ if triton is not None:
             h = _activate(g, u, ACT)
             h_row = h_ptr + p64 * N
             tl.store(h_row + rows, h, mask=live)
-            # The last row block of this pair to finish rounds the whole h row for the down
-            # weights (the same semaphore pattern, one per pair; reset by that program).
+            # The last row block to finish of each 256 values of h (a K step of the down product,
+            # rounded on its own) rounds them for the down weights: the same semaphore pattern,
+            # one per pair and step, reset by that program. (One per pair, its last program
+            # rounding the whole row, left a serial tail of n_ff / 256 roundings: gpt-oss's 12.)
             _fence_stores(rows, INTERP)
-            done = tl.atomic_add(count_ptr + p, 1, sem="acq_rel", scope="gpu")
-            if done == tl.num_programs(1) - 1:
-                tl.store(count_ptr + p, 0)
-                NSH: tl.constexpr = (N + 255) // 256
-                for c in tl.static_range(0, NSH):
-                    _round_chunk(h_row, hr_ptr + p64 * (NSH * 256), hq_ptr + p64 * (NSH * 256),
-                                 hd_ptr + p64 * (NSH * 8), hd_ptr, c, N, VT_DOWN, INTERP, False)
+            PER_CHUNK: tl.constexpr = 256 // BLOCK_N
+            c = nb // PER_CHUNK
+            chunk_sem = count_ptr + p * NSH + c
+            done = tl.atomic_add(chunk_sem, 1, sem="acq_rel", scope="gpu")
+            if done == tl.minimum(PER_CHUNK, tl.num_programs(1) - c * PER_CHUNK) - 1:
+                tl.store(chunk_sem, 0)
+                _round_chunk(h_row, hr_ptr + p64 * (NSH * 256), hq_ptr + p64 * (NSH * 256),
+                             hd_ptr + p64 * (NSH * 8), hd_ptr, c, N, VT_DOWN, INTERP, False)
 
     # The split is a runtime argument: it follows the launch's pair count, and a constexpr would
     # compile a variant per count class (Triton still gives split 1 a variant of its own).
@@ -666,7 +671,7 @@ if triton is not None:
         for the down type, hr (values), hq, hd (Q8_K quants and scales). Program (p, nb, s) takes
         K steps s * steps ... (s + 1) * steps of its rows; with split > 1 it stores its partial
         sums in part [pairs, split, 2, N] and the last program of the row block to finish (a
-        semaphore per pair and row block, after the pairs' own) adds them in split order, so
+        semaphore per pair and row block, after the h steps' own) adds them in split order, so
         the result does not depend on which program finishes last, then activates."""
         p = tl.program_id(0)
         nb = tl.program_id(1)
@@ -725,7 +730,8 @@ if triton is not None:
                 ua, ub, uc, ud = nua, nub, nuc, nud
         rows = nb * BLOCK_N + tl.arange(0, BLOCK_N)
         _gate_up_finish(_reduce_acc(acc_g), _reduce_acc(acc_u), rows, p, s, split, n_pairs, gb_ptr, ub_ptr, h_ptr,
-                        hr_ptr, hq_ptr, hd_ptr, part_ptr, count_ptr, pair_exp, N, VT_DOWN, ACT, HAS_BIAS, INTERP)
+                        hr_ptr, hq_ptr, hd_ptr, part_ptr, count_ptr, pair_exp, N, VT_DOWN, ACT, HAS_BIAS, BLOCK_N,
+                        INTERP)
 
     @triton.jit
     def _down_kernel(hr_ptr, hq_ptr, hd_ptr, d_ptr, d_slot_bytes, d_row_bytes, db_ptr, wt_ptr, wt_stride_tok,
@@ -1247,7 +1253,7 @@ if triton is not None:
             uw, uh, uq, ud = nuw, nuh, nuq, nud
         _gate_up_finish(tl.sum(acc_g, axis=0), tl.sum(acc_u, axis=0), nb * BLOCK_N + tl.arange(0, BLOCK_N), p, s,
                         split, n_pairs, gb_ptr, ub_ptr, h_ptr, hr_ptr, hq_ptr, hd_ptr, part_ptr, count_ptr, pair_exp,
-                        N, VT_DOWN, ACT, HAS_BIAS, INTERP)
+                        N, VT_DOWN, ACT, HAS_BIAS, BLOCK_N, INTERP)
 
     @triton.jit
     def _order_probe_kernel(ptr):
@@ -1466,10 +1472,13 @@ def gate_up(xg: Rounded, xu: Rounded, gate_buf: torch.Tensor, up_buf: torch.Tens
     qg, qu = kernel_type(w.gate.qtype, gate_buf, d_in), kernel_type(w.up.qtype, up_buf, d_in)
     tile = expert_tile(qg, qu, xg.padded.shape[0])
     cfg = cfg or GATE_UP_CONFIG[tile]
+    if KSTEP % cfg.block_n:
+        raise ValueError(f"gate/up tiles of {cfg.block_n} rows: a tile's rows must divide a K step's {KSTEP}")
     blocks = triton.cdiv(n_ff, cfg.block_n)
+    h_steps = -(-n_ff // KSTEP)
     if split is None:
         split = SplitK.choose(P * blocks * cfg.block_n, d_in, sm_count(str(h.device)), cfg)
-        if cfg.unroll or P * (blocks + 1) > COUNTERS:
+        if cfg.unroll or P * (blocks + h_steps) > COUNTERS:
             split = SplitK(1, -(-d_in // KSTEP))
     assert split.split == 1 or not cfg.unroll, "an unrolled tile takes every K step"
     part = torch.empty((P, split.split, 2, n_ff), dtype=torch.float32, device=h.device) if split.split > 1 else h
@@ -1477,12 +1486,12 @@ def gate_up(xg: Rounded, xu: Rounded, gate_buf: torch.Tensor, up_buf: torch.Tens
     gb = w.gate.bias if has_bias else h
     ub = w.up.bias if w.up.bias is not None else gb
     kernel = _gate_up_k4_kernel if tile == "row" else _gate_up_kernel
-    # semaphores: one per pair (h's rounding), and with a split one per pair and row block
+    # semaphores: one per pair and K step of h (its rounding), and with a split one per pair and row block
     kernel[(P, blocks, split.split)](
         xg.padded, xg.quants, xg.scales, xu.padded, xu.quants, xu.scales,
         gate_buf, gate_buf.stride(0), gate_buf.stride(1), up_buf, up_buf.stride(0), up_buf.stride(1),
         gb, ub, h, hr.padded, hr.quants, hr.scales, part,
-        _counter(h.device, P * (blocks + 1) if split.split > 1 else P),
+        _counter(h.device, P * (h_steps + blocks) if split.split > 1 else P * h_steps),
         pair_tok, pair_slot, pair_exp, P, split.split, split.steps,
         N=n_ff, K=d_in, QG=qg, QU=qu, SAME_X=xg is xu, VT_DOWN=_vt(w.down.qtype), ACT=_ACT[w.activation],
         HAS_BIAS=has_bias, BLOCK_N=cfg.block_n, UNROLL=cfg.unroll, INTERP=INTERPRETED, REV=reversed_ties(),

@@ -284,6 +284,26 @@ def test_interpreter_one_token_gpt_oss_gate_up_with_lanes_along_k(split: tk.Spli
 
 
 @interp
+@pytest.mark.parametrize("qtypes,n_ff,split", [((QT.Q4_K,) * 3, 768, None),
+                                              ((QT.Q8_0, QT.Q8_0, QT.MXFP4), 640, tk.SplitK(2, 1))],
+                         ids=["Q4_K", "MXFP4-down-split"])
+def test_interpreter_h_is_rounded_a_k_step_at_a_time(qtypes, n_ff: int, split: tk.SplitK | None) -> None:
+    """h of several K steps of the down product (768: three; 640: the third partial): the last
+    program to finish of each step's row blocks (4, 4 and 4 or 2 tiles of 64 rows) rounds that
+    step, bit-exactly (check_case compares every rounded value)."""
+    w = make_weights(qtypes, n_expert=4, n_embd=256, n_ff=n_ff, seed=14)
+    check_case(Case(w, n_tok=2, k=2, device="cpu", seed=8), tk.TileConfig(64, 4), SMALL, whole=False, split=split)
+
+
+def test_gate_up_tiles_must_divide_a_k_step() -> None:
+    w = make_weights((QT.Q8_0,) * 3, n_expert=2, n_embd=256, n_ff=96, seed=1)
+    case = Case(w, n_tok=1, k=1, device="cpu")
+    x = tk.Rounded.empty(1, 256, torch.device("cpu"))  # refused before any launch
+    with pytest.raises(ValueError, match="divide a K step"):
+        tk.gate_up(x, x, case.buffers[0], case.buffers[1], case.w, case.tok, case.slot, case.exp, tk.TileConfig(48, 2))
+
+
+@interp
 def test_interpreter_gpt_oss_gate_up_split_with_biases() -> None:
     w = make_weights((QT.MXFP4,) * 3, n_expert=5, n_embd=576, n_ff=192, activation=SWIGLU_OAI, bias=True, seed=3)
     check_case(Case(w, n_tok=1, k=3, device="cpu", seed=2), SMALL, SMALL, whole=False, split=tk.SplitK(3, 1))
