@@ -17,7 +17,8 @@ a Qwen3-30B-A3B layer (128 experts, top-8, 2048 x 768; MXFP4: gpt-oss-120b's, 12
 top-4, 2880 x 2880, biases) at 512 and 4,096 tokens (`--tokens`):
 achieved TFLOP/s of its four launches from a replayed graph, the whole call eager (with the
 host's grouping of pairs), and beside them the torch path it replaces (each expert dequantized,
-then matmul; eager: it reads the routing on the host). Results: JSON and markdown tables.
+then matmul; eager: it reads the routing on the host). Results: JSON and markdown tables (kernels.json is
+saved after each row group, `"partial": true` until the run ends).
 
 `--only prompt`: a prompt's dense products (grouped_gemm.dense: Qwen3-30B-A3B's fused q/k/v
 and output projection) at the same prompt lengths: TFLOP/s from a replayed graph, beside cuBLAS's
@@ -842,28 +843,30 @@ def run(args: argparse.Namespace) -> int:
     print(f"{result['device']} ({result['sm_count']} SMs, L2 {l2_bytes >> 20} MiB)  torch {result['torch']}  "
           f"triton {result['triton']}  device copy {copy} GB/s (read + write)", flush=True)
     types = [QT[t] for t in args.types]
+    args.out.mkdir(parents=True, exist_ok=True)
+
+    def add(rows: list[dict]) -> None:  # saved as they come: a run stopped by a time limit keeps them
+        result["results"] += rows
+        (args.out / "kernels.json").write_text(json.dumps({**result, "partial": True}, indent=1))
+
     if "dense" in args.only:
         for name in args.shapes:
             n_out, K = DENSE_SHAPES[name]
             for qtype in types:
-                result["results"] += bench_dense(name, n_out, K, qtype, args.rows, dev, copy, l2_bytes,
-                                                 args.replays, args.sweep)
+                add(bench_dense(name, n_out, K, qtype, args.rows, dev, copy, l2_bytes, args.replays, args.sweep))
     if "experts" in args.only:
         for name, sc in _expert_scenarios().items():
             if set(sc.qtypes) <= set(types):
-                result["results"] += bench_experts(name, sc, args.rows, dev, copy, l2_bytes, args.replays,
-                                                   args.steps, args.sweep)
+                add(bench_experts(name, sc, args.rows, dev, copy, l2_bytes, args.replays, args.steps, args.sweep))
     if "grouped" in args.only:
         for name, sc in _expert_scenarios().items():
             if set(sc.qtypes) <= set(types):
-                result["results"] += bench_grouped(name, sc, args.tokens, dev, args.replays,
-                                                   _grouped_sweep() if args.sweep else None)
+                add(bench_grouped(name, sc, args.tokens, dev, args.replays, _grouped_sweep() if args.sweep else None))
     if "prompt" in args.only:
         for name, (n_out, K) in PROMPT_DENSE_SHAPES.items():
             for qtype in types:
-                result["results"] += bench_prompt_dense(name, n_out, K, qtype, args.tokens, dev, args.replays,
-                                                        _prompt_dense_sweep() if args.sweep else None)
-    args.out.mkdir(parents=True, exist_ok=True)
+                add(bench_prompt_dense(name, n_out, K, qtype, args.tokens, dev, args.replays,
+                                       _prompt_dense_sweep() if args.sweep else None))
     if llama_bin is not None:
         torch.cuda.empty_cache()  # its own process needs the GPU memory this one no longer uses
         add_llama(result, llama_bin, args.llama_backend, args.out)

@@ -108,6 +108,7 @@ def test_gpu_bench_kernels_runs_and_reports(tmp_path) -> None:
                               tokens=[512], llama_ops=None, llama_backend="CUDA0")
     assert kb.run(args) == 0
     result = json.loads((tmp_path / "kernels.json").read_text())
+    assert "partial" not in result, "the finished run's file replaces the one saved as rows came"
     assert result["copy_GBps"] > 100
     dense = [r for r in result["results"] if r["kind"] == "dense"]
     experts = [r for r in result["results"] if r["kind"] == "experts"]
