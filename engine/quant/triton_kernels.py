@@ -1300,8 +1300,8 @@ class TileConfig:
 #   "tile"  the quantized tile ("weight tiles" above), every type and token count (_gate_up_kernel)
 #   "row"   Q4_K / Q5_K / padded Q6_K / planar MXFP4 gate and up at one token: a warp's lanes
 #           along each weight row, four K steps an access (_gate_up_k4_kernel; BLOCK_N rows on
-#           num_warps warps). At 2 and 8
-#           tokens the tile was faster (H200: 17.4 / 44.6 against 17.9 / 51.4 us, Qwen3 Q4_K).
+#           num_warps warps). At 2 and 8 tokens the tile was faster (H200: 17.4 / 44.6 against
+#           17.9 / 51.4 us, Qwen3 Q4_K).
 # The down kernel takes the quantized tile. That tile puts two lanes on a row and 16 rows on a
 # warp, so BLOCK_N = 16 x num_warps gives each lane pair one row; 2 warps and 32 rows keep enough
 # programs for decode (Qwen3-30B: 8 pairs x 24 of them for gate/up); BLOCK_N = 32 x num_warps
