@@ -657,7 +657,7 @@ def test_interpreter_dense_kernel_layouts(qtype: QT, K: int, rows: int) -> None:
 
 @interp
 @pytest.mark.parametrize("qtype,K", [(QT.Q4_K, 1536), (QT.Q5_K, 1536), (QT.Q6_K, 1536), (QT.MXFP4, 1536),
-                                     (QT.MXFP4, 1440)], ids=lambda v: str(v))
+                                     (QT.MXFP4, 1440)], ids=lambda v: getattr(v, "name", str(v)))
 def test_interpreter_one_row_k4_kernel_over_several_step_groups(qtype: QT, K: int) -> None:
     """The one-row Q4_K / Q5_K / padded Q6_K / planar MXFP4 kernel reads four K steps an access:
     6 steps are a whole group and a partial one (unsplit), or groups cut by the split (3 and 2
