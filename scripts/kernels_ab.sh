@@ -27,6 +27,7 @@ case "$MODE" in
     export PYTHONUNBUFFERED=1
     for side in base new; do
       tree=$([ $side = base ] && echo "$PWD/.ab/base" || echo "$PWD")
+      rm -rf "/tmp/ab_$side"  # a warm machine keeps /tmp: no earlier run's table in ab.md
       (cd "$tree" && PYTHONPATH=/tmp/site:$tree timeout "${AB_TIMEOUT:-270}" python3 -m engine.cli bench kernels \
          --out "/tmp/ab_$side" "$@" > "$OUT/ab_$side.log" 2>&1)
       rc=$?
