@@ -1095,21 +1095,16 @@ if triton is not None:
             base = w_words + tl.minimum(blk, NS - 1) * 36
             w = _ld3(base + 4 + (g % 8) * 4 + wd, REV, live)
             qh = w
-            dd = w
-            hdr = _ld3(base + wd, REV, live)
         elif QW == _Q5_K:  # d, dmin | scales[12] | qh[32] | qs[128]
             base = w_words + tl.minimum(blk, NS - 1) * 44
             w = _ld3(base + 12 + (g % 8) * 4 + wd, REV, live)
             qh = _ld3(base + 4 + (g % 2) * 4 + wd, REV, live)
-            dd = w
-            hdr = _ld3(base + wd, REV, live)
         else:  # padded Q6_K: ql[128] | qh[64] | scales[16] | d, zeros; piece c: qh bytes 32 (c // 4) + 16 (c % 2)
             base = w_words + tl.minimum(blk, NS - 1) * 56
             w = _ld3(base + (g % 8) * 4 + wd, REV, live)
             qh = _ld3(base + 32 + (g % 8 // 4 * 2 + g % 2) * 4 + wd, REV, live)
-            hdr = _ld3(base + 48 + wd, REV, live)
-            dd = _ld3(base + 52 + wd, REV, live)
-        return w, hdr, qh, dd
+            return w, _ld3(base + 48 + wd, REV, live), qh, _ld3(base + 52 + wd, REV, live)
+        return w, _ld3(base + wd, REV, live), qh, w  # the 16-byte header: d, dmin, scales
 
     @triton.jit
     def _k4_dot(w, hdr, qh, dd, xq_ptr, xd_ptr, kq, k1, g, n, wd, K: tl.constexpr, QW: tl.constexpr,
