@@ -55,6 +55,8 @@ CPU, MAPPED = -1, -2  # a pair's slot when the CPU pool computes it / the GPU re
 
 
 if triton is not None:
+    from engine.quant.triton_kernels import acquire_load, clock_ns
+
     _CPU = tl.constexpr(CPU)
     _MAPPED = tl.constexpr(MAPPED)
 
@@ -64,17 +66,6 @@ if triton is not None:
         tl.debug_barrier()
         tl.inline_asm_elementwise("fence.sc.sys; st.release.sys.global.b32 [$1], $2; mov.u32 $0, 0;",
                                   "=r,l,r", [ptr, value], dtype=tl.int32, is_pure=False, pack=1)
-
-    @triton.jit
-    def _acquire_load(ptr):
-        return tl.inline_asm_elementwise("ld.acquire.sys.global.b32 $0, [$1];", "=r,l", [ptr],
-                                         dtype=tl.int32, is_pure=False, pack=1)
-
-    @triton.jit
-    def _clock_ns(like):
-        """The GPU's global timer in ns (`like`: any scalar, for the shape)."""
-        return tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l,r", [like], dtype=tl.int64,
-                                         is_pure=False, pack=1)
 
     @triton.jit
     def _route_kernel(ids_ptr, map_ptr, slots_ptr, exp_ptr, stats_ptr, token_ptr, armed_ptr, mapped_ptr,
@@ -124,12 +115,12 @@ if triton is not None:
             on_cpu = tl.sum(((slots == _CPU) & (j < K)).to(tl.int32), axis=0)
             if (on_cpu > 0) & (tl.load(armed_ptr) != 0):
                 want = tl.load(token_ptr)
-                got = _acquire_load(flag_ptr)
-                now = _clock_ns(want)
+                got = acquire_load(flag_ptr, True, False)
+                now = clock_ns(want)
                 deadline = now + timeout_ns
                 while (got < want) & (now < deadline):
-                    got = _acquire_load(flag_ptr)
-                    now = _clock_ns(want)
+                    got = acquire_load(flag_ptr, True, False)
+                    now = clock_ns(want)
                 if got < want:
                     tl.store(error_ptr, layer_tag)
         total = tl.zeros((BD,), tl.float32)

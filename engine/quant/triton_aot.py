@@ -34,7 +34,7 @@ _ALIGNED_INTS = {"g_slot_bytes", "g_row_bytes", "u_slot_bytes", "u_row_bytes", "
 
 
 def compile_kernel(fn, constexprs: dict, num_warps: int = 4, num_stages: int = 1, arch: int = 90,
-                   aligned: set[str] = _ALIGNED_INTS):
+                   aligned: set[str] = _ALIGNED_INTS, maxnreg: int | None = None):
     """A quantized-product kernel, its argument types read off its argument names (_PTR; the
     pair tables int32 pointers, slot strides int64)."""
     types, pointers = {}, set()
@@ -44,11 +44,11 @@ def compile_kernel(fn, constexprs: dict, num_warps: int = 4, num_stages: int = 1
             pointers.add(name)
         elif name.endswith("slot_bytes"):
             types[name] = "i64"
-    return compile_for(fn, types, constexprs, aligned | pointers, num_warps, num_stages, arch)
+    return compile_for(fn, types, constexprs, aligned | pointers, num_warps, num_stages, arch, maxnreg)
 
 
 def compile_for(fn, types: dict[str, str], constexprs: dict, aligned: set[str] = frozenset(), num_warps: int = 4,
-                num_stages: int = 1, arch: int = 90):
+                num_stages: int = 1, arch: int = 90, maxnreg: int | None = None):
     """`fn` compiled for CUDA sm_`arch` without a GPU. `types`: its runtime arguments' Triton
     types (the others i32); pointers (names ending in _ptr) and the `aligned` arguments are taken
     as multiples of 16, as Triton specializes them at a launch on torch's allocations."""
@@ -59,7 +59,8 @@ def compile_for(fn, types: dict[str, str], constexprs: dict, aligned: set[str] =
     attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(fn.arg_names)
              if name not in constexprs and (name.endswith("_ptr") or name in aligned)}
     src = ASTSource(fn, sig, constexprs, attrs)
-    return triton.compile(src, target=_target(arch), options={"num_warps": num_warps, "num_stages": num_stages})
+    options = {"num_warps": num_warps, "num_stages": num_stages, **({"maxnreg": maxnreg} if maxnreg else {})}
+    return triton.compile(src, target=_target(arch), options=options)
 
 
 def _loops(sass: str) -> list[list[str]]:
@@ -175,10 +176,24 @@ def decode_variants(gate: QT, up: QT, down: QT, n_embd: int, n_ff: int, activati
     elif split.split > 1 and not one.unroll:
         out.append((f"gate_up s{split.split}", tk._gate_up_kernel,
                     {**gate_up, "BLOCK_N": one.block_n, "UNROLL": one.unroll}, one))
-    dn = tk.DOWN_CONFIG
+    dn = tk.DOWN_CONFIG["tile"]
     out.append(("down", tk._down_kernel,
                 {"K": n_ff, "QD": slot_type(down), "HAS_BIAS": bias, "WEIGHTED": True, "BLOCK_N": dn.block_n,
                  "UNROLL": dn.unroll, "INTERP": False, "REV": rev}, dn))
+    if slot_type(down) in tk.K_QUANT_ROWS:  # down in the lanes-along-K tile (timed beside the default)
+        row = tk.DOWN_CONFIG["row"]
+        out.append(("down row", tk._down_k4_kernel,
+                    {"K": n_ff, "QD": slot_type(down), "HAS_BIAS": bias, "WEIGHTED": True, "BLOCK_N": row.block_n,
+                     "UNROLL": False, "INTERP": False, "REV": rev}, row))
+    # the one-launch step (experts_forward(one_launch=True)) of one token, its tiles as it picks them
+    down_tile = tk.step_down_tile(tile, slot_type(down))
+    step_down = tk.step_down_config(down_tile, one.num_warps)
+    out.append((f"step {tile} down {down_tile}", tk._expert_step_kernel,
+                {"N": n_ff, "K": n_embd, "QG": qg, "QU": qu, "QD": slot_type(down), "SAME_X": vt(gate) == vt(up),
+                 "VT_G": vt(gate), "VT_U": vt(up), "VT_DOWN": vt(down), "ACT": activation, "HAS_BIAS": bias,
+                 "HAS_DOWN_BIAS": bias, "WEIGHTED": True, "ROW": tile == "row", "DOWN_ROW": down_tile == "row",
+                 "BLOCK_G": one.block_n, "BLOCK_D": step_down.block_n, "UNROLL": one.unroll,
+                 "UNROLL_DOWN": step_down.unroll, "ROUND_X": True, "INTERP": False, "REV": rev}, one))
     return out
 
 
@@ -225,7 +240,7 @@ def grouped_variants(gate: QT, up: QT, down: QT, n_embd: int, n_ff: int, activat
 
 
 def _compiled_row(geometry: str, label: str, fn, const: dict, cfg, arch: int) -> dict:
-    compiled = compile_kernel(fn, const, cfg.num_warps, cfg.num_stages, arch)
+    compiled = compile_kernel(fn, const, cfg.num_warps, cfg.num_stages, arch, maxnreg=cfg.maxnreg)
     return {"geometry": geometry, "kernel": label, "block_n": cfg.block_n, "num_warps": cfg.num_warps,
             "convert_layout": compiled.asm["ttgir"].count("ttg.convert_layout"),
             "mma": _tensor_core_instruction(compiled.asm["ptx"]), **resource_usage(compiled)}

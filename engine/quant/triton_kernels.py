@@ -606,15 +606,77 @@ if triton is not None:
                                       is_pure=False, pack=1)
         tl.debug_barrier()
 
+    # ---------------------------------------------------------------- one launch for the step
+    # experts_forward(one_launch=True) runs round x, gate/up and down as one grid, ids in that
+    # order: a program whose inputs another program makes waits for a flag that program publishes
+    # (x's K steps; h's). Programs only wait on lower ids, which CUDA dispatches first (the
+    # forward-progress assumption of CUB's decoupled look-back), and the interpreter runs in id
+    # order. The flags hold the launch's epoch, so none needs resetting: the last program to end
+    # sets the epoch that the next launch's programs read (step state: epoch, programs ended,
+    # a wait timed out, then the flags).
+
     @triton.jit
-    def _gate_up_finish(g, u, rows, p, s, split, n_pairs, gb_ptr, ub_ptr, h_ptr, hr_ptr, hq_ptr, hd_ptr, part_ptr,
-                        count_ptr, pair_exp, N: tl.constexpr, VT_DOWN: tl.constexpr, ACT: tl.constexpr,
-                        HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, INTERP: tl.constexpr):
-        """The end of a gate/up program (either tile): its gate and up sums g, u for `rows`; with
-        split > 1 its partials, which the last program of the row block adds in split order;
-        then bias, activation, h, and the last row block of each 256 values of the pair's h
-        rounds those 256 (semaphores: count_ptr[p * NSH + chunk], then the split's per row block)."""
-        nb = tl.program_id(1)
+    def acquire_load(ptr, SYS: tl.constexpr, INTERP: tl.constexpr):
+        """*ptr, ordered before the program's later loads (acquire at system scope, the host's
+        flags; else at GPU scope)."""
+        if INTERP:
+            v = tl.load(ptr, volatile=True)
+        elif SYS:
+            v = tl.inline_asm_elementwise("ld.acquire.sys.global.b32 $0, [$1];", "=r,l", [ptr],
+                                          dtype=tl.int32, is_pure=False, pack=1)
+        else:
+            v = tl.inline_asm_elementwise("ld.acquire.gpu.global.b32 $0, [$1];", "=r,l", [ptr],
+                                          dtype=tl.int32, is_pure=False, pack=1)
+        return v
+
+    @triton.jit
+    def clock_ns(like):
+        """The GPU's global timer in ns (`like`: any scalar, for the shape)."""
+        return tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l,r", [like], dtype=tl.int64,
+                                         is_pure=False, pack=1)
+
+    @triton.jit
+    def _publish(flag_ptr, epoch, like, INTERP: tl.constexpr):
+        """flag <- epoch once every thread's earlier stores are visible at GPU scope."""
+        _fence_stores(like, INTERP)
+        tl.atomic_xchg(flag_ptr, epoch, sem="release", scope="gpu")
+
+    @triton.jit
+    def _await(flag_ptr, n, epoch, state_ptr, timeout_ns, INTERP: tl.constexpr):
+        """Until flags [0, n) all hold epoch, each at most timeout_ns; a wait that times out sets
+        the step state's word 2 and goes on (a hang would take the desktop with it).
+
+        Each thread waits on its own acquire loads, so its later loads see what the flag
+        publishes; threads may diverge here, so nothing in the wait may take a CTA barrier (a
+        Triton scalar atomic does: the timeout is stored by each late thread in PTX)."""
+        for c in range(n):
+            got = acquire_load(flag_ptr + c, False, INTERP)
+            if got != epoch:
+                if INTERP:  # the interpreter runs lower ids first: a flag not yet set never will be
+                    tl.store(state_ptr + 2, 1)
+                else:
+                    deadline = clock_ns(epoch) + timeout_ns
+                    while (got != epoch) & (clock_ns(epoch) < deadline):
+                        # a short sleep between polls leaves the SM's issue slots and L2 to the
+                        # programs being waited for
+                        tl.inline_asm_elementwise("nanosleep.u32 32;\n\tmov.u32 $0, 0;", "=r,r", [epoch],
+                                                  dtype=tl.int32, is_pure=False, pack=1)
+                        got = acquire_load(flag_ptr + c, False, INTERP)
+                    if got != epoch:
+                        tl.inline_asm_elementwise("st.relaxed.gpu.global.b32 [$1], 1;\n\tmov.u32 $0, 0;", "=r,l",
+                                                  [state_ptr + 2], dtype=tl.int32, is_pure=False, pack=1)
+
+    @triton.jit
+    def _gate_up_finish(g, u, rows, p, nb, s, split, n_pairs, gb_ptr, ub_ptr, h_ptr, hr_ptr, hq_ptr, hd_ptr,
+                        part_ptr, count_ptr, pair_exp, h_flags, epoch, N: tl.constexpr, VT_DOWN: tl.constexpr,
+                        ACT: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, INTERP: tl.constexpr,
+                        STEP: tl.constexpr):
+        """The end of gate/up program (p, nb, s) (either tile): its gate and up sums g, u for
+        `rows`; with split > 1 its partials, which the last program of the row block adds in split
+        order; then bias, activation, h, and the last row block of each 256 values of the pair's
+        h rounds those 256 (semaphores: count_ptr[p * NSH + chunk], then the split's per row
+        block); in one launch (STEP) it then publishes h_flags[p * NSH + chunk]."""
+        NB: tl.constexpr = (N + BLOCK_N - 1) // BLOCK_N
         live = rows < N
         p64 = p.to(tl.int64)
         NSH: tl.constexpr = (N + 255) // 256
@@ -624,7 +686,7 @@ if triton is not None:
             tl.store(part + rows, g, mask=live)
             tl.store(part + N + rows, u, mask=live)
             _fence_stores(rows, INTERP)
-            block_sem = count_ptr + n_pairs * NSH + p * tl.num_programs(1) + nb
+            block_sem = count_ptr + n_pairs * NSH + p * NB + nb
             finish = tl.atomic_add(block_sem, 1, sem="acq_rel", scope="gpu") == split - 1
             if finish:
                 tl.store(block_sem, 0)
@@ -651,31 +713,28 @@ if triton is not None:
             c = nb // PER_CHUNK
             chunk_sem = count_ptr + p * NSH + c
             done = tl.atomic_add(chunk_sem, 1, sem="acq_rel", scope="gpu")
-            if done == tl.minimum(PER_CHUNK, tl.num_programs(1) - c * PER_CHUNK) - 1:
+            if done == tl.minimum(PER_CHUNK, NB - c * PER_CHUNK) - 1:
                 tl.store(chunk_sem, 0)
                 _round_chunk(h_row, hr_ptr + p64 * (NSH * 256), hq_ptr + p64 * (NSH * 256),
                              hd_ptr + p64 * (NSH * 8), hd_ptr, c, N, VT_DOWN, INTERP, False)
+                if STEP:
+                    _publish(h_flags + p * NSH + c, epoch, rows, INTERP)
 
-    # The split is a runtime argument: it follows the launch's pair count, and a constexpr would
-    # compile a variant per count class (Triton still gives split 1 a variant of its own).
-    @triton.jit(do_not_specialize=["n_pairs", "steps"])
-    def _gate_up_kernel(xg_ptr, xgq_ptr, xgd_ptr, xu_ptr, xuq_ptr, xud_ptr,
-                        g_ptr, g_slot_bytes, g_row_bytes, u_ptr, u_slot_bytes, u_row_bytes,
-                        gb_ptr, ub_ptr, h_ptr, hr_ptr, hq_ptr, hd_ptr, part_ptr, count_ptr,
-                        pair_tok, pair_slot, pair_exp, n_pairs, split, steps,
-                        N: tl.constexpr, K: tl.constexpr, QG: tl.constexpr, QU: tl.constexpr, SAME_X: tl.constexpr,
-                        VT_DOWN: tl.constexpr, ACT: tl.constexpr, HAS_BIAS: tl.constexpr,
-                        BLOCK_N: tl.constexpr, UNROLL: tl.constexpr, INTERP: tl.constexpr, REV: tl.constexpr):
-        """Grid (pairs, N / BLOCK_N, split). x*: the rounded activations [T, K] (values, Q8_K
-        quants, Q8_K scales [T, K / 256]) for the gate and the up type; h [pairs, N] and, rounded
-        for the down type, hr (values), hq, hd (Q8_K quants and scales). Program (p, nb, s) takes
-        K steps s * steps ... (s + 1) * steps of its rows; with split > 1 it stores its partial
-        sums in part [pairs, split, 2, N] and the last program of the row block to finish (a
-        semaphore per pair and row block, after the h steps' own) adds them in split order, so
-        the result does not depend on which program finishes last, then activates."""
-        p = tl.program_id(0)
-        nb = tl.program_id(1)
-        s = tl.program_id(2)
+    # The gate/up and down kernels are thin: each program's work is a function of its ids (p, nb,
+    # s), which the one-launch step kernel calls as well. The step arguments (x_flags, h_flags,
+    # epoch, state_ptr, timeout_ns) are only read there (STEP; WAIT_X where x is rounded in it).
+
+    @triton.jit
+    def _gate_up_tile_program(p, nb, s, xg_ptr, xgq_ptr, xgd_ptr, xu_ptr, xuq_ptr, xud_ptr,
+                              g_ptr, g_slot_bytes, g_row_bytes, u_ptr, u_slot_bytes, u_row_bytes,
+                              gb_ptr, ub_ptr, h_ptr, hr_ptr, hq_ptr, hd_ptr, part_ptr, count_ptr,
+                              pair_tok, pair_slot, pair_exp, n_pairs, split, steps,
+                              x_flags, h_flags, epoch, state_ptr, timeout_ns,
+                              N: tl.constexpr, K: tl.constexpr, QG: tl.constexpr, QU: tl.constexpr,
+                              SAME_X: tl.constexpr, VT_DOWN: tl.constexpr, ACT: tl.constexpr, HAS_BIAS: tl.constexpr,
+                              BLOCK_N: tl.constexpr, UNROLL: tl.constexpr, INTERP: tl.constexpr, REV: tl.constexpr,
+                              STEP: tl.constexpr, WAIT_X: tl.constexpr):
+        """Program (p, nb, s) of _gate_up_kernel."""
         tok = tl.load(pair_tok + p).to(tl.int64)
         # A pair without a slot here (< 0: the CPU pool computes it, or a launch over mapped host
         # memory) does nothing: its programs end before reading a byte, in both kernels, so a
@@ -705,6 +764,8 @@ if triton is not None:
         k0 = s * steps
         k1 = tl.minimum(k0 + steps, NS)
         if UNROLL:  # every K step: gate_up never splits an unrolled tile
+            if WAIT_X:
+                _await(x_flags + tok * NS, NS, epoch, state_ptr, timeout_ns, INTERP)
             for ks in tl.static_range(0, NS):
                 ga, gb, gc, gd = _load_w(g_rows, ks, K, BLOCK_N, QG, REV)
                 ua, ub, uc, ud = _load_w(u_rows, ks, K, BLOCK_N, QU, REV)
@@ -712,6 +773,8 @@ if triton is not None:
                 acc_u = _use_w(acc_u, ua, ub, uc, ud, xu_row, xuq_row, xud_row, ks, K, BLOCK_N, QU, INTERP, REV)
         elif QG == _F16 or QG == _BF16 or QU == _F16 or QU == _BF16:
             # 16-bit weights: a lane's bytes of a step fill 64 registers a matrix; no second set
+            if WAIT_X:
+                _await(x_flags + tok * NS + k0, k1 - k0, epoch, state_ptr, timeout_ns, INTERP)
             for ks in range(k0, k1):
                 ga, gb, gc, gd = _load_w(g_rows, ks, K, BLOCK_N, QG, REV)
                 ua, ub, uc, ud = _load_w(u_rows, ks, K, BLOCK_N, QU, REV)
@@ -720,6 +783,8 @@ if triton is not None:
         else:  # the next step's bytes of both matrices are loaded ahead (register double-buffering)
             ga, gb, gc, gd = _load_w(g_rows, k0, K, BLOCK_N, QG, REV)
             ua, ub, uc, ud = _load_w(u_rows, k0, K, BLOCK_N, QU, REV)
+            if WAIT_X:  # the first step's weights are on their way meanwhile
+                _await(x_flags + tok * NS + k0, k1 - k0, epoch, state_ptr, timeout_ns, INTERP)
             for ks in range(k0, k1):
                 nk = tl.minimum(ks + 1, k1 - 1)
                 nga, ngb, ngc, ngd = _load_w(g_rows, nk, K, BLOCK_N, QG, REV)
@@ -729,20 +794,58 @@ if triton is not None:
                 ga, gb, gc, gd = nga, ngb, ngc, ngd
                 ua, ub, uc, ud = nua, nub, nuc, nud
         rows = nb * BLOCK_N + tl.arange(0, BLOCK_N)
-        _gate_up_finish(_reduce_acc(acc_g), _reduce_acc(acc_u), rows, p, s, split, n_pairs, gb_ptr, ub_ptr, h_ptr,
-                        hr_ptr, hq_ptr, hd_ptr, part_ptr, count_ptr, pair_exp, N, VT_DOWN, ACT, HAS_BIAS, BLOCK_N,
-                        INTERP)
+        _gate_up_finish(_reduce_acc(acc_g), _reduce_acc(acc_u), rows, p, nb, s, split, n_pairs, gb_ptr, ub_ptr,
+                        h_ptr, hr_ptr, hq_ptr, hd_ptr, part_ptr, count_ptr, pair_exp, h_flags, epoch, N, VT_DOWN, ACT,
+                        HAS_BIAS, BLOCK_N, INTERP, STEP)
+
+    # The split is a runtime argument: it follows the launch's pair count, and a constexpr would
+    # compile a variant per count class (Triton still gives split 1 a variant of its own).
+    @triton.jit(do_not_specialize=["n_pairs", "steps"])
+    def _gate_up_kernel(xg_ptr, xgq_ptr, xgd_ptr, xu_ptr, xuq_ptr, xud_ptr,
+                        g_ptr, g_slot_bytes, g_row_bytes, u_ptr, u_slot_bytes, u_row_bytes,
+                        gb_ptr, ub_ptr, h_ptr, hr_ptr, hq_ptr, hd_ptr, part_ptr, count_ptr,
+                        pair_tok, pair_slot, pair_exp, n_pairs, split, steps,
+                        N: tl.constexpr, K: tl.constexpr, QG: tl.constexpr, QU: tl.constexpr, SAME_X: tl.constexpr,
+                        VT_DOWN: tl.constexpr, ACT: tl.constexpr, HAS_BIAS: tl.constexpr,
+                        BLOCK_N: tl.constexpr, UNROLL: tl.constexpr, INTERP: tl.constexpr, REV: tl.constexpr):
+        """Grid (pairs, N / BLOCK_N, split). x*: the rounded activations [T, K] (values, Q8_K
+        quants, Q8_K scales [T, K / 256]) for the gate and the up type; h [pairs, N] and, rounded
+        for the down type, hr (values), hq, hd (Q8_K quants and scales). Program (p, nb, s) takes
+        K steps s * steps ... (s + 1) * steps of its rows; with split > 1 it stores its partial
+        sums in part [pairs, split, 2, N] and the last program of the row block to finish (a
+        semaphore per pair and row block, after the h steps' own) adds them in split order, so
+        the result does not depend on which program finishes last, then activates."""
+        _gate_up_tile_program(tl.program_id(0), tl.program_id(1), tl.program_id(2), xg_ptr, xgq_ptr, xgd_ptr,
+                              xu_ptr, xuq_ptr, xud_ptr, g_ptr, g_slot_bytes, g_row_bytes, u_ptr, u_slot_bytes,
+                              u_row_bytes, gb_ptr, ub_ptr, h_ptr, hr_ptr, hq_ptr, hd_ptr, part_ptr, count_ptr,
+                              pair_tok, pair_slot, pair_exp, n_pairs, split, steps, count_ptr, count_ptr, 0,
+                              count_ptr, 0, N, K, QG, QU, SAME_X, VT_DOWN, ACT, HAS_BIAS, BLOCK_N, UNROLL, INTERP, REV,
+                              False, False)
 
     @triton.jit
-    def _down_kernel(hr_ptr, hq_ptr, hd_ptr, d_ptr, d_slot_bytes, d_row_bytes, db_ptr, wt_ptr, wt_stride_tok,
-                     out_ptr, out_stride_pos, out_stride_tok, pair_tok, pair_pos, pair_slot, pair_exp, N,
-                     K: tl.constexpr, QD: tl.constexpr, HAS_BIAS: tl.constexpr, WEIGHTED: tl.constexpr,
-                     BLOCK_N: tl.constexpr, UNROLL: tl.constexpr, INTERP: tl.constexpr, REV: tl.constexpr):
-        """Grid (pairs, N / BLOCK_N). hr/hq/hd: the rounded h [pairs, K]; out[pos, tok, :N]."""
-        p = tl.program_id(0)
-        nb = tl.program_id(1)
+    def _down_store(y, rows, p, db_ptr, wt_ptr, wt_stride_tok, out_ptr, out_stride_pos, out_stride_tok, pair_tok,
+                    pair_pos, pair_exp, N, HAS_BIAS: tl.constexpr, WEIGHTED: tl.constexpr):
+        """The end of a down program (either tile): pair p's sums y for `rows`, plus the bias,
+        times the routing weight, into out[pos, tok, rows]."""
+        live = rows < N
+        if HAS_BIAS:
+            e = tl.load(pair_exp + p).to(tl.int64)
+            y = y + tl.load(db_ptr + e * N + rows, mask=live, other=0.0)
+        tok = tl.load(pair_tok + p).to(tl.int64)
+        pos = tl.load(pair_pos + p).to(tl.int64)
+        if WEIGHTED:
+            y = y * tl.load(wt_ptr + tok * wt_stride_tok + pos)
+        tl.store(out_ptr + pos * out_stride_pos + tok * out_stride_tok + rows, y, mask=live)
+
+    @triton.jit
+    def _down_program(p, nb, hr_ptr, hq_ptr, hd_ptr, d_ptr, d_slot_bytes, d_row_bytes, db_ptr, wt_ptr,
+                      wt_stride_tok, out_ptr, out_stride_pos, out_stride_tok, pair_tok, pair_pos, pair_slot, pair_exp,
+                      N, h_flags, epoch, state_ptr, timeout_ns, K: tl.constexpr, QD: tl.constexpr,
+                      HAS_BIAS: tl.constexpr, WEIGHTED: tl.constexpr, BLOCK_N: tl.constexpr, UNROLL: tl.constexpr,
+                      INTERP: tl.constexpr, REV: tl.constexpr, STEP: tl.constexpr):
+        """Program (p, nb) of _down_kernel; in one launch (STEP) it waits for the pair's h."""
         slot_or_none = tl.load(pair_slot + p)
-        if slot_or_none < 0:  # no slot here (see _gate_up_kernel)
+        if slot_or_none < 0:  # no slot here (see _gate_up_tile_program)
             return
         slot = slot_or_none.to(tl.int64)
         r4 = tl.arange(0, BLOCK_N)[None, :, None, None, None]
@@ -755,26 +858,32 @@ if triton is not None:
         xd_row = hd_ptr + p64 * (NS * 8)
         acc = _zero_acc(BLOCK_N, QD)
         if UNROLL:
+            if STEP:
+                _await(h_flags + p * NS, NS, epoch, state_ptr, timeout_ns, INTERP)
             for ks in tl.static_range(0, NS):
                 a, b, cc, dd = _load_w(d_rows, ks, K, BLOCK_N, QD, REV)
                 acc = _use_w(acc, a, b, cc, dd, x_row, xq_row, xd_row, ks, K, BLOCK_N, QD, INTERP, REV)
         else:
             a, b, cc, dd = _load_w(d_rows, 0, K, BLOCK_N, QD, REV)
+            if STEP:  # the first step's weights are on their way meanwhile
+                _await(h_flags + p * NS, NS, epoch, state_ptr, timeout_ns, INTERP)
             for ks in range(0, NS):
                 na, nb2, nc, nd = _load_w(d_rows, tl.minimum(ks + 1, NS - 1), K, BLOCK_N, QD, REV)
                 acc = _use_w(acc, a, b, cc, dd, x_row, xq_row, xd_row, ks, K, BLOCK_N, QD, INTERP, REV)
                 a, b, cc, dd = na, nb2, nc, nd
-        y = _reduce_acc(acc)
-        rows = nb * BLOCK_N + tl.arange(0, BLOCK_N)
-        live = rows < N
-        if HAS_BIAS:
-            e = tl.load(pair_exp + p).to(tl.int64)
-            y = y + tl.load(db_ptr + e * N + rows, mask=live, other=0.0)
-        tok = tl.load(pair_tok + p).to(tl.int64)
-        pos = tl.load(pair_pos + p).to(tl.int64)
-        if WEIGHTED:
-            y = y * tl.load(wt_ptr + tok * wt_stride_tok + pos)
-        tl.store(out_ptr + pos * out_stride_pos + tok * out_stride_tok + rows, y, mask=live)
+        _down_store(_reduce_acc(acc), nb * BLOCK_N + tl.arange(0, BLOCK_N), p, db_ptr, wt_ptr, wt_stride_tok,
+                    out_ptr, out_stride_pos, out_stride_tok, pair_tok, pair_pos, pair_exp, N, HAS_BIAS, WEIGHTED)
+
+    @triton.jit
+    def _down_kernel(hr_ptr, hq_ptr, hd_ptr, d_ptr, d_slot_bytes, d_row_bytes, db_ptr, wt_ptr, wt_stride_tok,
+                     out_ptr, out_stride_pos, out_stride_tok, pair_tok, pair_pos, pair_slot, pair_exp, N,
+                     K: tl.constexpr, QD: tl.constexpr, HAS_BIAS: tl.constexpr, WEIGHTED: tl.constexpr,
+                     BLOCK_N: tl.constexpr, UNROLL: tl.constexpr, INTERP: tl.constexpr, REV: tl.constexpr):
+        """Grid (pairs, N / BLOCK_N). hr/hq/hd: the rounded h [pairs, K]; out[pos, tok, :N]."""
+        _down_program(tl.program_id(0), tl.program_id(1), hr_ptr, hq_ptr, hd_ptr, d_ptr, d_slot_bytes, d_row_bytes,
+                      db_ptr, wt_ptr, wt_stride_tok, out_ptr, out_stride_pos, out_stride_tok, pair_tok, pair_pos,
+                      pair_slot, pair_exp, N, pair_slot, 0, pair_slot, 0, K, QD, HAS_BIAS, WEIGHTED, BLOCK_N, UNROLL,
+                      INTERP, REV, False)
 
     # ---------------------------------------------------------------- dense products
 
@@ -1201,25 +1310,22 @@ if triton is not None:
 
     # gate/up in the same tile, for the same types' experts at one token (_gate_up_kernel's grid,
     # arguments, results and end): a pair's BLOCK_N rows of gate and up a program, four K steps
-    # a warp's access. (The down product in this tile, timed too, was slower than the quantized
-    # tile at 1-8 tokens: 768 values are three K steps, a quarter of the lanes idle.)
+    # a warp's access.
 
-    @triton.jit(do_not_specialize=["n_pairs", "steps"])
-    def _gate_up_k4_kernel(xg_ptr, xgq_ptr, xgd_ptr, xu_ptr, xuq_ptr, xud_ptr,
-                           g_ptr, g_slot_bytes, g_row_bytes, u_ptr, u_slot_bytes, u_row_bytes,
-                           gb_ptr, ub_ptr, h_ptr, hr_ptr, hq_ptr, hd_ptr, part_ptr, count_ptr,
-                           pair_tok, pair_slot, pair_exp, n_pairs, split, steps,
-                           N: tl.constexpr, K: tl.constexpr, QG: tl.constexpr, QU: tl.constexpr,
-                           SAME_X: tl.constexpr, VT_DOWN: tl.constexpr, ACT: tl.constexpr, HAS_BIAS: tl.constexpr,
-                           BLOCK_N: tl.constexpr, UNROLL: tl.constexpr, INTERP: tl.constexpr, REV: tl.constexpr):
-        """_gate_up_kernel for Q4_K, Q5_K, padded Q6_K or planar MXFP4 gate and up weights (QG, QU),
-        lanes along K (UNROLL unused)."""
-        p = tl.program_id(0)
-        nb = tl.program_id(1)
-        s = tl.program_id(2)
+    @triton.jit
+    def _gate_up_row_program(p, nb, s, xg_ptr, xgq_ptr, xgd_ptr, xu_ptr, xuq_ptr, xud_ptr,
+                             g_ptr, g_slot_bytes, g_row_bytes, u_ptr, u_slot_bytes, u_row_bytes,
+                             gb_ptr, ub_ptr, h_ptr, hr_ptr, hq_ptr, hd_ptr, part_ptr, count_ptr,
+                             pair_tok, pair_slot, pair_exp, n_pairs, split, steps,
+                             x_flags, h_flags, epoch, state_ptr, timeout_ns,
+                             N: tl.constexpr, K: tl.constexpr, QG: tl.constexpr, QU: tl.constexpr,
+                             SAME_X: tl.constexpr, VT_DOWN: tl.constexpr, ACT: tl.constexpr, HAS_BIAS: tl.constexpr,
+                             BLOCK_N: tl.constexpr, INTERP: tl.constexpr, REV: tl.constexpr, STEP: tl.constexpr,
+                             WAIT_X: tl.constexpr):
+        """Program (p, nb, s) of _gate_up_k4_kernel."""
         tok = tl.load(pair_tok + p).to(tl.int64)
         slot_or_none = tl.load(pair_slot + p)
-        if slot_or_none < 0:  # no slot here (see _gate_up_kernel)
+        if slot_or_none < 0:  # no slot here (see _gate_up_tile_program)
             return
         slot = slot_or_none.to(tl.int64)
         g, n, wd, g_words = _row_tile(g_ptr + slot * g_slot_bytes, g_row_bytes, nb, N, BLOCK_N)
@@ -1239,6 +1345,8 @@ if triton is not None:
         acc_u = tl.zeros((32, BLOCK_N), tl.float32)
         gw, gh, gq, gd = _k4_load(g_words, k0, k1, g, wd, K, QG, REV)  # the next four steps load while these are used
         uw, uh, uq, ud = _k4_load(u_words, k0, k1, g, wd, K, QU, REV)
+        if WAIT_X:  # the first steps' weights are on their way meanwhile
+            _await(x_flags + tok * NS + k0, k1 - k0, epoch, state_ptr, timeout_ns, INTERP)
         for kq in range(k0, k1, 4):
             ngw, ngh, ngq, ngd = _k4_load(g_words, kq + 4, k1, g, wd, K, QG, REV)
             nuw, nuh, nuq, nud = _k4_load(u_words, kq + 4, k1, g, wd, K, QU, REV)
@@ -1246,9 +1354,154 @@ if triton is not None:
             acc_u += _k4_dot(uw, uh, uq, ud, xuq_row, xud_row, kq, k1, g, n, wd, K, QU, INTERP, REV)
             gw, gh, gq, gd = ngw, ngh, ngq, ngd
             uw, uh, uq, ud = nuw, nuh, nuq, nud
-        _gate_up_finish(tl.sum(acc_g, axis=0), tl.sum(acc_u, axis=0), nb * BLOCK_N + tl.arange(0, BLOCK_N), p, s,
-                        split, n_pairs, gb_ptr, ub_ptr, h_ptr, hr_ptr, hq_ptr, hd_ptr, part_ptr, count_ptr, pair_exp,
-                        N, VT_DOWN, ACT, HAS_BIAS, BLOCK_N, INTERP)
+        _gate_up_finish(tl.sum(acc_g, axis=0), tl.sum(acc_u, axis=0), nb * BLOCK_N + tl.arange(0, BLOCK_N), p, nb,
+                        s, split, n_pairs, gb_ptr, ub_ptr, h_ptr, hr_ptr, hq_ptr, hd_ptr, part_ptr, count_ptr,
+                        pair_exp, h_flags, epoch, N, VT_DOWN, ACT, HAS_BIAS, BLOCK_N, INTERP, STEP)
+
+    @triton.jit(do_not_specialize=["n_pairs", "steps"])
+    def _gate_up_k4_kernel(xg_ptr, xgq_ptr, xgd_ptr, xu_ptr, xuq_ptr, xud_ptr,
+                           g_ptr, g_slot_bytes, g_row_bytes, u_ptr, u_slot_bytes, u_row_bytes,
+                           gb_ptr, ub_ptr, h_ptr, hr_ptr, hq_ptr, hd_ptr, part_ptr, count_ptr,
+                           pair_tok, pair_slot, pair_exp, n_pairs, split, steps,
+                           N: tl.constexpr, K: tl.constexpr, QG: tl.constexpr, QU: tl.constexpr,
+                           SAME_X: tl.constexpr, VT_DOWN: tl.constexpr, ACT: tl.constexpr, HAS_BIAS: tl.constexpr,
+                           BLOCK_N: tl.constexpr, UNROLL: tl.constexpr, INTERP: tl.constexpr, REV: tl.constexpr):
+        """_gate_up_kernel for Q4_K, Q5_K, padded Q6_K or planar MXFP4 gate and up weights (QG, QU),
+        lanes along K (UNROLL unused)."""
+        _gate_up_row_program(tl.program_id(0), tl.program_id(1), tl.program_id(2), xg_ptr, xgq_ptr, xgd_ptr,
+                             xu_ptr, xuq_ptr, xud_ptr, g_ptr, g_slot_bytes, g_row_bytes, u_ptr, u_slot_bytes,
+                             u_row_bytes, gb_ptr, ub_ptr, h_ptr, hr_ptr, hq_ptr, hd_ptr, part_ptr, count_ptr,
+                             pair_tok, pair_slot, pair_exp, n_pairs, split, steps, count_ptr, count_ptr, 0,
+                             count_ptr, 0, N, K, QG, QU, SAME_X, VT_DOWN, ACT, HAS_BIAS, BLOCK_N, INTERP, REV,
+                             False, False)
+
+    # down in the same tile (_down_kernel's grid, arguments and results; hr and UNROLL unused): a
+    # pair's BLOCK_N rows a program over all K steps of h. The one-launch step takes it after a
+    # "row" gate/up (step_down_tile); alone it is timed beside the quantized tile ("down row" in
+    # `moestudio bench kernels`): session 27 found it slower at Qwen3's K = 768, where three K steps
+    # leave a quarter of the lanes idle, so the three launches keep the quantized tile.
+
+    @triton.jit
+    def _down_row_program(p, nb, hq_ptr, hd_ptr, d_ptr, d_slot_bytes, d_row_bytes, db_ptr, wt_ptr, wt_stride_tok,
+                          out_ptr, out_stride_pos, out_stride_tok, pair_tok, pair_pos, pair_slot, pair_exp, N,
+                          h_flags, epoch, state_ptr, timeout_ns, K: tl.constexpr, QD: tl.constexpr,
+                          HAS_BIAS: tl.constexpr, WEIGHTED: tl.constexpr, BLOCK_N: tl.constexpr,
+                          INTERP: tl.constexpr, REV: tl.constexpr, STEP: tl.constexpr):
+        """Program (p, nb) of _down_k4_kernel; in one launch (STEP) it waits for the pair's h."""
+        slot_or_none = tl.load(pair_slot + p)
+        if slot_or_none < 0:  # no slot here (see _gate_up_tile_program)
+            return
+        slot = slot_or_none.to(tl.int64)
+        g, n, wd, d_words = _row_tile(d_ptr + slot * d_slot_bytes, d_row_bytes, nb, N, BLOCK_N)
+        NS: tl.constexpr = (K + 255) // 256
+        p64 = p.to(tl.int64)
+        xq_row = hq_ptr + p64 * (NS * 256)
+        xd_row = hd_ptr + p64 * (NS * 8)
+        acc = tl.zeros((32, BLOCK_N), tl.float32)
+        w, hdr, qh, dd = _k4_load(d_words, 0, NS, g, wd, K, QD, REV)  # the next four steps load while these are used
+        if STEP:  # the first steps' weights are on their way meanwhile
+            _await(h_flags + p * NS, NS, epoch, state_ptr, timeout_ns, INTERP)
+        for kq in range(0, NS, 4):
+            nw, nhdr, nqh, ndd = _k4_load(d_words, kq + 4, NS, g, wd, K, QD, REV)
+            acc += _k4_dot(w, hdr, qh, dd, xq_row, xd_row, kq, NS, g, n, wd, K, QD, INTERP, REV)
+            w, hdr, qh, dd = nw, nhdr, nqh, ndd
+        _down_store(tl.sum(acc, axis=0), nb * BLOCK_N + tl.arange(0, BLOCK_N), p, db_ptr, wt_ptr, wt_stride_tok,
+                    out_ptr, out_stride_pos, out_stride_tok, pair_tok, pair_pos, pair_exp, N, HAS_BIAS, WEIGHTED)
+
+    @triton.jit
+    def _down_k4_kernel(hr_ptr, hq_ptr, hd_ptr, d_ptr, d_slot_bytes, d_row_bytes, db_ptr, wt_ptr, wt_stride_tok,
+                        out_ptr, out_stride_pos, out_stride_tok, pair_tok, pair_pos, pair_slot, pair_exp, N,
+                        K: tl.constexpr, QD: tl.constexpr, HAS_BIAS: tl.constexpr, WEIGHTED: tl.constexpr,
+                        BLOCK_N: tl.constexpr, UNROLL: tl.constexpr, INTERP: tl.constexpr, REV: tl.constexpr):
+        """_down_kernel for Q4_K, Q5_K, padded Q6_K or planar MXFP4 down weights (QD), lanes along K."""
+        _down_row_program(tl.program_id(0), tl.program_id(1), hq_ptr, hd_ptr, d_ptr, d_slot_bytes, d_row_bytes,
+                          db_ptr, wt_ptr, wt_stride_tok, out_ptr, out_stride_pos, out_stride_tok, pair_tok, pair_pos,
+                          pair_slot, pair_exp, N, pair_slot, 0, pair_slot, 0, K, QD, HAS_BIAS, WEIGHTED, BLOCK_N,
+                          INTERP, REV, False)
+
+    @triton.jit
+    def _round_x_program(r, x_ptr, x_stride, xg_ptr, xgq_ptr, xgd_ptr, xu_ptr, xuq_ptr, xud_ptr, x_flags, epoch,
+                         K: tl.constexpr, VT_G: tl.constexpr, VT_U: tl.constexpr, SAME_X: tl.constexpr,
+                         INTERP: tl.constexpr):
+        """Program r of the step's rounding: K step r % NS of token r // NS rounded for the gate
+        type and, unless it rounds alike, the up type; then x_flags[r] published."""
+        NS: tl.constexpr = (K + 255) // 256
+        KP: tl.constexpr = NS * 256
+        t = (r // NS).to(tl.int64)
+        c = r % NS
+        _round_chunk(x_ptr + t * x_stride, xg_ptr + t * KP, xgq_ptr + t * KP, xgd_ptr + t * (KP // 32), xgd_ptr, c,
+                     K, VT_G, INTERP, False)
+        if not SAME_X:
+            _round_chunk(x_ptr + t * x_stride, xu_ptr + t * KP, xuq_ptr + t * KP, xud_ptr + t * (KP // 32), xud_ptr,
+                         c, K, VT_U, INTERP, False)
+        _publish(x_flags + r, epoch, tl.arange(0, 2), INTERP)
+
+    # The one-launch step (experts_forward(one_launch=True)): a 1-D grid of n_rounds rounding
+    # programs (tokens x K steps; none where x was rounded before), then gate/up's (pairs x row
+    # blocks x split, pairs fastest as in gate/up's own grid), then down's (pairs x row blocks).
+    # All take the one num_warps, and the registers of the largest of them.
+    @triton.jit(do_not_specialize=["n_pairs", "steps", "n_rounds"])
+    def _expert_step_kernel(x_ptr, x_stride, xg_ptr, xgq_ptr, xgd_ptr, xu_ptr, xuq_ptr, xud_ptr,
+                            g_ptr, g_slot_bytes, g_row_bytes, u_ptr, u_slot_bytes, u_row_bytes,
+                            gb_ptr, ub_ptr, h_ptr, hr_ptr, hq_ptr, hd_ptr, part_ptr, count_ptr,
+                            d_ptr, d_slot_bytes, d_row_bytes, db_ptr, wt_ptr, wt_stride_tok,
+                            out_ptr, out_stride_pos, out_stride_tok, pair_tok, pair_pos, pair_slot, pair_exp,
+                            n_pairs, split, steps, n_rounds, d_out, state_ptr, timeout_ns,
+                            N: tl.constexpr, K: tl.constexpr, QG: tl.constexpr, QU: tl.constexpr, QD: tl.constexpr,
+                            SAME_X: tl.constexpr, VT_G: tl.constexpr, VT_U: tl.constexpr, VT_DOWN: tl.constexpr,
+                            ACT: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_DOWN_BIAS: tl.constexpr,
+                            WEIGHTED: tl.constexpr, ROW: tl.constexpr, DOWN_ROW: tl.constexpr, BLOCK_G: tl.constexpr,
+                            BLOCK_D: tl.constexpr, UNROLL: tl.constexpr, UNROLL_DOWN: tl.constexpr,
+                            ROUND_X: tl.constexpr, INTERP: tl.constexpr, REV: tl.constexpr):
+        """Round x (ROUND_X; else x* hold x rounded), gate/up (the row tile where ROW, else the
+        quantized tile; BLOCK_G rows) and down (the row tile where DOWN_ROW, else the quantized
+        tile; BLOCK_D rows) in one grid. The arguments of the three kernels, and the step state
+        at state_ptr: epoch, programs ended, a wait timed out, x's flags [n_rounds], h's
+        [pairs, N / 256]."""
+        pid = tl.program_id(0)
+        epoch = tl.load(state_ptr, volatile=True) + 1
+        x_flags = state_ptr + 3
+        h_flags = x_flags + n_rounds
+        NBG: tl.constexpr = (N + BLOCK_G - 1) // BLOCK_G
+        n_gate_up = n_pairs * NBG * split
+        if pid < n_rounds:
+            if ROUND_X:
+                _round_x_program(pid, x_ptr, x_stride, xg_ptr, xgq_ptr, xgd_ptr, xu_ptr, xuq_ptr, xud_ptr, x_flags,
+                                 epoch, K, VT_G, VT_U, SAME_X, INTERP)
+        elif pid < n_rounds + n_gate_up:
+            q = pid - n_rounds
+            p = q % n_pairs
+            nb = q // n_pairs % NBG
+            s = q // (n_pairs * NBG)
+            if ROW:
+                _gate_up_row_program(p, nb, s, xg_ptr, xgq_ptr, xgd_ptr, xu_ptr, xuq_ptr, xud_ptr, g_ptr,
+                                     g_slot_bytes, g_row_bytes, u_ptr, u_slot_bytes, u_row_bytes, gb_ptr, ub_ptr,
+                                     h_ptr, hr_ptr, hq_ptr, hd_ptr, part_ptr, count_ptr, pair_tok, pair_slot,
+                                     pair_exp, n_pairs, split, steps, x_flags, h_flags, epoch, state_ptr, timeout_ns,
+                                     N, K, QG, QU, SAME_X, VT_DOWN, ACT, HAS_BIAS, BLOCK_G, INTERP, REV, True, ROUND_X)
+            else:
+                _gate_up_tile_program(p, nb, s, xg_ptr, xgq_ptr, xgd_ptr, xu_ptr, xuq_ptr, xud_ptr, g_ptr,
+                                      g_slot_bytes, g_row_bytes, u_ptr, u_slot_bytes, u_row_bytes, gb_ptr, ub_ptr,
+                                      h_ptr, hr_ptr, hq_ptr, hd_ptr, part_ptr, count_ptr, pair_tok, pair_slot,
+                                      pair_exp, n_pairs, split, steps, x_flags, h_flags, epoch, state_ptr, timeout_ns,
+                                      N, K, QG, QU, SAME_X, VT_DOWN, ACT, HAS_BIAS, BLOCK_G, UNROLL, INTERP, REV,
+                                      True, ROUND_X)
+        else:
+            q = pid - n_rounds - n_gate_up
+            if DOWN_ROW:
+                _down_row_program(q % n_pairs, q // n_pairs, hq_ptr, hd_ptr, d_ptr, d_slot_bytes, d_row_bytes,
+                                  db_ptr, wt_ptr, wt_stride_tok, out_ptr, out_stride_pos, out_stride_tok, pair_tok,
+                                  pair_pos, pair_slot, pair_exp, d_out, h_flags, epoch, state_ptr, timeout_ns, N, QD,
+                                  HAS_DOWN_BIAS, WEIGHTED, BLOCK_D, INTERP, REV, True)
+            else:
+                _down_program(q % n_pairs, q // n_pairs, hr_ptr, hq_ptr, hd_ptr, d_ptr, d_slot_bytes, d_row_bytes,
+                              db_ptr, wt_ptr, wt_stride_tok, out_ptr, out_stride_pos, out_stride_tok, pair_tok,
+                              pair_pos, pair_slot, pair_exp, d_out, h_flags, epoch, state_ptr, timeout_ns, N, QD,
+                              HAS_DOWN_BIAS, WEIGHTED, BLOCK_D, UNROLL_DOWN, INTERP, REV, True)
+        # The last program to end (all others have read the epoch) sets it for the next launch.
+        if tl.atomic_add(state_ptr + 1, 1, sem="acq_rel", scope="gpu") == tl.num_programs(0) - 1:
+            tl.store(state_ptr + 1, 0)
+            tl.store(state_ptr, epoch)
 
     @triton.jit
     def _order_probe_kernel(ptr):
@@ -1289,6 +1542,7 @@ class TileConfig:
     unroll: bool = False  # K steps fully unrolled, or a loop that loads one step ahead
     num_stages: int = 1  # Triton's own pipeliner: only the 16-bit tensor-core product has work for it
     programs_per_sm: int = PROGRAMS_PER_SM  # SplitK.choose's target for this tile
+    maxnreg: int | None = None  # registers a thread may take (None: as many as ptxas wants), for occupancy
 
 
 # The expert kernels' tiles and their defaults. gate/up takes one of two (expert_tile picks):
@@ -1302,15 +1556,18 @@ class TileConfig:
 # programs for decode (Qwen3-30B: 8 pairs x 24 of them for gate/up); BLOCK_N = 32 x num_warps
 # gives a lane two rows. `moestudio bench kernels --sweep` times alternatives on the device.
 GATE_UP_CONFIG: dict[str, TileConfig] = {"tile": TileConfig(32, 2), "row": TileConfig(4, 4)}
-DOWN_CONFIG = TileConfig(32, 2)
-# the types the lanes-along-K kernels read (_dense_k4_kernel, _gate_up_k4_kernel)
-_K_QUANT_ROWS = (int(QT.Q4_K), int(QT.Q5_K), Q6_K_PADDED, MXFP4_PLANAR)
+# down takes the quantized tile, or "row" (_down_k4_kernel: the same four types as gate/up's "row",
+# a warp's lanes along each row) where asked (down's `tile`, experts_forward's `down_tile`) and in
+# the one-launch step after a "row" gate/up (step_down_tile)
+DOWN_CONFIG: dict[str, TileConfig] = {"tile": TileConfig(32, 2), "row": TileConfig(4, 4)}
+# the types the lanes-along-K kernels read (_dense_k4_kernel, _gate_up_k4_kernel, _down_k4_kernel)
+K_QUANT_ROWS = (int(QT.Q4_K), int(QT.Q5_K), Q6_K_PADDED, MXFP4_PLANAR)
 
 
 def expert_tile(qg: int, qu: int, tokens: int) -> str:
     """The tile (a GATE_UP_CONFIG key) of a gate/up launch over `tokens` tokens' pairs and
     weights of kernel types `qg`, `qu` (kernel_type)."""
-    return "row" if tokens == 1 and qg in _K_QUANT_ROWS and qu in _K_QUANT_ROWS else "tile"
+    return "row" if tokens == 1 and qg in K_QUANT_ROWS and qu in K_QUANT_ROWS else "tile"
 
 _ACT = {"silu": 0, "swiglu_oai": 1}
 
@@ -1325,7 +1582,8 @@ def supports(w) -> bool:
 def _launch_opts(cfg: TileConfig | None) -> dict:
     if INTERPRETED or cfg is None:
         return {}
-    return {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
+    return {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages,
+            **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {})}
 
 
 def kernel_type(qtype: QT, rows: torch.Tensor, K: int) -> int:
@@ -1449,6 +1707,49 @@ def sm_count(device: str) -> int:
     return torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 1
 
 
+@dataclass(frozen=True)
+class _GateUpPlan:
+    """How gate/up runs a launch's pairs: its tile (a GATE_UP_CONFIG key), config, kernel types
+    (kernel_type), split over K and row blocks a pair."""
+    tile: str
+    cfg: TileConfig
+    qg: int
+    qu: int
+    split: SplitK
+    blocks: int
+    n_pairs: int
+
+    @classmethod
+    def make(cls, w, gate_buf, up_buf, tokens: int, n_pairs: int, device: torch.device,
+             cfg: TileConfig | None, split: SplitK | None) -> "_GateUpPlan":
+        n_ff, d_in = w.gate.shape[1], w.gate.shape[2]
+        qg, qu = kernel_type(w.gate.qtype, gate_buf, d_in), kernel_type(w.up.qtype, up_buf, d_in)
+        tile = expert_tile(qg, qu, tokens)
+        cfg = cfg or GATE_UP_CONFIG[tile]
+        if KSTEP % cfg.block_n:
+            raise ValueError(f"gate/up tiles of {cfg.block_n} rows: a tile's rows must divide a K step's {KSTEP}")
+        blocks = triton.cdiv(n_ff, cfg.block_n)
+        if split is None:
+            split = SplitK.choose(n_pairs * blocks * cfg.block_n, d_in, sm_count(str(device)), cfg)
+            if cfg.unroll or n_pairs * (blocks + -(-n_ff // KSTEP)) > COUNTERS:
+                split = SplitK(1, -(-d_in // KSTEP))
+        assert split.split == 1 or not cfg.unroll, "an unrolled tile takes every K step"
+        return cls(tile, cfg, qg, qu, split, blocks, n_pairs)
+
+    def tensors(self, w, h: torch.Tensor, hr: Rounded) -> tuple:
+        """The gate/up kernels' arguments gb_ptr ... count_ptr: the biases (h where there are
+        none), h, hr, the split's partial sums (h where unsplit) and the semaphores: one per pair
+        and K step of h (its rounding), and with a split one per pair and row block."""
+        P, n_ff = self.n_pairs, h.shape[1]
+        split = self.split.split
+        part = torch.empty((P, split, 2, n_ff), dtype=torch.float32, device=h.device) if split > 1 else h
+        gb = w.gate.bias if w.gate.bias is not None else h
+        ub = w.up.bias if w.up.bias is not None else gb
+        h_steps = -(-n_ff // KSTEP)
+        count = _counter(h.device, P * (h_steps + self.blocks) if split > 1 else P * h_steps)
+        return gb, ub, h, hr.padded, hr.quants, hr.scales, part, count
+
+
 def gate_up(xg: Rounded, xu: Rounded, gate_buf: torch.Tensor, up_buf: torch.Tensor, w,
             pair_tok: torch.Tensor, pair_slot: torch.Tensor, pair_exp: torch.Tensor,
             cfg: TileConfig | None = None, split: SplitK | None = None) -> tuple[torch.Tensor, Rounded]:
@@ -1464,57 +1765,50 @@ def gate_up(xg: Rounded, xu: Rounded, gate_buf: torch.Tensor, up_buf: torch.Tens
     if P == 0:
         return h, hr
     assert xg.values.shape[1] == d_in
-    qg, qu = kernel_type(w.gate.qtype, gate_buf, d_in), kernel_type(w.up.qtype, up_buf, d_in)
-    tile = expert_tile(qg, qu, xg.padded.shape[0])
-    cfg = cfg or GATE_UP_CONFIG[tile]
-    if KSTEP % cfg.block_n:
-        raise ValueError(f"gate/up tiles of {cfg.block_n} rows: a tile's rows must divide a K step's {KSTEP}")
-    blocks = triton.cdiv(n_ff, cfg.block_n)
-    h_steps = -(-n_ff // KSTEP)
-    if split is None:
-        split = SplitK.choose(P * blocks * cfg.block_n, d_in, sm_count(str(h.device)), cfg)
-        if cfg.unroll or P * (blocks + h_steps) > COUNTERS:
-            split = SplitK(1, -(-d_in // KSTEP))
-    assert split.split == 1 or not cfg.unroll, "an unrolled tile takes every K step"
-    part = torch.empty((P, split.split, 2, n_ff), dtype=torch.float32, device=h.device) if split.split > 1 else h
-    has_bias = w.gate.bias is not None
-    gb = w.gate.bias if has_bias else h
-    ub = w.up.bias if w.up.bias is not None else gb
-    kernel = _gate_up_k4_kernel if tile == "row" else _gate_up_kernel
-    # semaphores: one per pair and K step of h (its rounding), and with a split one per pair and row block
-    kernel[(P, blocks, split.split)](
+    plan = _GateUpPlan.make(w, gate_buf, up_buf, xg.padded.shape[0], P, h.device, cfg, split)
+    kernel = _gate_up_k4_kernel if plan.tile == "row" else _gate_up_kernel
+    kernel[(P, plan.blocks, plan.split.split)](
         xg.padded, xg.quants, xg.scales, xu.padded, xu.quants, xu.scales,
         gate_buf, gate_buf.stride(0), gate_buf.stride(1), up_buf, up_buf.stride(0), up_buf.stride(1),
-        gb, ub, h, hr.padded, hr.quants, hr.scales, part,
-        _counter(h.device, P * (h_steps + blocks) if split.split > 1 else P * h_steps),
-        pair_tok, pair_slot, pair_exp, P, split.split, split.steps,
-        N=n_ff, K=d_in, QG=qg, QU=qu, SAME_X=xg is xu, VT_DOWN=_vt(w.down.qtype), ACT=_ACT[w.activation],
-        HAS_BIAS=has_bias, BLOCK_N=cfg.block_n, UNROLL=cfg.unroll, INTERP=INTERPRETED, REV=reversed_ties(),
-        **_launch_opts(cfg))
+        *plan.tensors(w, h, hr), pair_tok, pair_slot, pair_exp, P, plan.split.split, plan.split.steps,
+        N=n_ff, K=d_in, QG=plan.qg, QU=plan.qu, SAME_X=xg is xu, VT_DOWN=_vt(w.down.qtype), ACT=_ACT[w.activation],
+        HAS_BIAS=w.gate.bias is not None, BLOCK_N=plan.cfg.block_n, UNROLL=plan.cfg.unroll, INTERP=INTERPRETED,
+        REV=reversed_ties(), **_launch_opts(plan.cfg))
     return h, hr
+
+
+def _down_type(w, down_buf: torch.Tensor, tile: str) -> int:
+    """The kernel type of down's weights, which down's `tile` must read."""
+    qd = kernel_type(w.down.qtype, down_buf, w.down.shape[2])
+    if tile == "row" and qd not in K_QUANT_ROWS:
+        raise ValueError(f"the row tile of down reads Q4_K, Q5_K, padded Q6_K and planar MXFP4, "
+                         f"not {w.down.qtype.name}")
+    return qd
 
 
 def down(hr: Rounded, down_buf: torch.Tensor, w, pair_tok: torch.Tensor, pair_pos: torch.Tensor,
          pair_slot: torch.Tensor, pair_exp: torch.Tensor, weights: torch.Tensor | None, out: torch.Tensor,
-         cfg: TileConfig | None = None) -> None:
+         cfg: TileConfig | None = None, tile: str = "tile") -> None:
     """out[pos, tok, :] = (hr[p] . down[slot] (+bias)) * weights[tok, pos] for each pair p.
 
     hr: h rounded for the down type (gate_up's second result); `out` [k, T, D] (the
-    executor's per_slot, last axis contiguous); with weights None the result is unweighted."""
+    executor's per_slot, last axis contiguous); with weights None the result is unweighted.
+    `tile`: a DOWN_CONFIG key ("row" takes Q4_K, Q5_K, padded Q6_K and planar MXFP4 only)."""
     d_out, n_ff = w.down.shape[1], w.down.shape[2]
     P = pair_tok.numel()
     if P == 0:
         return
     assert out.stride(2) == 1
-    cfg = cfg or DOWN_CONFIG
+    cfg = cfg or DOWN_CONFIG[tile]
+    qd = _down_type(w, down_buf, tile)
     has_bias = w.down.bias is not None
     db = w.down.bias if has_bias else hr.padded
     wt = weights if weights is not None else hr.padded
     grid = (P, triton.cdiv(d_out, cfg.block_n))
-    _down_kernel[grid](
+    (_down_k4_kernel if tile == "row" else _down_kernel)[grid](
         hr.padded, hr.quants, hr.scales, down_buf, down_buf.stride(0), down_buf.stride(1), db, wt, wt.stride(0),
         out, out.stride(0), out.stride(1), pair_tok, pair_pos, pair_slot, pair_exp, d_out,
-        K=n_ff, QD=kernel_type(w.down.qtype, down_buf, n_ff), HAS_BIAS=has_bias, WEIGHTED=weights is not None,
+        K=n_ff, QD=qd, HAS_BIAS=has_bias, WEIGHTED=weights is not None,
         BLOCK_N=cfg.block_n, UNROLL=cfg.unroll, INTERP=INTERPRETED, REV=reversed_ties(), **_launch_opts(cfg))
 
 
@@ -1529,10 +1823,14 @@ def experts_forward(x: torch.Tensor, buffers, w, pair_tok: torch.Tensor, pair_po
                     pair_slot: torch.Tensor, pair_exp: torch.Tensor, weights: torch.Tensor | None,
                     out: torch.Tensor, gate_up_cfg: TileConfig | None = None,
                     down_cfg: TileConfig | None = None, gate_up_split: SplitK | None = None,
-                    rounded: tuple[Rounded, Rounded] | None = None) -> None:
+                    rounded: tuple[Rounded, Rounded] | None = None, one_launch: bool = False,
+                    down_tile: str | None = None) -> None:
     """Every pair's expert output, weighted, into out[pos, tok, :]: three launches in all
     (round x, unless `rounded` holds round_inputs(x, w) already; gate/up + activation + round h;
-    down). A pair whose slot is negative does nothing.
+    down), or with `one_launch` the same programs in one grid (_expert_step_kernel; bit for bit
+    the three launches' result with the same tiles). `down_tile`: a DOWN_CONFIG key, by default
+    the quantized tile, or in one launch the tile step_down_tile picks, at gate/up's num_warps
+    (down_cfg must take those). A pair whose slot is negative does nothing.
 
     x [T, D] float32; buffers = [gate, up, down] uint8 slot buffers [slots, rows, row_bytes]
     (GGUF rows, or as layout.kernel_layout lays them out, as LayerSlots does: Q6_K padded, MXFP4
@@ -1540,9 +1838,106 @@ def experts_forward(x: torch.Tensor, buffers, w, pair_tok: torch.Tensor, pair_po
     sorted by slot let pairs of one expert meet in L2)."""
     if pair_tok.numel() == 0:
         return
+    if one_launch:
+        _expert_step(x, buffers, w, pair_tok, pair_pos, pair_slot, pair_exp, weights, out, gate_up_cfg, down_cfg,
+                     gate_up_split, rounded, down_tile)
+        return
     xg, xu = rounded or round_inputs(x, w)
     _, hr = gate_up(xg, xu, buffers[0], buffers[1], w, pair_tok, pair_slot, pair_exp, gate_up_cfg, gate_up_split)
-    down(hr, buffers[2], w, pair_tok, pair_pos, pair_slot, pair_exp, weights, out, down_cfg)
+    down(hr, buffers[2], w, pair_tok, pair_pos, pair_slot, pair_exp, weights, out, down_cfg, down_tile or "tile")
+
+
+# A one-launch step's wait gives up after this, far beyond the step's own length: every wait is
+# on programs of the same launch, so only a broken dispatch order could make one time out.
+STEP_WAIT_NS = 200_000_000
+_step_states: dict[torch.device, torch.Tensor] = {}
+
+
+def _step_state(device: torch.device, n: int) -> torch.Tensor:
+    """The one-launch step's state on `device` (epoch, programs ended, a wait timed out, then
+    flags), made zeroed by the first launch, for every stream: the epoch protocol takes the
+    launches one after another, as the engine runs them. Never replaced (a captured graph
+    holds its address), so that first launch must not be captured: a capture would replay the
+    zeroing with the graph."""
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    if n > COUNTERS:
+        raise ValueError(f"a one-launch step of {n - 3} flags: more than the {COUNTERS - 3} it keeps")
+    state = _step_states.get(device)
+    if state is None:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("the one-launch expert step's first launch on a device makes its state, so it "
+                               "cannot be captured: launch the step once before capturing a graph of it")
+        state = torch.zeros(COUNTERS, dtype=torch.int32, device=device)
+        _step_states[device] = state
+    return state
+
+
+def step_timed_out(device: torch.device) -> bool:
+    """Whether a wait of a one-launch step on `device` timed out since the last call (that step's
+    result is wrong); the call clears it. Synchronizes with the current stream."""
+    state = _step_state(device, 3)
+    late = bool(state[2].item())
+    state[2] = 0
+    return late
+
+
+def step_down_tile(gate_up_tile: str, qd: int) -> str:
+    """The down tile (a DOWN_CONFIG key) of a one-launch step whose gate/up takes `gate_up_tile`
+    (expert_tile) over down weights of kernel type `qd`: the row tile after gate/up's, so that
+    the grid's registers stay near gate/up's (sm_90: 32-42 for it, 76-100 for the quantized one)."""
+    return "row" if gate_up_tile == "row" and qd in K_QUANT_ROWS else "tile"
+
+
+def step_down_config(down_tile: str, num_warps: int) -> TileConfig:
+    """A one-launch step's default down tile: DOWN_CONFIG's, its rows scaled to gate/up's warps."""
+    base = DOWN_CONFIG[down_tile]
+    return TileConfig(base.block_n * num_warps // base.num_warps, num_warps, base.unroll)
+
+
+def _expert_step(x: torch.Tensor, buffers, w, pair_tok: torch.Tensor, pair_pos: torch.Tensor,
+                 pair_slot: torch.Tensor, pair_exp: torch.Tensor, weights: torch.Tensor | None, out: torch.Tensor,
+                 gate_up_cfg: TileConfig | None, down_cfg: TileConfig | None, split: SplitK | None,
+                 rounded: tuple[Rounded, Rounded] | None, down_tile: str | None) -> None:
+    """experts_forward(one_launch=True)."""
+    T, d_in = x.shape
+    n_ff, d_out = w.down.shape[2], w.down.shape[1]
+    P, dev = pair_tok.numel(), x.device
+    same_x = _vt(w.up.qtype) == _vt(w.gate.qtype)
+    if rounded is None:
+        xg = Rounded.empty(T, d_in, dev)
+        xu = xg if same_x else Rounded.empty(T, d_in, dev)
+    else:
+        xg, xu = rounded
+    plan = _GateUpPlan.make(w, buffers[0], buffers[1], T, P, dev, gate_up_cfg, split)
+    gd, ud, dd = buffers
+    down_tile = down_tile or step_down_tile(plan.tile, kernel_type(w.down.qtype, dd, n_ff))
+    qd = _down_type(w, dd, down_tile)
+    down_cfg = down_cfg or step_down_config(down_tile, plan.cfg.num_warps)
+    if down_cfg.num_warps != plan.cfg.num_warps:
+        raise ValueError(f"one launch runs gate/up and down on one num_warps: {plan.cfg.num_warps} and "
+                         f"{down_cfg.num_warps} asked")
+    h = torch.empty((P, n_ff), dtype=torch.float32, device=dev)
+    hr = Rounded.empty(P, n_ff, dev)
+    n_rounds = T * -(-d_in // KSTEP) if rounded is None else 0
+    state = _step_state(dev, 3 + n_rounds + P * -(-n_ff // KSTEP))
+    d_blocks = triton.cdiv(d_out, down_cfg.block_n)
+    has_down_bias = w.down.bias is not None
+    db = w.down.bias if has_down_bias else h
+    wt = weights if weights is not None else h
+    grid = (n_rounds + P * plan.blocks * plan.split.split + P * d_blocks,)
+    _expert_step_kernel[grid](
+        x, x.stride(0), xg.padded, xg.quants, xg.scales, xu.padded, xu.quants, xu.scales,
+        gd, gd.stride(0), gd.stride(1), ud, ud.stride(0), ud.stride(1), *plan.tensors(w, h, hr),
+        dd, dd.stride(0), dd.stride(1), db, wt, wt.stride(0), out, out.stride(0), out.stride(1),
+        pair_tok, pair_pos, pair_slot, pair_exp, P, plan.split.split, plan.split.steps, n_rounds, d_out, state,
+        STEP_WAIT_NS, N=n_ff, K=d_in, QG=plan.qg, QU=plan.qu, QD=qd,
+        SAME_X=xg is xu, VT_G=_vt(w.gate.qtype), VT_U=_vt(w.up.qtype), VT_DOWN=_vt(w.down.qtype),
+        ACT=_ACT[w.activation], HAS_BIAS=w.gate.bias is not None, HAS_DOWN_BIAS=has_down_bias,
+        WEIGHTED=weights is not None, ROW=plan.tile == "row", DOWN_ROW=down_tile == "row", BLOCK_G=plan.cfg.block_n,
+        BLOCK_D=down_cfg.block_n,
+        UNROLL=plan.cfg.unroll, UNROLL_DOWN=down_cfg.unroll, ROUND_X=rounded is None, INTERP=INTERPRETED,
+        REV=reversed_ties(), **_launch_opts(plan.cfg))
 
 
 def dense_supported(qtype: QT) -> bool:
@@ -1577,7 +1972,7 @@ def dense_tile(qw: int, rows: int) -> str:
         return "mma" if rows > 1 else "row"
     if rows == 1 and qw == Q8_0_PLANAR:
         return "row"
-    return "row_kquant" if rows == 1 and qw in _K_QUANT_ROWS else "tile"
+    return "row_kquant" if rows == 1 and qw in K_QUANT_ROWS else "tile"
 
 
 def dense_config(qw: int, rows: int) -> TileConfig:

@@ -132,7 +132,7 @@ def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
 
 
 def check_case(case: Case, gate_up_cfg=None, down_cfg=None, tol: float = REL_TOL, whole: bool = True,
-               split: tk.SplitK | None = None) -> dict:
+               split: tk.SplitK | None = None, down_tile: str = "tile") -> dict:
     w = case.w
     h_ref, out_ref = case.reference()
     xg = tk.round_rows(case.x, w.gate.qtype)
@@ -146,14 +146,14 @@ def check_case(case: Case, gate_up_cfg=None, down_cfg=None, tol: float = REL_TOL
     assert torch.equal(hr.values, round_activation(h, w.down.qtype)), "h rounded in the kernel differs"
     check_q8_k_parts(hr, w.down.qtype)
     out = torch.zeros_like(out_ref)
-    tk.down(hr, case.buffers[2], w, case.tok, case.pos, case.slot, case.exp, case.weights, out, down_cfg)
+    tk.down(hr, case.buffers[2], w, case.tok, case.pos, case.slot, case.exp, case.weights, out, down_cfg, down_tile)
     err_d = rel_err(out, case.down_reference(h))
     assert err_d < tol, f"down: relative error {err_d:.2e}"
     # End to end: h's float order may move one rounding step of one activation value (a tie),
     # so the whole path is held to a looser bound than each kernel on identical inputs.
     err_all = rel_err(out, out_ref)
     assert err_all < 1e-3, f"end to end: relative error {err_all:.2e}"
-    if not whole:
+    if not whole or down_tile != "tile":  # experts_forward's down takes the quantized tile
         return {"h": err_h, "down": err_d, "all": err_all}
     out2 = torch.zeros_like(out_ref)
     tk.experts_forward(case.x, case.buffers, w, case.tok, case.pos, case.slot, case.exp, case.weights, out2,
@@ -295,6 +295,28 @@ def test_interpreter_h_is_rounded_a_k_step_at_a_time(qtypes, n_ff: int, split: t
     check_case(Case(w, n_tok=2, k=2, device="cpu", seed=8), tk.TileConfig(64, 4), SMALL, whole=False, split=split)
 
 
+@interp
+@pytest.mark.parametrize("qtypes,n_ff", [((QT.Q4_K,) * 3, 1280), ((QT.Q5_K,) * 3, 768),
+                                         ((QT.Q4_K, QT.Q4_K, QT.Q6_K), 1280), ((QT.MXFP4,) * 3, 1440)],
+                         ids=["Q4_K", "Q5_K", "Q6_K", "MXFP4"])
+def test_interpreter_one_token_down_with_lanes_along_k(qtypes, n_ff: int) -> None:
+    """down in the lanes-along-K tile ("row", _down_k4_kernel): h of five K steps (a group of four
+    and a partial one), of three, and gpt-oss's 1440 (a partial last step; biases, SWIGLU_OAI)."""
+    gpt_oss = qtypes[2] == QT.MXFP4
+    w = make_weights(qtypes, n_expert=5, n_embd=256, n_ff=n_ff, activation=SWIGLU_OAI if gpt_oss else SILU,
+                     bias=gpt_oss, seed=16)
+    check_case(Case(w, n_tok=1, k=3, device="cpu", seed=10), SMALL, tk.TileConfig(64, 4), down_tile="row")
+
+
+def test_down_row_tile_takes_its_types_only() -> None:
+    w = make_weights((QT.Q8_0,) * 3, n_expert=2, n_embd=256, n_ff=96, seed=1)
+    case = Case(w, n_tok=1, k=1, device="cpu")
+    hr = tk.Rounded.empty(1, 96, "cpu")
+    with pytest.raises(ValueError, match="row tile of down"):
+        tk.down(hr, case.buffers[2], case.w, case.tok, case.pos, case.slot, case.exp, case.weights,
+                torch.zeros(1, *case.x.shape), tile="row")
+
+
 def test_gate_up_tiles_must_divide_a_k_step() -> None:
     w = make_weights((QT.Q8_0,) * 3, n_expert=2, n_embd=256, n_ff=96, seed=1)
     case = Case(w, n_tok=1, k=1, device="cpu")
@@ -362,6 +384,72 @@ def test_interpreter_pairs_without_a_slot_do_nothing_and_a_second_launch_fills_t
         assert rel_err(out, want) < 1e-3
 
 
+ONE_LAUNCH_CASES = {
+    # one token, lanes along K, x rounded for gate and up apart, split over K, h of two K steps;
+    # down in the quantized tile
+    "row Q6_K-MXFP4-Q4_K": ((QT.Q6_K, QT.MXFP4, QT.Q4_K), 1280, 512, 1, tk.TileConfig(64, 4), tk.SplitK(2, 3),
+                            "tile", SMALL),
+    # gpt-oss: a partial last K step, biases, SWIGLU_OAI; down in the row tile (one launch's default here)
+    "row gpt-oss": ((QT.MXFP4,) * 3, 1440, 192, 1, tk.TileConfig(64, 4), None, "row", tk.TileConfig(64, 4)),
+    # two tokens in the quantized tile, split; the MXFP4 down's h a partial third K step
+    "tile Q8_0-Q6_K-MXFP4": ((QT.Q8_0, QT.Q6_K, QT.MXFP4), 256, 640, 2, SMALL, tk.SplitK(2, 1), "tile", SMALL),
+    "tile F16": ((QT.F16,) * 3, 288, 96, 2, SMALL, None, "tile", SMALL),
+}
+
+
+def step_down_tile(case: Case) -> str:
+    """The down tile a one-launch step of this case takes by default."""
+    w = case.w
+    qg, qu, qd = (tk.kernel_type(t.qtype, b, t.shape[2]) for t, b in zip((w.gate, w.up, w.down), case.buffers))
+    return tk.step_down_tile(tk.expert_tile(qg, qu, case.x.shape[0]), qd)
+
+
+def check_one_launch(case: Case, gate_up_cfg: tk.TileConfig | None, down_cfg: tk.TileConfig | None,
+                     split: tk.SplitK | None, down_tile: str, rounded: bool = False) -> None:
+    """experts_forward(one_launch=True) writes what the three launches write with the same tiles,
+    bit for bit, and leaves its state ready for the next launch: the epoch one on, no program
+    counted, no wait timed out."""
+    w = case.w
+    want = torch.full((case.ids.shape[1], *case.x.shape), 7.0, device=case.device)
+    got = want.clone()
+    args = (case.x, case.buffers, w, case.tok, case.pos, case.slot, case.exp, case.weights)
+    tk.experts_forward(*args, want, gate_up_cfg, down_cfg, split, down_tile=down_tile)
+    state = tk._step_state(case.x.device, 0)
+    epoch = int(state[0])
+    tk.experts_forward(*args, got, gate_up_cfg, down_cfg, split, one_launch=True, down_tile=down_tile,
+                       rounded=tk.round_inputs(case.x, w) if rounded else None)
+    assert torch.equal(got, want), f"one launch differs from three: {(got - want).abs().max():.3e}"
+    assert int(state[0]) == epoch + 1 and int(state[1]) == 0
+    assert not tk.step_timed_out(case.x.device)
+
+
+@interp
+@pytest.mark.parametrize("name", list(ONE_LAUNCH_CASES))
+def test_interpreter_one_launch_step_equals_three_launches(name: str) -> None:
+    """The step as one grid (round x, gate/up, down; each waiting on flags the programs before it
+    publish) against its three launches; a pair without a slot stays untouched in both; where the
+    case is cheap, a second launch on other x over x rounded before (no rounding programs)."""
+    qtypes, n_embd, n_ff, n_tok, cfg, split, down_tile, down_cfg = ONE_LAUNCH_CASES[name]
+    gpt_oss = qtypes[0] == QT.MXFP4
+    w = make_weights(qtypes, n_expert=5, n_embd=n_embd, n_ff=n_ff, activation=SWIGLU_OAI if gpt_oss else SILU,
+                     bias=gpt_oss, seed=15)
+    case = Case(w, n_tok=n_tok, k=3, device="cpu", seed=9)
+    case.slot[1] = -1
+    check_one_launch(case, cfg, down_cfg, split, down_tile)
+    if n_embd * n_ff <= 1440 * 192:
+        case.x = -0.5 * case.x
+        check_one_launch(case, cfg, down_cfg, split, down_tile, rounded=True)
+
+
+def test_one_launch_takes_one_num_warps() -> None:
+    w = make_weights((QT.Q8_0,) * 3, n_expert=2, n_embd=256, n_ff=96, seed=1)
+    case = Case(w, n_tok=1, k=1, device="cpu")
+    out = torch.zeros(1, *case.x.shape)
+    with pytest.raises(ValueError, match="one num_warps"):
+        tk.experts_forward(case.x, case.buffers, case.w, case.tok, case.pos, case.slot, case.exp, case.weights, out,
+                           tk.TileConfig(32, 2), tk.TileConfig(64, 4), one_launch=True)
+
+
 @pytest.fixture(scope="module")
 def aot_report():
     """engine.quant.triton_aot run in a subprocess (the kernels here may be imported for the
@@ -394,6 +482,11 @@ def test_kernels_compile_for_hopper_without_spills(aot_report) -> None:
         where = f"{r['geometry']} {r['kernel']}"
         assert r["spill_ops"] <= 16 and r["loop_spill_ops"] <= 8, f"{where} spills: {r}"
         if r["kernel"] == "round_x":
+            continue
+        if r["kernel"].startswith("step"):
+            # the one-launch step: its parts' K loops and the spin loops of its waits, which
+            # threads may run apart, so none of them may hold a barrier
+            assert r["loop_smem_or_barrier"] == 0, f"{where}: shared memory or barriers in a loop: {r}"
             continue
         # one K loop; a split over K (label "s2" and up) also loops over the slices' partial sums
         # once, at the end, in a few instructions
@@ -520,6 +613,41 @@ def test_gpu_gate_up_split_over_k_and_replayed_in_a_graph(split: tk.SplitK) -> N
         assert torch.equal(out, want)
 
 
+@gpu
+@pytest.mark.parametrize("name", list(GPU_CASES))
+@pytest.mark.parametrize("n_tok", [1, 8])
+def test_gpu_one_launch_step_equals_three_launches_and_replays(name: str, n_tok: int) -> None:
+    """At the real shapes the one-launch step writes the three launches' result bit for bit
+    (a pair without a slot left alone), and a graph of it replayed on changing x gives each x's
+    result: the flags of one replay never pass for the next."""
+    _needs_compiled()
+    qtypes, n_embd, n_ff, n_expert, k, act, bias = GPU_CASES[name]
+    w = make_weights(qtypes, n_expert=n_expert, n_embd=n_embd, n_ff=n_ff, activation=act, bias=bias, seed=n_tok)
+    case = Case(w, n_tok=n_tok, k=k, device="cuda", seed=n_tok)
+    case.slot[1] = -1
+    down_tile = step_down_tile(case)
+    check_one_launch(case, None, None, None, down_tile)
+    xs = [case.x.clone(), -0.5 * case.x]
+    wants = []
+    for x in xs:
+        wants.append(torch.zeros(k, *x.shape, device="cuda"))
+        tk.experts_forward(x, case.buffers, w, case.tok, case.pos, case.slot, case.exp, case.weights, wants[-1],
+                           down_tile=down_tile)
+    x_in, out = xs[0].clone(), torch.zeros_like(wants[0])
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        tk.experts_forward(x_in, case.buffers, w, case.tok, case.pos, case.slot, case.exp, case.weights, out,
+                           one_launch=True)
+    for i in range(20):
+        x_in.copy_(xs[i % 2])
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, wants[i % 2]), f"replay {i}"
+    assert not tk.step_timed_out(torch.device("cuda"))
+
+
 OTHER_CONFIGS = [tk.TileConfig(8, 2), tk.TileConfig(16, 1), tk.TileConfig(64, 2, unroll=True),
                  tk.TileConfig(128, 8, num_stages=3)]
 
@@ -588,7 +716,7 @@ def _hook_outputs(make_model, arch: str, qtype: QT, device: str, monkeypatch, mo
 def test_interpreter_hybrid_hook_matches_torch_path(make_model, monkeypatch, arch, qtype) -> None:
     for tile in tk.GATE_UP_CONFIG:  # one program per pair: the interpreter's fastest
         monkeypatch.setitem(tk.GATE_UP_CONFIG, tile, tk.TileConfig(256, 4))
-    monkeypatch.setattr(tk, "DOWN_CONFIG", tk.TileConfig(256, 4))
+    monkeypatch.setitem(tk.DOWN_CONFIG, "tile", tk.TileConfig(256, 4))
     got, want = _hook_outputs(make_model, arch, qtype, "cpu", monkeypatch, "force")
     assert rel_err(got, want) < 1e-3, rel_err(got, want)
 
