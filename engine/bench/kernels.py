@@ -126,7 +126,7 @@ def legacy_dense(x: torch.Tensor, raw: torch.Tensor, qtype: QT, n_out: int) -> t
     hr = tk.round_rows(x, qtype)
     tok = torch.arange(T, dtype=torch.int32, device=x.device)
     zero = torch.zeros(T, dtype=torch.int32, device=x.device)
-    cfg = tk.DOWN_CONFIG
+    cfg = tk.DOWN_CONFIG["tile"]
     tk._down_kernel[(T, math.ceil(n_out / cfg.block_n))](
         hr.padded, hr.quants, hr.scales, raw, raw.stride(0), raw.stride(1), hr.padded, hr.padded, 0,
         out, out.stride(0), out.stride(1), tok, zero, zero, zero, n_out,
@@ -338,6 +338,10 @@ def bench_experts(name: str, sc: ExpertScenario, rows: list[int], dev: torch.dev
                "n_ff": sc.n_ff, "top_k": sc.top_k, "rows": t, "MB": round(nbytes / 1e6, 2),
                "slots": layer.n_slots, "new": rate(nbytes, us, copy), "host_us_eager": round(host, 1),
                "launches_us": expert_step_launches(layer, steps, replays)}
+        qd = tk.kernel_type(w.down.qtype, layer.buffers[2], sc.n_ff)
+        down_tile = tk.step_down_tile(tile, qd)
+        row["one_launch"] = {"down_tile": down_tile,
+                             **rate(nbytes, one_launch_us(name, layer, steps, replays, None, down_tile), copy)}
         if sweep:
             row["sweep"] = []
             for cfg in _expert_sweep(tile):
@@ -347,6 +351,14 @@ def bench_experts(name: str, sc: ExpertScenario, rows: list[int], dev: torch.dev
                                             copy)})
             best = min(row["sweep"], key=lambda r: r["us"])
             print(f"       sweep best {best['config']}: {best['us']} us {best['GBps']} GB/s", flush=True)
+            default = tk.GATE_UP_CONFIG[tile]
+            variants = [(replace(default, maxnreg=n), d) for d in dict.fromkeys((down_tile, "tile"))
+                        for n in (None, *ONE_LAUNCH_MAXNREG) if (n, d) != (None, down_tile)]
+            row["one_launch_sweep"] = [
+                {"config": f"{cfg_name(cfg)} down {d}",
+                 **rate(nbytes, one_launch_us(name, layer, steps, replays, cfg, d), copy)} for cfg, d in variants]
+            print("       one launch: " + ", ".join(f"{r['config']} {r['us']} us" for r in row["one_launch_sweep"]),
+                  flush=True)
         out.append(row)
         print(expert_line(row), flush=True)
     del layer
@@ -354,24 +366,72 @@ def bench_experts(name: str, sc: ExpertScenario, rows: list[int], dev: torch.dev
     return out
 
 
+# --sweep's register caps for the one-launch step (occupancy against spills; sm_90 compiles, one token: 48-72
+# registers with down in the row tile, 80-102 with down in the quantized tile)
+ONE_LAUNCH_MAXNREG = (64, 72)
+
+
+def one_launch_us(name: str, layer: ExpertLayer, steps: list[ExpertStep], replays: int, cfg, down_tile: str) -> float:
+    """The step as one launch (experts_forward(one_launch=True); gate/up's tile `cfg` or its
+    default, down's tile `down_tile`), µs per step from a replayed graph, after checking that it
+    gives the three launches' result with the same tiles bit for bit and that none of its waits
+    timed out."""
+    import torch
+
+    from engine.quant import triton_kernels as tk
+
+    def run(s: ExpertStep, one_launch: bool = True) -> None:
+        tk.experts_forward(s.x, layer.buffers, layer.w, s.tok, s.pos, s.slot, s.exp, s.weights, s.out, cfg,
+                           one_launch=one_launch, down_tile=down_tile)
+
+    run(steps[0], one_launch=False)
+    eager = steps[0].out.clone()
+    steps[0].out.zero_()
+    run(steps[0])
+    if not torch.equal(eager, steps[0].out):
+        raise RuntimeError(f"{name}: the expert step in one launch differs from its three launches")
+    us = graph_us([lambda s=s: run(s) for s in steps], replays)
+    if tk.step_timed_out(steps[0].x.device) or not torch.equal(eager, steps[0].out):
+        raise RuntimeError(f"{name}: the one-launch step's graph replays waited in vain or differ")
+    return us
+
+
 def expert_step_launches(layer: ExpertLayer, steps: list[ExpertStep], replays: int) -> dict[str, float]:
     """The expert step's launches each timed alone, in a graph of its own, on the inputs the
     launch before it made (µs per step): where the step's time goes. The three together take
-    longer than the step, each graph paying its own first launch."""
+    longer than the step, each graph paying its own first launch. At one token of the types
+    the lanes-along-K tile reads, also down in that tile ("down row", checked against the
+    quantized tile's result)."""
+    import torch
+
     from engine.quant import triton_kernels as tk
 
     w = layer.w
     rounded = [tk.round_inputs(s.x, w) for s in steps]
     hrs = [tk.gate_up(*r, layer.buffers[0], layer.buffers[1], w, s.tok, s.slot, s.exp)[1]
            for r, s in zip(rounded, steps)]
-    return {
+
+    def down(tile: str) -> float:
+        return round(graph_us([lambda hr=hr, s=s: tk.down(hr, layer.buffers[2], w, s.tok, s.pos, s.slot, s.exp,
+                                                          s.weights, s.out, tile=tile)
+                               for hr, s in zip(hrs, steps)], replays), 2)
+
+    out = {
         "round x": round(graph_us([lambda s=s: tk.round_inputs(s.x, w) for s in steps], replays), 2),
         "gate/up": round(graph_us([lambda r=r, s=s: tk.gate_up(*r, layer.buffers[0], layer.buffers[1], w,
                                                                s.tok, s.slot, s.exp)
                                    for r, s in zip(rounded, steps)], replays), 2),
-        "down": round(graph_us([lambda hr=hr, s=s: tk.down(hr, layer.buffers[2], w, s.tok, s.pos, s.slot, s.exp,
-                                                           s.weights, s.out)
-                                for hr, s in zip(hrs, steps)], replays), 2)}
+        "down": down("tile")}
+    qd = tk.kernel_type(w.down.qtype, layer.buffers[2], w.down.shape[2])
+    if steps[0].x.shape[0] == 1 and qd in tk.K_QUANT_ROWS:
+        s = steps[0]
+        want = s.out.clone()  # the quantized tile's, from the last replay
+        tk.down(hrs[0], layer.buffers[2], w, s.tok, s.pos, s.slot, s.exp, s.weights, s.out, tile="row")
+        diff = ((s.out - want).abs().max() / want.abs().max()).item()
+        if diff > 1e-4:
+            raise RuntimeError(f"down in the row tile differs from the quantized tile's by {diff:.1e}")
+        out["down row"] = down("row")
+    return out
 
 
 # ------------------------------------------------------------------------------ the prefill expert step
@@ -617,6 +677,8 @@ def attach_llama(results: list[dict], records: list[llama_ops.OpPerf], copy: flo
         row["ours_per_llama_per_byte"] = round(engine_figure(row)["GBps"] / gbps, 2)
         if "new_one_tensor" in row:
             row["ours_one_tensor_per_llama_per_byte"] = round(row["new_one_tensor"]["GBps"] / gbps, 2)
+        if "one_launch" in row:
+            row["one_launch_per_llama_per_byte"] = round(row["one_launch"]["GBps"] / gbps, 2)
         matched += 1
     return matched
 
@@ -663,6 +725,8 @@ def llama_line(row: dict) -> str:
     ll, ours = row["llama"], engine_figure(row)
     same = (f"; one tensor as llama.cpp times it {row['new_one_tensor']['us']:.2f} us, "
             f"x{row['ours_one_tensor_per_llama_per_byte']}" if "new_one_tensor" in row else "")
+    if "one_launch" in row:
+        same += f"; one launch {row['one_launch']['us']:.2f} us, x{row['one_launch_per_llama_per_byte']}"
     return (f"llama.cpp {llama_case_label(ll):44s} {ll['us']:8.2f} us {ll['GBps']:7.0f} GB/s  beside "
             f"{row['kind']} {row['shape']} rows={row['rows']}: ours {ours['us']:.2f} us "
             f"{ours['GBps']:.0f} GB/s, x{row['ours_per_llama_per_byte']} per byte{same}")
@@ -713,7 +777,8 @@ def _dense_sweep(qw: int, rows: int) -> list:
 
 
 def cfg_name(cfg) -> str:
-    return f"bn{cfg.block_n}w{cfg.num_warps}" + (f"s{cfg.num_stages}" if cfg.num_stages > 1 else "")
+    return (f"bn{cfg.block_n}w{cfg.num_warps}" + (f"s{cfg.num_stages}" if cfg.num_stages > 1 else "")
+            + (f"r{cfg.maxnreg}" if cfg.maxnreg else ""))
 
 
 def dense_line(r: dict) -> str:
@@ -727,7 +792,8 @@ def dense_line(r: dict) -> str:
 def expert_line(r: dict) -> str:
     return (f"experts {r['shape']:26s} rows={r['rows']}  {r['MB']:8.2f} MB  {r['new']['us']:8.2f} us "
             f"{r['new']['GBps']:7.0f} GB/s ({r['new']['of_copy_bw']:.2f} of copy)  host {r['host_us_eager']} us eager"
-            f"  alone: {launches(r)}")
+            f"  alone: {launches(r)}; one launch (down {r['one_launch']['down_tile']}) {r['one_launch']['us']:.2f} us "
+            f"{r['one_launch']['GBps']:.0f} GB/s")
 
 
 def launches(r: dict) -> str:
@@ -761,13 +827,13 @@ def markdown(result: dict) -> str:
                              f"{n['GBps']:.0f} | {n['of_copy_bw']:.2f} | {o['us']} | {o['GBps']:.0f} | "
                              f"{o['of_copy_bw']:.2f} | {o['us'] / n['us']:.2f}x | {r['split'][0]} x {r['split'][1]} |")
     lines += ["", "| expert step | types | n_embd x n_ff, top-k | rows | MB | µs | GB/s | share | host µs eager | "
-              "launches alone, µs |", "|" + "---|" * 10]
+              "launches alone, µs | one launch µs | one launch GB/s |", "|" + "---|" * 12]
     for r in result["results"]:
         if r["kind"] == "experts":
-            n = r["new"]
+            n, one = r["new"], r["one_launch"]
             lines.append(f"| {r['shape']} | {'/'.join(r['types'])} | {r['n_embd']} x {r['n_ff']}, {r['top_k']} | "
                          f"{r['rows']} | {r['MB']} | {n['us']} | {n['GBps']:.0f} | {n['of_copy_bw']:.2f} | "
-                         f"{r['host_us_eager']} | {launches(r)} |")
+                         f"{r['host_us_eager']} | {launches(r)} | {one['us']} | {one['GBps']:.0f} |")
     lines += ["", "| prefill expert step | types | experts, top-k, n_embd x n_ff | tokens | GFLOP | grouped µs | "
               "grouped TFLOP/s | grouped eager µs | torch µs | torch TFLOP/s | speedup (eager) | max rel diff |",
               "|" + "---|" * 12]

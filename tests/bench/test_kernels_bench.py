@@ -45,7 +45,7 @@ def test_random_weights_are_valid_rows_of_the_type(qtype: QT) -> None:
 @pytest.mark.parametrize("qtype", [QT.Q4_K, QT.Q8_0], ids=lambda t: t.name)
 def test_baseline_and_new_dense_kernels_compute_the_same_product(monkeypatch, qtype: QT) -> None:
     """The speedup the benchmark reports is between two kernels of one product."""
-    monkeypatch.setattr(tk, "DOWN_CONFIG", tk.TileConfig(128, 4))
+    monkeypatch.setitem(tk.DOWN_CONFIG, "tile", tk.TileConfig(128, 4))
     monkeypatch.setitem(tk.DENSE_CONFIG, "tile", tk.TileConfig(128, 4))
     rng = np.random.default_rng(1)
     raw = torch.from_numpy(np.ascontiguousarray(kb.random_weight(rng, qtype, 160, 512))).unsqueeze(0)
@@ -71,7 +71,8 @@ def test_table_has_a_line_per_result() -> None:
     q6 = {**dense, "type": "Q6_K", "new_laid_out": {**rate, "us": 5.0}}
     experts = {"kind": "experts", "shape": "gpt-oss-120b MXFP4", "types": ["MXFP4"] * 3, "n_embd": 2880,
                "n_ff": 2880, "top_k": 4, "rows": 8, "MB": 284.0, "new": rate, "host_us_eager": 500.0,
-               "launches_us": {"round x": 2.5, "gate/up": 180.0, "down": 120.0}}
+               "launches_us": {"round x": 2.5, "gate/up": 180.0, "down": 120.0},
+               "one_launch": {**rate, "us": 290.5, "down_tile": "tile"}}
     grouped = {"kind": "grouped", "shape": "qwen3-30b-a3b Q4_K_M", "types": ["Q4_K", "Q4_K", "Q6_K"],
                "n_embd": 2048, "n_ff": 768, "top_k": 8, "experts": 128, "tokens": 512, "GFLOP": 38.7,
                "max_rel_diff_grouped_torch": 1e-6, "grouped": {"us": 200.0, "TFLOPs": 193.3},
@@ -92,7 +93,8 @@ def test_table_has_a_line_per_result() -> None:
     assert "| qwen3-30b-a3b attn_q | 4096 x 2048 | Q8_0 | 1 |" in table and "| 2.0x | 4 x 2 |" in table
     assert "| Q6_K padded to 224 B blocks | 1 | 8.91 | 5.0 |" in table and "| 4.00x |" in table
     assert "| gpt-oss-120b MXFP4 | MXFP4/MXFP4/MXFP4 | 2880 x 2880, 4 | 8 |" in table
-    assert "| 500.0 | round x 2.5, gate/up 180.0, down 120.0 us |" in table
+    assert "| 500.0 | round x 2.5, gate/up 180.0, down 120.0 us | 290.5 | 900 |" in table
+    assert "one launch (down tile) 290.50 us" in kb.expert_line(experts)
     assert ("| qwen3-30b-a3b Q4_K_M | Q4_K/Q4_K/Q6_K | 128, 8, 2048 x 768 | 512 | 38.7 | 200.0 | 193.3 | 400.0 | "
             "8000.0 | 4.8 | 20.0x | 1.0e-06 |") in table
     assert "TFLOP/s" in kb.grouped_line(grouped)
@@ -115,6 +117,14 @@ def test_gpu_bench_kernels_runs_and_reports(tmp_path) -> None:
     assert [(r["type"], r["rows"]) for r in dense] == [("Q4_K", 1), ("Q4_K", 8), ("Q6_K", 1), ("Q6_K", 8)]
     assert {(r["shape"], r["rows"]) for r in experts} == {(f"qwen3-30b-a3b {t}", n) for t in ("Q4_K", "Q6_K", "Q4_K_M")
                                                           for n in (1, 8)}
+    for r in experts:  # the one launch gave the three launches' result bit for bit (bench_experts checks)
+        assert ("down row" in r["launches_us"]) == (r["rows"] == 1)  # every type here is one the row tile reads
+        assert 0 < r["one_launch"]["GBps"]
+        assert r["one_launch"]["down_tile"] == ("row" if r["rows"] == 1 else "tile")
+        # register caps, and at one token also down in the quantized tile, with and without them
+        n_caps = len(kb.ONE_LAUNCH_MAXNREG)
+        assert len(r["one_launch_sweep"]) == (2 * n_caps + 1 if r["rows"] == 1 else n_caps)
+        assert all(c["GBps"] > 0 for c in r["one_launch_sweep"])
     for r in dense:
         assert r["max_rel_diff_new_old"] < 1e-4
         assert 0 < r["new"]["GBps"] and 0 < r["old"]["GBps"] and r["sweep"]
