@@ -1437,9 +1437,11 @@ if triton is not None:
         _publish(x_flags + r, epoch, tl.arange(0, 2), INTERP)
 
     # The one-launch step (experts_forward(one_launch=True)): a 1-D grid of n_rounds rounding
-    # programs (tokens x K steps; none where x was rounded before), then gate/up's (pairs x row
-    # blocks x split, pairs fastest as in gate/up's own grid), then down's (pairs x row blocks).
-    # All take the one num_warps, and the registers of the largest of them.
+    # programs (tokens x K steps; none where x was rounded before), then gate/up's, then down's,
+    # both pair by pair (gate/up: a pair's row blocks, each block's K slices together), so that
+    # the first pairs' h is ready by the time their down programs are dispatched, which is only
+    # once every gate/up program was. All take the one num_warps, and the registers of the
+    # largest of them.
     @triton.jit(do_not_specialize=["n_pairs", "steps", "n_rounds"])
     def _expert_step_kernel(x_ptr, x_stride, xg_ptr, xgq_ptr, xgd_ptr, xu_ptr, xuq_ptr, xud_ptr,
                             g_ptr, g_slot_bytes, g_row_bytes, u_ptr, u_slot_bytes, u_row_bytes,
@@ -1470,9 +1472,9 @@ if triton is not None:
                                  epoch, K, VT_G, VT_U, SAME_X, INTERP)
         elif pid < n_rounds + n_gate_up:
             q = pid - n_rounds
-            p = q % n_pairs
-            nb = q // n_pairs % NBG
-            s = q // (n_pairs * NBG)
+            s = q % split
+            nb = q // split % NBG
+            p = q // (split * NBG)
             if ROW:
                 _gate_up_row_program(p, nb, s, xg_ptr, xgq_ptr, xgd_ptr, xu_ptr, xuq_ptr, xud_ptr, g_ptr,
                                      g_slot_bytes, g_row_bytes, u_ptr, u_slot_bytes, u_row_bytes, gb_ptr, ub_ptr,
@@ -1488,13 +1490,14 @@ if triton is not None:
                                       True, ROUND_X)
         else:
             q = pid - n_rounds - n_gate_up
+            d_blocks = tl.cdiv(d_out, BLOCK_D)
             if DOWN_ROW:
-                _down_row_program(q % n_pairs, q // n_pairs, hq_ptr, hd_ptr, d_ptr, d_slot_bytes, d_row_bytes,
+                _down_row_program(q // d_blocks, q % d_blocks, hq_ptr, hd_ptr, d_ptr, d_slot_bytes, d_row_bytes,
                                   db_ptr, wt_ptr, wt_stride_tok, out_ptr, out_stride_pos, out_stride_tok, pair_tok,
                                   pair_pos, pair_slot, pair_exp, d_out, h_flags, epoch, state_ptr, timeout_ns, N, QD,
                                   HAS_DOWN_BIAS, WEIGHTED, BLOCK_D, INTERP, REV, True)
             else:
-                _down_program(q % n_pairs, q // n_pairs, hr_ptr, hq_ptr, hd_ptr, d_ptr, d_slot_bytes, d_row_bytes,
+                _down_program(q // d_blocks, q % d_blocks, hr_ptr, hq_ptr, hd_ptr, d_ptr, d_slot_bytes, d_row_bytes,
                               db_ptr, wt_ptr, wt_stride_tok, out_ptr, out_stride_pos, out_stride_tok, pair_tok,
                               pair_pos, pair_slot, pair_exp, d_out, h_flags, epoch, state_ptr, timeout_ns, N, QD,
                               HAS_DOWN_BIAS, WEIGHTED, BLOCK_D, UNROLL_DOWN, INTERP, REV, True)
