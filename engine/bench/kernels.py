@@ -830,10 +830,11 @@ def markdown(result: dict) -> str:
               "launches alone, µs | one launch µs | one launch GB/s |", "|" + "---|" * 12]
     for r in result["results"]:
         if r["kind"] == "experts":
-            n, one = r["new"], r["one_launch"]
+            n, one = r["new"], r.get("one_launch")  # (kernels.json of session 28 and before: none)
             lines.append(f"| {r['shape']} | {'/'.join(r['types'])} | {r['n_embd']} x {r['n_ff']}, {r['top_k']} | "
                          f"{r['rows']} | {r['MB']} | {n['us']} | {n['GBps']:.0f} | {n['of_copy_bw']:.2f} | "
-                         f"{r['host_us_eager']} | {launches(r)} | {one['us']} | {one['GBps']:.0f} |")
+                         f"{r['host_us_eager']} | {launches(r)} | "
+                         + (f"{one['us']} | {one['GBps']:.0f} |" if one else "- | - |"))
     lines += ["", "| prefill expert step | types | experts, top-k, n_embd x n_ff | tokens | GFLOP | grouped µs | "
               "grouped TFLOP/s | grouped eager µs | torch µs | torch TFLOP/s | speedup (eager) | max rel diff |",
               "|" + "---|" * 12]

@@ -240,7 +240,8 @@ def grouped_variants(gate: QT, up: QT, down: QT, n_embd: int, n_ff: int, activat
 
 
 def _compiled_row(geometry: str, label: str, fn, const: dict, cfg, arch: int) -> dict:
-    compiled = compile_kernel(fn, const, cfg.num_warps, cfg.num_stages, arch, maxnreg=cfg.maxnreg)
+    # (the grouped GEMM's GroupedConfig has no register cap)
+    compiled = compile_kernel(fn, const, cfg.num_warps, cfg.num_stages, arch, maxnreg=getattr(cfg, "maxnreg", None))
     return {"geometry": geometry, "kernel": label, "block_n": cfg.block_n, "num_warps": cfg.num_warps,
             "convert_layout": compiled.asm["ttgir"].count("ttg.convert_layout"),
             "mma": _tensor_core_instruction(compiled.asm["ptx"]), **resource_usage(compiled)}
