@@ -177,15 +177,22 @@ if triton is not None:
             tl.store(dst + i, v)
 
     @triton.jit
+    def _round_row_step(x_ptr, x_stride, out_ptr, q_ptr, d_ptr, s_ptr, r, c, K: tl.constexpr, VT: tl.constexpr,
+                        INTERP: tl.constexpr, SUMS: tl.constexpr):
+        """K step c of row r rounded (_round_chunk) into rows padded to KP = 256 * ceil(K / 256)."""
+        r64 = r.to(tl.int64)
+        KP: tl.constexpr = (K + 255) // 256 * 256
+        _round_chunk(x_ptr + r64 * x_stride, out_ptr + r64 * KP, q_ptr + r64 * KP, d_ptr + r64 * (KP // 32),
+                     s_ptr + r64 * (KP // 32), c, K, VT, INTERP, SUMS)
+
+    @triton.jit
     def _round_rows_kernel(x_ptr, x_stride, out_ptr, q_ptr, d_ptr, s_ptr, K: tl.constexpr, VT: tl.constexpr,
                            INTERP: tl.constexpr, SUMS: tl.constexpr):
         """Grid (rows, KP / 256): out[row] = round_activation(x[row]), zero-padded to KP, the
         next multiple of 256 (for Q8_K and Q8_0 also q [rows, KP] int8 and d [rows, KP / 32];
         for Q8_K with SUMS also s [rows, KP / 32], the quants' sums per 32)."""
-        r = tl.program_id(0).to(tl.int64)
-        KP: tl.constexpr = (K + 255) // 256 * 256
-        _round_chunk(x_ptr + r * x_stride, out_ptr + r * KP, q_ptr + r * KP, d_ptr + r * (KP // 32),
-                     s_ptr + r * (KP // 32), tl.program_id(1), K, VT, INTERP, SUMS)
+        _round_row_step(x_ptr, x_stride, out_ptr, q_ptr, d_ptr, s_ptr, tl.program_id(0), tl.program_id(1), K, VT,
+                        INTERP, SUMS)
 
     # ---------------------------------------------------------------- weight tiles
     # A K step (256 activation values) of one program is a tile [2 (p), BLOCK_N (r), C, S, E]:
@@ -1286,6 +1293,19 @@ if triton is not None:
         return dx * (((d * sc0) * slo - (dmin * mn0) * blo) + ((d * sc1) * shi - (dmin * mn1) * bhi))
 
     @triton.jit
+    def _k4_sums(w, hdr, qh, dd, w_words, xq_ptr, xd_ptr, k0, k1, g, n, wd, K: tl.constexpr, QW: tl.constexpr,
+                 BLOCK_N: tl.constexpr, INTERP: tl.constexpr, REV: tl.constexpr):
+        """The row tile's sums over K steps k0 ... k1 of one weight, [BLOCK_N]: (w, hdr, qh, dd) are
+        its first four steps, loaded by the caller (which may wait for x meanwhile); each next four
+        load while these are used."""
+        acc = tl.zeros((32, BLOCK_N), tl.float32)
+        for kq in range(k0, k1, 4):
+            nw, nhdr, nqh, ndd = _k4_load(w_words, kq + 4, k1, g, wd, K, QW, REV)
+            acc += _k4_dot(w, hdr, qh, dd, xq_ptr, xd_ptr, kq, k1, g, n, wd, K, QW, INTERP, REV)
+            w, hdr, qh, dd = nw, nhdr, nqh, ndd
+        return tl.sum(acc, axis=0)
+
+    @triton.jit
     def _dense_k4_kernel(xr_ptr, xq_ptr, xd_ptr, w_ptr, w_row_bytes, part_ptr, out_ptr, count_ptr, N,
                          K: tl.constexpr, QW: tl.constexpr, ROWS: tl.constexpr, SPLIT: tl.constexpr,
                          STEPS: tl.constexpr, BLOCK_N: tl.constexpr, INTERP: tl.constexpr, REV: tl.constexpr):
@@ -1299,13 +1319,8 @@ if triton is not None:
         NS: tl.constexpr = (K + 255) // 256
         k0 = s * STEPS
         k1 = tl.minimum(k0 + STEPS, NS)
-        acc = tl.zeros((32, BLOCK_N), tl.float32)
-        w, hdr, qh, dd = _k4_load(w_words, k0, k1, g, wd, K, QW, REV)  # the next four steps load while these are used
-        for kq in range(k0, k1, 4):
-            nw, nhdr, nqh, ndd = _k4_load(w_words, kq + 4, k1, g, wd, K, QW, REV)
-            acc += _k4_dot(w, hdr, qh, dd, xq_ptr, xd_ptr, kq, k1, g, n, wd, K, QW, INTERP, REV)
-            w, hdr, qh, dd = nw, nhdr, nqh, ndd
-        y = tl.sum(acc, axis=0)
+        w, hdr, qh, dd = _k4_load(w_words, k0, k1, g, wd, K, QW, REV)
+        y = _k4_sums(w, hdr, qh, dd, w_words, xq_ptr, xd_ptr, k0, k1, g, n, wd, K, QW, BLOCK_N, INTERP, REV)
         _dense_finish(y, y, y, y, y, y, y, y, part_ptr, out_ptr, count_ptr, nb, s, N, ROWS, SPLIT, BLOCK_N, INTERP)
 
     # gate/up in the same tile, for the same types' experts at one token (_gate_up_kernel's grid,
@@ -1397,15 +1412,11 @@ if triton is not None:
         p64 = p.to(tl.int64)
         xq_row = hq_ptr + p64 * (NS * 256)
         xd_row = hd_ptr + p64 * (NS * 8)
-        acc = tl.zeros((32, BLOCK_N), tl.float32)
-        w, hdr, qh, dd = _k4_load(d_words, 0, NS, g, wd, K, QD, REV)  # the next four steps load while these are used
+        w, hdr, qh, dd = _k4_load(d_words, 0, NS, g, wd, K, QD, REV)
         if STEP:  # the first steps' weights are on their way meanwhile
             _await(h_flags + p * NS, NS, epoch, state_ptr, timeout_ns, INTERP)
-        for kq in range(0, NS, 4):
-            nw, nhdr, nqh, ndd = _k4_load(d_words, kq + 4, NS, g, wd, K, QD, REV)
-            acc += _k4_dot(w, hdr, qh, dd, xq_row, xd_row, kq, NS, g, n, wd, K, QD, INTERP, REV)
-            w, hdr, qh, dd = nw, nhdr, nqh, ndd
-        _down_store(tl.sum(acc, axis=0), nb * BLOCK_N + tl.arange(0, BLOCK_N), p, db_ptr, wt_ptr, wt_stride_tok,
+        y = _k4_sums(w, hdr, qh, dd, d_words, xq_row, xd_row, 0, NS, g, n, wd, K, QD, BLOCK_N, INTERP, REV)
+        _down_store(y, nb * BLOCK_N + tl.arange(0, BLOCK_N), p, db_ptr, wt_ptr, wt_stride_tok,
                     out_ptr, out_stride_pos, out_stride_tok, pair_tok, pair_pos, pair_exp, N, HAS_BIAS, WEIGHTED)
 
     @triton.jit
@@ -1426,14 +1437,10 @@ if triton is not None:
         """Program r of the step's rounding: K step r % NS of token r // NS rounded for the gate
         type and, unless it rounds alike, the up type; then x_flags[r] published."""
         NS: tl.constexpr = (K + 255) // 256
-        KP: tl.constexpr = NS * 256
-        t = (r // NS).to(tl.int64)
-        c = r % NS
-        _round_chunk(x_ptr + t * x_stride, xg_ptr + t * KP, xgq_ptr + t * KP, xgd_ptr + t * (KP // 32), xgd_ptr, c,
-                     K, VT_G, INTERP, False)
+        _round_row_step(x_ptr, x_stride, xg_ptr, xgq_ptr, xgd_ptr, xgd_ptr, r // NS, r % NS, K, VT_G, INTERP, False)
         if not SAME_X:
-            _round_chunk(x_ptr + t * x_stride, xu_ptr + t * KP, xuq_ptr + t * KP, xud_ptr + t * (KP // 32), xud_ptr,
-                         c, K, VT_U, INTERP, False)
+            _round_row_step(x_ptr, x_stride, xu_ptr, xuq_ptr, xud_ptr, xud_ptr, r // NS, r % NS, K, VT_U, INTERP,
+                            False)
         _publish(x_flags + r, epoch, tl.arange(0, 2), INTERP)
 
     # The one-launch step (experts_forward(one_launch=True)): a 1-D grid of n_rounds rounding
@@ -1815,11 +1822,16 @@ def down(hr: Rounded, down_buf: torch.Tensor, w, pair_tok: torch.Tensor, pair_po
         BLOCK_N=cfg.block_n, UNROLL=cfg.unroll, INTERP=INTERPRETED, REV=reversed_ties(), **_launch_opts(cfg))
 
 
+def _rounds_alike(w) -> bool:
+    """Whether x rounds alike for the experts' gate and up types (then one rounding serves both)."""
+    return _vt(w.up.qtype) == _vt(w.gate.qtype)
+
+
 def round_inputs(x: torch.Tensor, w) -> tuple[Rounded, Rounded]:
     """x [T, D] rounded for the experts' gate and up types (one object where they round alike):
     the first launch of experts_forward, which a second launch over the same rows can share."""
     xg = round_rows(x, w.gate.qtype)
-    return xg, (xg if _vt(w.up.qtype) == _vt(w.gate.qtype) else round_rows(x, w.up.qtype))
+    return xg, (xg if _rounds_alike(w) else round_rows(x, w.up.qtype))
 
 
 def experts_forward(x: torch.Tensor, buffers, w, pair_tok: torch.Tensor, pair_pos: torch.Tensor,
@@ -1906,10 +1918,9 @@ def _expert_step(x: torch.Tensor, buffers, w, pair_tok: torch.Tensor, pair_pos: 
     T, d_in = x.shape
     n_ff, d_out = w.down.shape[2], w.down.shape[1]
     P, dev = pair_tok.numel(), x.device
-    same_x = _vt(w.up.qtype) == _vt(w.gate.qtype)
     if rounded is None:
         xg = Rounded.empty(T, d_in, dev)
-        xu = xg if same_x else Rounded.empty(T, d_in, dev)
+        xu = xg if _rounds_alike(w) else Rounded.empty(T, d_in, dev)
     else:
         xg, xu = rounded
     plan = _GateUpPlan.make(w, buffers[0], buffers[1], T, P, dev, gate_up_cfg, split)
