@@ -45,6 +45,7 @@ from gguf import GGMLQuantizationType as QT
 from engine.bench import llama_ops
 from engine.errors import UserError
 from engine.quant.layout import CHANGED_LAYOUTS
+from engine.runtime.device_time import graph_us
 
 if TYPE_CHECKING:
     import torch
@@ -136,32 +137,6 @@ def legacy_dense(x: torch.Tensor, raw: torch.Tensor, qtype: QT, n_out: int) -> t
 
 
 # ------------------------------------------------------------------------------ timing
-
-def graph_us(calls: list, replays: int) -> float:
-    """GPU microseconds per call: one CUDA graph of all `calls` (argument-less functions,
-    already run once so that every kernel is compiled), replayed; the best replay."""
-    import torch
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):  # once on the capture stream (its own semaphores), outside the capture
-        calls[0]()
-    stream.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, stream=stream):
-        for fn in calls:
-            fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    best = float("inf")
-    for _ in range(replays):
-        start.record()
-        graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        best = min(best, start.elapsed_time(end) * 1e3 / len(calls))
-    return best
-
 
 def copy_gbps(dev: torch.device) -> float:
     """Device-to-device copy of 2 GiB: bytes read + written per second (best of 5), in GB/s."""

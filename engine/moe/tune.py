@@ -31,7 +31,6 @@ from __future__ import annotations
 import os
 import time
 import warnings
-from typing import Callable
 
 import numpy as np
 import torch
@@ -42,12 +41,12 @@ from engine.layers.moe import ExpertWeights, expert_ffn
 from engine.moe.cpu_pool import CpuExpertPool
 from engine.plan.sizing import balanced_fraction
 from engine.quant.dequant import dequantize
+from engine.runtime.device_time import accelerator_seconds
 
 SAMPLES = 4  # experts timed each way (distinct ones: first-touch costs included, as in decode)
 TIMINGS = 4  # uploads one by one and streamed, the CPU pool at one row and at MANY_ROWS: SAMPLES experts each
 MANY_ROWS = 64  # rows of one expert in the CPU pool's second timing: its cost per extra row
 GROUPED_EXPERTS = 8  # experts of MANY_ROWS rows in the timed grouped launch (its fixed costs shared)
-HOLD_CYCLES = 40_000_000  # the sleep that holds the GPU while a timed loop is queued: 20 ms at 2 GHz
 # The mapped route's check at load: the GPU's result against the CPU pool's, relative to its
 # largest value (float32 summation order apart they agree to ~1e-6; a wrong read is off by O(1)).
 MAPPED_CHECK_TOL = 1e-3
@@ -271,26 +270,3 @@ def route_costs(measured: dict[str, float]) -> RouteCosts:
     """The costs a step routes its misses by, from measure_costs' times."""
     return RouteCosts(measured["stream_s"], measured["cpu_s"], measured["cpu_row_s"], measured["gpu_s"],
                       measured["cpu_expert_s"], measured["mapped_s"])
-
-
-def accelerator_seconds(fn: Callable[[], None], calls: int, device: torch.device,
-                        hold_cycles: int = HOLD_CYCLES) -> float:
-    """The device time of `calls` calls of `fn`. On CUDA the stream is first held by a sleep
-    kernel of `hold_cycles` (longer than the host takes to launch the calls), so all the calls
-    are queued before the first runs and the events between them time the GPU's work alone: a
-    prompt step's host work runs while the GPU computes the layers before it, so what an extra
-    expert costs the step is its kernels' time, not its launches'. Elsewhere the wall time."""
-    if device.type != "cuda":
-        start = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        return time.perf_counter() - start
-    torch.cuda.synchronize(device)
-    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    torch.cuda._sleep(hold_cycles)
-    begin.record()
-    for _ in range(calls):
-        fn()
-    end.record()
-    end.synchronize()
-    return begin.elapsed_time(end) / 1e3

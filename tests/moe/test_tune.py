@@ -9,9 +9,9 @@ import torch
 
 from engine.models import build_model
 from engine.moe.cpu_pool import CpuExpertPool
-from engine.moe.tune import (STREAM_ALL_PAIRS_PER_EXPERT, RouteCosts, accelerator_seconds, balanced_uploads,
-                              many_pairs, mapped_misses, measure_costs, read_back_seconds, route_costs,
-                              streaming_pays, streams_all)
+from engine.moe.tune import (STREAM_ALL_PAIRS_PER_EXPERT, RouteCosts, balanced_uploads, many_pairs, mapped_misses,
+                              measure_costs, read_back_seconds, route_costs, streaming_pays, streams_all)
+from engine.runtime.device_time import accelerator_seconds
 
 
 def test_equal_costs_split_the_misses_in_half():
