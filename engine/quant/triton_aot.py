@@ -185,15 +185,17 @@ def decode_variants(gate: QT, up: QT, down: QT, n_embd: int, n_ff: int, activati
         out.append(("down row", tk._down_k4_kernel,
                     {"K": n_ff, "QD": slot_type(down), "HAS_BIAS": bias, "WEIGHTED": True, "BLOCK_N": row.block_n,
                      "UNROLL": False, "INTERP": False, "REV": rev}, row))
-    # the one-launch step (experts_forward(one_launch=True)) of one token, its tiles as it picks them
-    down_tile = tk.step_down_tile(tile, slot_type(down))
-    step_down = tk.step_down_config(down_tile, one.num_warps)
-    out.append((f"step {tile} down {down_tile}", tk._expert_step_kernel,
-                {"N": n_ff, "K": n_embd, "QG": qg, "QU": qu, "QD": slot_type(down), "SAME_X": vt(gate) == vt(up),
-                 "VT_G": vt(gate), "VT_U": vt(up), "VT_DOWN": vt(down), "ACT": activation, "HAS_BIAS": bias,
-                 "HAS_DOWN_BIAS": bias, "WEIGHTED": True, "ROW": tile == "row", "DOWN_ROW": down_tile == "row",
-                 "BLOCK_G": one.block_n, "BLOCK_D": step_down.block_n, "UNROLL": one.unroll,
-                 "UNROLL_DOWN": step_down.unroll, "ROUND_X": True, "INTERP": False, "REV": rev}, one))
+    # the one-launch step (experts_forward(one_launch=True)) of one token: as the engine takes it (down
+    # in the quantized tile) and, where it differs, with the down tile that keeps gate/up's registers
+    for down_tile in dict.fromkeys(("tile", tk.step_down_tile(tile, slot_type(down)))):
+        step_down = tk.step_down_config(down_tile, one.num_warps)
+        out.append((f"step {tile} down {down_tile}", tk._expert_step_kernel,
+                    {"N": n_ff, "K": n_embd, "QG": qg, "QU": qu, "QD": slot_type(down),
+                     "SAME_X": vt(gate) == vt(up), "VT_G": vt(gate), "VT_U": vt(up), "VT_DOWN": vt(down),
+                     "ACT": activation, "HAS_BIAS": bias, "HAS_DOWN_BIAS": bias, "WEIGHTED": True,
+                     "ROW": tile == "row", "DOWN_ROW": down_tile == "row", "BLOCK_G": one.block_n,
+                     "BLOCK_D": step_down.block_n, "UNROLL": one.unroll, "UNROLL_DOWN": step_down.unroll,
+                     "ROUND_X": True, "INTERP": False, "REV": rev}, one))
     return out
 
 

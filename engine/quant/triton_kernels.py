@@ -1843,9 +1843,10 @@ def experts_forward(x: torch.Tensor, buffers, w, pair_tok: torch.Tensor, pair_po
     """Every pair's expert output, weighted, into out[pos, tok, :]: three launches in all
     (round x, unless `rounded` holds round_inputs(x, w) already; gate/up + activation + round h;
     down), or with `one_launch` the same programs in one grid (_expert_step_kernel; bit for bit
-    the three launches' result with the same tiles). `down_tile`: a DOWN_CONFIG key, by default
-    the quantized tile, or in one launch the tile step_down_tile picks, at gate/up's num_warps
-    (down_cfg must take those). A pair whose slot is negative does nothing.
+    the three launches' result with the same down tile, so the form changes how, not what).
+    `down_tile`: a DOWN_CONFIG key, by default the quantized tile ("tile"); in one launch at
+    gate/up's num_warps (down_cfg must take those; step_down_tile names the tile that keeps the
+    grid at gate/up's registers). A pair whose slot is negative does nothing.
 
     x [T, D] float32; buffers = [gate, up, down] uint8 slot buffers [slots, rows, row_bytes]
     (GGUF rows, or as layout.kernel_layout lays them out, as LayerSlots does: Q6_K padded, MXFP4
@@ -1888,19 +1889,26 @@ def _step_state(device: torch.device, n: int) -> torch.Tensor:
     return state
 
 
+def step_error_word(device: torch.device) -> torch.Tensor:
+    """The one-launch step's error word on `device`: int32 [1], nonzero once a wait timed out (a
+    step's result is then wrong) until zeroed; the decode graph copies it out each token."""
+    return _step_state(device, 3)[2:3]
+
+
 def step_timed_out(device: torch.device) -> bool:
     """Whether a wait of a one-launch step on `device` timed out since the last call (that step's
     result is wrong); the call clears it. Synchronizes with the current stream."""
-    state = _step_state(device, 3)
-    late = bool(state[2].item())
-    state[2] = 0
+    word = step_error_word(device)
+    late = bool(word.item())
+    word.zero_()
     return late
 
 
 def step_down_tile(gate_up_tile: str, qd: int) -> str:
-    """The down tile (a DOWN_CONFIG key) of a one-launch step whose gate/up takes `gate_up_tile`
-    (expert_tile) over down weights of kernel type `qd`: the row tile after gate/up's, so that
-    the grid's registers stay near gate/up's (sm_90: 32-42 for it, 76-100 for the quantized one)."""
+    """The down tile (a DOWN_CONFIG key) that keeps a one-launch step's grid at the registers of
+    gate/up's tile `gate_up_tile` (expert_tile) over down weights of kernel type `qd`: the row
+    tile after gate/up's (sm_90: 32-42 for it, 76-100 for the quantized one), whose sums differ
+    from the quantized tile's in order, so the engine's step keeps the quantized one."""
     return "row" if gate_up_tile == "row" and qd in K_QUANT_ROWS else "tile"
 
 
@@ -1925,7 +1933,7 @@ def _expert_step(x: torch.Tensor, buffers, w, pair_tok: torch.Tensor, pair_pos: 
         xg, xu = rounded
     plan = _GateUpPlan.make(w, buffers[0], buffers[1], T, P, dev, gate_up_cfg, split)
     gd, ud, dd = buffers
-    down_tile = down_tile or step_down_tile(plan.tile, kernel_type(w.down.qtype, dd, n_ff))
+    down_tile = down_tile or "tile"
     qd = _down_type(w, dd, down_tile)
     down_cfg = down_cfg or step_down_config(down_tile, plan.cfg.num_warps)
     if down_cfg.num_warps != plan.cfg.num_warps:

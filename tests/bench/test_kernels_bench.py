@@ -94,7 +94,9 @@ def test_table_has_a_line_per_result() -> None:
     assert "| Q6_K padded to 224 B blocks | 1 | 8.91 | 5.0 |" in table and "| 4.00x |" in table
     assert "| gpt-oss-120b MXFP4 | MXFP4/MXFP4/MXFP4 | 2880 x 2880, 4 | 8 |" in table
     assert "| 500.0 | round x 2.5, gate/up 180.0, down 120.0 us | 290.5 | 900 |" in table
-    assert "one launch (down tile) 290.50 us" in kb.expert_line(experts)
+    assert "one launch (down tile) 290.50 us 900 GB/s" in kb.expert_line(experts)
+    other = {**experts, "one_launch_other_down": {**rate, "us": 280.25, "down_tile": "row"}}
+    assert "one launch (down tile) 290.50 us 900 GB/s (down row) 280.25 us" in kb.expert_line(other)
     assert ("| qwen3-30b-a3b Q4_K_M | Q4_K/Q4_K/Q6_K | 128, 8, 2048 x 768 | 512 | 38.7 | 200.0 | 193.3 | 400.0 | "
             "8000.0 | 4.8 | 20.0x | 1.0e-06 |") in table
     assert "TFLOP/s" in kb.grouped_line(grouped)
@@ -120,10 +122,11 @@ def test_gpu_bench_kernels_runs_and_reports(tmp_path) -> None:
     for r in experts:  # the one launch gave the three launches' result bit for bit (bench_experts checks)
         assert ("down row" in r["launches_us"]) == (r["rows"] == 1)  # every type here is one the row tile reads
         assert 0 < r["one_launch"]["GBps"]
-        assert r["one_launch"]["down_tile"] == ("row" if r["rows"] == 1 else "tile")
-        # register caps, and at one token also down in the quantized tile, with and without them
+        assert r["one_launch"]["down_tile"] == "tile"  # the engine's: the three launches' bits
+        assert ("one_launch_other_down" in r) == (r["rows"] == 1)  # at one token also down in the row tile
+        # register caps, at one token for both down tiles
         n_caps = len(kb.ONE_LAUNCH_MAXNREG)
-        assert len(r["one_launch_sweep"]) == (2 * n_caps + 1 if r["rows"] == 1 else n_caps)
+        assert len(r["one_launch_sweep"]) == (2 * n_caps if r["rows"] == 1 else n_caps)
         assert all(c["GBps"] > 0 for c in r["one_launch_sweep"])
     for r in dense:
         assert r["max_rel_diff_new_old"] < 1e-4

@@ -362,18 +362,19 @@ def test_interpreter_shared_experts_and_partial_tiles() -> None:
 def test_interpreter_pairs_without_a_slot_do_nothing_and_a_second_launch_fills_them() -> None:
     """The decode graph's two launches over one token's pairs (engine/moe/token_step.py): pairs
     marked without a slot (< 0) leave their rows as they were (the programs end before reading
-    a byte, split over K or not); a second launch over other buffers (the mapped route: the
-    experts' GGUF rows in host memory, expert ids as slots) writes exactly those rows."""
+    a byte, split over K or not, in three launches or one); a second launch over other buffers
+    (the mapped route: the experts' GGUF rows in host memory, expert ids as slots) writes exactly
+    those rows."""
     w = make_weights((QT.Q4_K, QT.Q4_K, QT.Q6_K), n_expert=4, n_embd=256, n_ff=256, seed=6)
     case = Case(w, n_tok=1, k=3, device="cpu", seed=1)
     _, want = case.reference()
     kept = torch.tensor([True, False, True])[case.pos.long()]  # top-k position 1 is "missed"
     rounded = tk.round_inputs(case.x, case.w)  # both launches share x's rounding, as the token step does
-    for split in (tk.SplitK(1, 1), None):
+    for split, one_launch in ((tk.SplitK(1, 1), False), (None, False), (None, True)):
         out = torch.full_like(want, 7.0)
         slot = torch.where(kept, case.slot, torch.full_like(case.slot, -1))
         tk.experts_forward(case.x, case.buffers, case.w, case.tok, case.pos, slot, case.exp, case.weights, out,
-                           SMALL, SMALL, split, rounded=rounded)
+                           SMALL, SMALL, split, rounded=rounded, one_launch=one_launch)
         assert (out[1] == 7.0).all(), "a pair without a slot wrote its row"
         assert rel_err(out[[0, 2]], want[[0, 2]]) < 1e-3
         # the missed pair from the experts as the file holds them, by expert id
@@ -389,7 +390,7 @@ ONE_LAUNCH_CASES = {
     # down in the quantized tile
     "row Q6_K-MXFP4-Q4_K": ((QT.Q6_K, QT.MXFP4, QT.Q4_K), 1280, 512, 1, tk.TileConfig(64, 4), tk.SplitK(2, 3),
                             "tile", SMALL),
-    # gpt-oss: a partial last K step, biases, SWIGLU_OAI; down in the row tile (one launch's default here)
+    # gpt-oss: a partial last K step, biases, SWIGLU_OAI; down in the row tile (step_down_tile's here)
     "row gpt-oss": ((QT.MXFP4,) * 3, 1440, 192, 1, tk.TileConfig(64, 4), None, "row", tk.TileConfig(64, 4)),
     # two tokens in the quantized tile, split; the MXFP4 down's h a partial third K step
     "tile Q8_0-Q6_K-MXFP4": ((QT.Q8_0, QT.Q6_K, QT.MXFP4), 256, 640, 2, SMALL, tk.SplitK(2, 1), "tile", SMALL),
@@ -398,7 +399,7 @@ ONE_LAUNCH_CASES = {
 
 
 def step_down_tile(case: Case) -> str:
-    """The down tile a one-launch step of this case takes by default."""
+    """The down tile that keeps a one-launch step of this case at gate/up's registers."""
     w = case.w
     qg, qu, qd = (tk.kernel_type(t.qtype, b, t.shape[2]) for t, b in zip((w.gate, w.up, w.down), case.buffers))
     return tk.step_down_tile(tk.expert_tile(qg, qu, case.x.shape[0]), qd)
@@ -618,21 +619,21 @@ def test_gpu_gate_up_split_over_k_and_replayed_in_a_graph(split: tk.SplitK) -> N
 @pytest.mark.parametrize("n_tok", [1, 8])
 def test_gpu_one_launch_step_equals_three_launches_and_replays(name: str, n_tok: int) -> None:
     """At the real shapes the one-launch step writes the three launches' result bit for bit
-    (a pair without a slot left alone), and a graph of it replayed on changing x gives each x's
+    (a pair without a slot left alone), in either down tile, and at every default (the engine's
+    step: the two forms' defaults agree); a graph of it replayed on changing x gives each x's
     result: the flags of one replay never pass for the next."""
     _needs_compiled()
     qtypes, n_embd, n_ff, n_expert, k, act, bias = GPU_CASES[name]
     w = make_weights(qtypes, n_expert=n_expert, n_embd=n_embd, n_ff=n_ff, activation=act, bias=bias, seed=n_tok)
     case = Case(w, n_tok=n_tok, k=k, device="cuda", seed=n_tok)
     case.slot[1] = -1
-    down_tile = step_down_tile(case)
-    check_one_launch(case, None, None, None, down_tile)
+    for down_tile in dict.fromkeys(("tile", step_down_tile(case))):
+        check_one_launch(case, None, None, None, down_tile)
     xs = [case.x.clone(), -0.5 * case.x]
     wants = []
     for x in xs:
         wants.append(torch.zeros(k, *x.shape, device="cuda"))
-        tk.experts_forward(x, case.buffers, w, case.tok, case.pos, case.slot, case.exp, case.weights, wants[-1],
-                           down_tile=down_tile)
+        tk.experts_forward(x, case.buffers, w, case.tok, case.pos, case.slot, case.exp, case.weights, wants[-1])
     x_in, out = xs[0].clone(), torch.zeros_like(wants[0])
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
