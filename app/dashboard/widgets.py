@@ -334,6 +334,8 @@ class DashboardWidget(QWidget):
                 lines.append("prompt layer steps " + ", ".join(f"{route} {n}" for route, n in steps.items()))
             if cache.get("prompt_graph_chunks"):
                 lines.append(f"prompt chunks as CUDA graphs {cache['prompt_graph_chunks']}")
+            for kind, form in (cache.get("decode_expert_step") or {}).items():
+                lines.append(f"decode expert step {kind}: {_step_form(form)}")
         self.summary.setText(" \u00b7 ".join(_unbroken(line) for line in lines))
 
     def _hover(self, pos: QPointF) -> None:
@@ -365,6 +367,14 @@ class DashboardWidget(QWidget):
             if legend is not None:
                 legend.setLabelTextColor(fg)
                 legend.setBrush(pg.mkBrush(bg.red(), bg.green(), bg.blue(), 200))
+
+
+def _step_form(form: dict) -> str:
+    """A decode_expert_step entry (engine/moe/step_form.StepForm) in words."""
+    how = "one launch" if form["one_launch"] else "three launches"
+    if form.get("one_launch_us") is None or form.get("three_launches_us") is None:
+        return how
+    return f"{how} (timed {form['one_launch_us']:.1f} against {form['three_launches_us']:.1f} \u00b5s)"
 
 
 def _unbroken(part: str) -> str:

@@ -137,6 +137,7 @@ def _timed_runs(engine, tokens: dict[str, list[int]], sync) -> dict:
         out["miss_fraction"] = c.miss_fraction
         out["miss_fraction_tuning"] = c.miss_fraction_tuning
         out["miss_routes"] = c.miss_routes
+        out["decode_expert_step"] = c.decode_expert_step
         hit, up, cpu, moved, mapped = (a - b for a, b in zip((c.gpu_hit.sum(), c.uploaded.sum(), c.cpu_computed.sum(),
                                                               c.bytes_uploaded, c.gpu_mapped.sum()), before))
         total = hit + up + cpu + mapped

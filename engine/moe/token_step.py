@@ -2,10 +2,11 @@
 
 HybridExperts splits along three lines here:
   decide   on the GPU: the residency map turns router ids into slot ids (mailbox.route)
-  execute  on the GPU: the expert kernels over the resident pairs, and where measured costs say
-           so the first misses read straight from the experts' pinned host rows (the mapped
-           route, tune.mapped_misses); on the CPU: the other misses, answered through the
-           mailbox while the graph runs (Mailbox.serve)
+  execute  on the GPU: the expert kernels over the resident pairs (in one launch or three, as
+           timed at load: step_form.py), and where measured costs say so the first misses read
+           straight from the experts' pinned host rows (the mapped route, tune.mapped_misses); on
+           the CPU: the other misses, answered through the mailbox while the graph runs
+           (Mailbox.serve)
   learn    on the host, off the critical path: the GPU's per-layer expert counts are read back
            asynchronously after each token, fed to the residency policy, whose refills copy on
            the copier's stream; a map entry flips only once its copy has landed, between tokens
@@ -15,19 +16,23 @@ The host's order per token (engine/runtime/decode_runner.DecodeRunner.step):
   replay         the graph (its prologue bumps the token number on the GPU)
   after_launch   serve the mailbox; in its waits for the GPU, learn from the previous token's
                  counters (their read-back has landed); enqueue this token's read-back
-  check          after the logits were read: a timed-out wait becomes an engine error
+  check          after the logits were read: a timed-out wait (the mailbox's, or one inside a
+                 one-launch step) becomes an engine error
 The telemetry's counters therefore trail the GPU by one token.
 """
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator
 
 import numpy as np
 import torch
 
+from engine.errors import EngineError
+from engine.moe import step_form
 from engine.moe.mailbox import Mailbox
 from engine.moe.tune import mapped_misses
-from engine.quant.triton_kernels import HostTensor
+from engine.quant import triton_kernels as tk
 from engine.runtime.telemetry import Telemetry
 
 
@@ -45,17 +50,21 @@ class TokenExperts:
         self.mailbox = Mailbox(layers, n_expert, k, n_embd, hybrid.device, with_mailbox=not all_resident)
         # The mapped route where the costs measured at load give it work and the experts are in
         # pinned RAM: the kernels then read those rows (GGUF layout) as if they were slots.
-        self.host_rows: dict[int, list[HostTensor]] = {}
+        self.host_rows: dict[int, list[tk.HostTensor]] = {}
         of_misses = mapped_misses(k, hybrid.options.route_costs)
         if self.mailbox.with_mailbox and of_misses.any():
             for layer in layers:
                 w = hybrid.layers[layer].w
                 tensors = [t.raw for t in (w.gate, w.up, w.down)]
                 if all(t.is_pinned() for t in tensors):
-                    self.host_rows[layer] = [HostTensor(t) for t in tensors]
+                    self.host_rows[layer] = [tk.HostTensor(t) for t in tensors]
                     self.mailbox.route_mapped(layer, of_misses)
         if hybrid.counters.miss_routes is not None:
             hybrid.counters.miss_routes["mapped_of_misses"] = of_misses.tolist() if self.host_rows else []
+        self.one_launch = self._choose_forms(k)  # the layers whose step runs as one launch
+        # a wait inside a one-launch step that timed out, copied out after each replay
+        self._late = tk.step_error_word(hybrid.device) if self.one_launch else None
+        self._late_host = torch.zeros(1, dtype=torch.int32, pin_memory=True) if self.one_launch else None
         self._pushed_version: int | None = None  # the layers' residency versions summed, as the GPU map holds them
         self._seen = np.zeros((len(layers), n_expert + 2), np.int64)  # counters learnt from so far
         self._refills: list = []  # (layer index, layer, refills) learnt, not yet started
@@ -66,15 +75,14 @@ class TokenExperts:
         self.mailbox.prologue()
 
     def __call__(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        from engine.quant import triton_kernels as tk
-
         mb, i = self.mailbox, self.mailbox.index[layer]
         L = self.hybrid.layers[layer]
-        mb.route(layer, x, ids, weights, mapped_route=layer in self.host_rows)
-        rounded = tk.round_inputs(x, L.w)
+        mapped = layer in self.host_rows
+        mb.route(layer, x, ids, weights, mapped_route=mapped)
+        rounded = tk.round_inputs(x, L.w) if mapped else None  # x rounded once for both routes
         tk.experts_forward(x, L.slots.buffers, L.w, mb.pair_tok, mb.pair_pos, mb.pair_slot[i], mb.pair_exp[i],
-                           weights, mb.per_slot[i], rounded=rounded)
-        if layer in self.host_rows:  # the mapped misses, into the same per-pair rows
+                           weights, mb.per_slot[i], rounded=rounded, one_launch=layer in self.one_launch)
+        if mapped:  # the mapped misses, into the same per-pair rows
             tk.experts_forward(x, self.host_rows[layer], L.w, mb.pair_tok, mb.pair_pos, mb.pair_mapped[i],
                                mb.pair_mapped[i], weights, mb.per_slot[i], rounded=rounded)
         return mb.collect(layer)
@@ -104,6 +112,8 @@ class TokenExperts:
         for _ in learning:
             pass
         self.mailbox.snapshot_stats()
+        if self._late is not None:
+            self._late_host.copy_(self._late, non_blocking=True)
         self._start_refills()
 
     @torch.inference_mode()  # the mailbox's tensors were made in it (the capture's forward)
@@ -124,7 +134,33 @@ class TokenExperts:
         self._push_map()
 
     def check(self) -> None:
+        """After the token's results were read (the stream is idle): raises if a wait timed out."""
         self.mailbox.check()
+        if self._late_host is not None and self._late_host[0]:
+            self._late_host.zero_()
+            self._late.zero_()
+            raise EngineError("an expert step in one launch waited in vain on the GPU for its own earlier "
+                              "programs; that token's output is wrong (MOESTUDIO_ONE_LAUNCH_STEP=0 decodes in "
+                              "three launches)")
+
+    def _choose_forms(self, k: int) -> set[int]:
+        """Each kind of layer's step form (step_form.choose), reported as the telemetry's
+        decode_expert_step; the layers that take one launch."""
+        h = self.hybrid
+        kinds: dict[tuple, list[int]] = {}
+        for layer in self.mailbox.layers:
+            h.layers[layer].slots.refresh()  # the step is timed on landed experts: every one there
+            kinds.setdefault(step_form.kind(h.layers[layer].w), []).append(layer)
+        one_launch, report = set(), {}
+        for layers in kinds.values():
+            slot_layers = [step_form.SlotLayer(h.layers[layer].w, h.layers[layer].slots.buffers,
+                                               h.layers[layer].slots.resident) for layer in layers]
+            form = step_form.choose(slot_layers, k, h.device)
+            if form.one_launch:
+                one_launch.update(layers)
+            report[step_form.label(slot_layers[0].w)] = dataclasses.asdict(form)
+        h.counters.decode_expert_step = report
+        return one_launch
 
     def _compute_misses(self, layer: int, x: np.ndarray, experts: np.ndarray) -> np.ndarray:
         return self.hybrid.pool.compute(layer, x, np.zeros(len(experts), np.int32), experts)

@@ -46,6 +46,9 @@ class CacheCounters:
     # misses how many the mapped route takes (mapped_of_misses[m]; [] while it is off)
     miss_routes: dict | None = None
     decode_path: str = "per layer"  # "graph": a decode token is one CUDA graph, its misses on the CPU pool
+    # The decode graph's expert step per kind of layer (engine/moe/step_form.py): one launch or three,
+    # and the µs per step it was chosen by; None until a decode graph was made
+    decode_expert_step: dict | None = None
     # A prompt's MoE layer steps by route: its missing experts streamed, every expert resident
     # (neither reads its routing back), or the routing read back and the misses routed by cost.
     prompt_steps: dict[str, int] = field(default_factory=lambda: dict.fromkeys(PROMPT_ROUTES, 0))
@@ -144,6 +147,7 @@ class Telemetry:
                     "miss_fraction_tuning": c.miss_fraction_tuning,
                     "miss_routes": c.miss_routes,
                     "decode_path": c.decode_path,
+                    "decode_expert_step": c.decode_expert_step,
                     "prompt_steps": dict(c.prompt_steps),
                     "prompt_graph_chunks": c.prompt_graph_chunks,
                     "residency": c.residency.tolist(),

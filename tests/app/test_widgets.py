@@ -348,6 +348,14 @@ def test_dashboard_summary_reports_the_measured_miss_split(qtbot):
                                 "prompt_graph_chunks": 2}, vram=1 << 29))
     d.redraw()
     assert "prompt chunks as CUDA graphs 2" in d.summary.text()
+    assert "decode expert step" not in d.summary.text()  # no decode graph yet
+    forms = {"Q4_K/Q4_K/Q6_K 2048x768": {"one_launch": True, "one_launch_us": 14.04, "three_launches_us": 19.5},
+             "Q4_K/Q4_K/Q4_K 2048x768": {"one_launch": False, "one_launch_us": None, "three_launches_us": None}}
+    d.ingest(_snap(3, 4, cache={**_cache(), "decode_expert_step": forms}, vram=1 << 29))
+    d.redraw()
+    assert "decode expert step Q4_K/Q4_K/Q6_K 2048x768: one launch (timed 14.0 against 19.5 \u00b5s)" \
+        in d.summary.text()
+    assert "decode expert step Q4_K/Q4_K/Q4_K 2048x768: three launches" in d.summary.text()
 
 
 def test_error_dialogs_copy_details(qtbot):

@@ -207,3 +207,27 @@ def test_the_mapped_route_gives_the_all_resident_tokens(make_model, prompt_text,
     if n_slots == 1:  # most tokens miss in every layer: both routes serve
         assert c.gpu_mapped.sum() > 0 and c.cpu_computed.sum() > 0
     h.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("arch", ["qwen3moe", "gpt-oss"])
+@pytest.mark.parametrize("resident", ["all", "two"])
+def test_the_one_launch_step_decodes_the_three_launches_logits(make_model, prompt_text, monkeypatch, arch, resident):
+    """Every layer's expert step in one launch (MOESTUDIO_ONE_LAUNCH_STEP=1) or in three (=0),
+    every expert resident or two a layer (the rest through the mailbox): the same logits, bit for
+    bit, and the form taken reported per kind of layer."""
+    path = make_model(arch, QUANT.get(arch, QT.Q4_K))
+    model = build_model(path, "cuda")
+    prompt = tokenize_text(path, prompt_text)[:N_PROMPT]
+    n_slots = model.config.n_expert if resident == "all" else 2
+    logits = {}
+    for mode in ("0", "1"):
+        monkeypatch.setenv("MOESTUDIO_ONE_LAUNCH_STEP", mode)
+        h = hybrid(model, n_slots, "off")
+        h.prefill_residency([(layer, e) for layer in model.expert_weights for e in range(n_slots)])
+        logits[mode] = greedy(model, prompt)[1]
+        assert bool(model._runner.token_experts.one_launch) == (mode == "1")
+        forms = h.counters.decode_expert_step
+        assert forms and all(f["one_launch"] == (mode == "1") for f in forms.values()), forms
+        h.close()
+    assert torch.equal(logits["0"], logits["1"])
