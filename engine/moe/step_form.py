@@ -83,7 +83,7 @@ def choose(layers: list[SlotLayer], k: int, device: torch.device) -> StepForm:
     key = (str(device), k, how, kind(layers[0].w))
     form = _chosen.get(key)
     if form is None:
-        form = _chosen[key] = _choose(layers[:TIMED_LAYERS], k, device, timed=how == "auto")
+        form = _chosen[key] = _choose(layers, k, device, timed=how == "auto")
     return form
 
 
@@ -114,7 +114,7 @@ class _Step:
 def _choose(layers: list[SlotLayer], k: int, device: torch.device, timed: bool) -> StepForm:
     from engine.quant import triton_kernels as tk
 
-    layers = [layer for layer in layers if (layer.resident >= 0).any()]
+    layers = [layer for layer in layers if (layer.resident >= 0).any()][:TIMED_LAYERS]
     if not layers:  # nothing landed to run on: the proven form
         return StepForm(False)
     g = torch.Generator().manual_seed(0)
