@@ -746,6 +746,8 @@ def _dense_sweep(qw: int, rows: int) -> list:
     elif tile == "row":
         tiles = [tk.TileConfig(4, 4), tk.TileConfig(8, 8), tk.TileConfig(16, 8), tk.TileConfig(4, 2),
                  tk.TileConfig(2, 2), tk.TileConfig(16, 4)]
+        if qw in (int(QT.F16), int(QT.BF16)):  # the K loop unrolled by Triton (DENSE16_UNROLLED)
+            tiles += [replace(tk.DENSE_CONFIG[tile], unroll=True), tk.TileConfig(16, 4, unroll=True)]
     elif tile == "row_kquant":
         tiles = [tk.TileConfig(2, 2, programs_per_sm=1), tk.TileConfig(4, 2, programs_per_sm=1),
                  tk.TileConfig(4, 4, programs_per_sm=1), tk.TileConfig(8, 4, programs_per_sm=1)]
@@ -757,7 +759,7 @@ def _dense_sweep(qw: int, rows: int) -> list:
 
 def cfg_name(cfg) -> str:
     return (f"bn{cfg.block_n}w{cfg.num_warps}" + (f"s{cfg.num_stages}" if cfg.num_stages > 1 else "")
-            + (f"r{cfg.maxnreg}" if cfg.maxnreg else ""))
+            + ("u" if cfg.unroll else "") + (f"r{cfg.maxnreg}" if cfg.maxnreg else ""))
 
 
 def dense_line(r: dict) -> str:

@@ -220,7 +220,7 @@ def dense_variants(qtype: QT, n_out: int, K: int, rows: int, cfg: tk.TileConfig 
     qw = slot_type(qtype) if laid_out else int(qtype)
     cfg = cfg or tk.dense_config(qw, rows)
     split = tk.SplitK.choose(n_out, K, sm_count, cfg)
-    kernel, extra = tk.dense_kernel(qw, rows, _target(arch))
+    kernel, extra = tk.dense_kernel(qw, rows, cfg, _target(arch))
     return [(f"dense r{rows} s{split.split}", kernel,
              {"K": K, "QW": qw, "ROWS": rows, "SPLIT": split.split, "STEPS": split.steps, "BLOCK_N": cfg.block_n,
               "INTERP": False, **extra}, cfg)]

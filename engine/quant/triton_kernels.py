@@ -1019,12 +1019,15 @@ if triton is not None:
     @triton.jit
     def _dense16_kernel(xr_ptr, xq_ptr, xd_ptr, w_ptr, w_row_bytes, part_ptr, out_ptr, count_ptr, N,
                         K: tl.constexpr, QW: tl.constexpr, ROWS: tl.constexpr, SPLIT: tl.constexpr,
-                        STEPS: tl.constexpr, BLOCK_N: tl.constexpr, INTERP: tl.constexpr):
+                        STEPS: tl.constexpr, BLOCK_N: tl.constexpr, K_UNROLL: tl.constexpr,
+                        INTERP: tl.constexpr):
         """_dense_kernel's product (its grid, arguments and split-K) for F16 and BF16 weights
         (QW) and one activation row (ROWS = 1): out [1, N] = rounded x [1, K] . W [N, K], in the
         16-bit tile above (the int8 quants xq, xd are not read). The rounded values are loaded
         at the tile's full shape (zero stride along n) so that Triton gives them the weights'
-        layout: nothing moves through shared memory."""
+        layout: nothing moves through shared memory. K_UNROLL: the K loop unrolled that many
+        times by Triton (1: as the compiler sees fit; sm_90 unrolls F16's three times and
+        BF16's not at all)."""
         nb = tl.program_id(0)
         s = tl.program_id(1)
         n = nb * BLOCK_N + tl.arange(0, BLOCK_N)[:, None]
@@ -1035,7 +1038,7 @@ if triton is not None:
         k1 = tl.minimum(k0 + STEPS, NS)
         acc = tl.zeros((BLOCK_N, 256), tl.float32)
         nxt = _load16(w_rows, k0, k, K)  # the next step's bytes load while this one is computed
-        for ks in range(k0, k1):
+        for ks in tl.range(k0, k1, loop_unroll_factor=K_UNROLL):
             bits = nxt
             nxt = _load16(w_rows, tl.minimum(ks + 1, k1 - 1), k, K)
             if QW == _F16:
@@ -1549,7 +1552,9 @@ class TileConfig:
     block_n: int  # weight rows per program (quantized tiles: a warp covers 16 rows, two lanes per row)
     # (num_warps: warps per program; more than block_n / 16 of them cost layout conversions)
     num_warps: int
-    unroll: bool = False  # K steps fully unrolled, or a loop that loads one step ahead
+    # K steps fully unrolled, or a loop that loads one step ahead (the one-row 16-bit tile: that
+    # loop unrolled four times by Triton, or as the compiler sees fit)
+    unroll: bool = False
     num_stages: int = 1  # Triton's own pipeliner: only the 16-bit tensor-core product has work for it
     programs_per_sm: int = PROGRAMS_PER_SM  # SplitK.choose's target for this tile
     maxnreg: int | None = None  # registers a thread may take (None: as many as ptxas wants), for occupancy
@@ -2003,13 +2008,18 @@ def dense_config(qw: int, rows: int) -> TileConfig:
     return DENSE_CONFIG[dense_tile(qw, rows)]
 
 
-def dense_kernel(qw: int, rows: int, target=None) -> tuple[Callable, dict]:
+DENSE16_UNROLLED = 4  # K loop unrolling of the one-row 16-bit tile with `unroll`
+
+
+def dense_kernel(qw: int, rows: int, cfg: TileConfig, target=None) -> tuple[Callable, dict]:
     """The kernel of a dense product of `rows` activation rows and weights of kernel type `qw`
-    (kernel_type) and the constexprs it takes beyond the ones all take (K, QW, ROWS, SPLIT,
-    STEPS, BLOCK_N, INTERP), for compile target `target` (default: the current GPU)."""
+    (kernel_type) in tile `cfg`, and the constexprs it takes beyond the ones all take (K, QW,
+    ROWS, SPLIT, STEPS, BLOCK_N, INTERP), for compile target `target` (default: the current GPU)."""
     tile = dense_tile(qw, rows)
     if qw in _SIXTEEN_BIT:
-        return (_dense16_mma_kernel if tile == "mma" else _dense16_kernel), {}
+        if tile == "mma":
+            return _dense16_mma_kernel, {}
+        return _dense16_kernel, {"K_UNROLL": DENSE16_UNROLLED if cfg.unroll else 1}
     kernel = {"tile": _dense_kernel, "row": _dense_q8p_kernel, "row_kquant": _dense_k4_kernel}[tile]
     return kernel, {"REV": reversed_ties(target)}
 
@@ -2048,7 +2058,7 @@ def _dense_product(xr: Rounded, raw: torch.Tensor, qtype: QT, n_out: int, cfg: T
     else:
         part, count = out, _counter(raw.device, 1)
     grid = (blocks, split.split)
-    kernel, extra = dense_kernel(qw, T)
+    kernel, extra = dense_kernel(qw, T, cfg)
     launch = functools.partial(kernel.warmup, grid=grid) if compile_only else kernel[grid]
     launch(xr.padded, xr.quants, xr.scales, raw, raw.stride(1), part, out, count, n_out,
            K=K, QW=qw, ROWS=T, SPLIT=split.split, STEPS=split.steps, BLOCK_N=cfg.block_n,

@@ -12,6 +12,7 @@ float32 reference up to summation order (~1e-5 relative to the output's scale).
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -771,6 +772,9 @@ def test_interpreter_dense_matches_reference(qtype: QT, rows: int) -> None:
     K = 768 if qtype in (QT.Q4_K, QT.Q5_K, QT.Q6_K) else 352
     for split in dense_splits(K):
         check_dense(qtype, n_out=160, K=K, rows=rows, device="cpu", cfg=SMALL, split=split)
+    if rows == 1 and qtype in (QT.F16, QT.BF16):  # the one-row 16-bit tile's K loop unrolled by Triton
+        check_dense(qtype, n_out=160, K=1440, rows=1, device="cpu", cfg=replace(SMALL, unroll=True),
+                    split=tk.SplitK(2, 3))
 
 
 @interp
@@ -913,6 +917,22 @@ def test_gpu_dense_other_tile_configs(cfg: tk.TileConfig, qtype: QT) -> None:
     """Any tile the kernel benchmark sweeps computes the same thing."""
     _needs_compiled()
     check_dense(qtype, n_out=4096, K=2048, rows=4, device="cuda", cfg=cfg)
+
+
+@gpu
+@pytest.mark.parametrize("qtype", [QT.F16, QT.BF16], ids=lambda t: t.name)
+def test_gpu_one_row_16_bit_unrolled_gives_the_loop_s_bits(qtype: QT) -> None:
+    """The one-row 16-bit tile's K loop unrolled by Triton (--sweep's `u` tiles) sums in the same
+    order as the loop left to the compiler: the same bits, split or not (Mixtral's 14,336: 56
+    steps, a remainder of every unroll)."""
+    _needs_compiled()
+    rng = np.random.default_rng(int(qtype))
+    raw = _random_raw(rng, qtype, (1, 4096, 14336), 14336 ** -0.5).cuda()
+    x = torch.randn(1, 14336, device="cuda")
+    for split in (None, tk.SplitK(3, 19)):
+        want = tk.dense(x, raw, qtype, 4096, tk.DENSE_CONFIG["row"], split)
+        got = tk.dense(x, raw, qtype, 4096, replace(tk.DENSE_CONFIG["row"], unroll=True), split)
+        assert torch.equal(got, want)
 
 
 @gpu
