@@ -137,7 +137,7 @@ def _choose(layers: list[SlotLayer], k: int, device: torch.device, timed: bool) 
         return StepForm(False)
     if not timed:
         return StepForm(True)
-    us = {one: graph_us([lambda s=s: s(one) for s in steps], REPLAYS, device) for one in (False, True)}
+    us = {one: graph_us([lambda s=s, one=one: s(one) for s in steps], REPLAYS, device) for one in (False, True)}
     if tk.step_timed_out(device):
         warnings.warn(f"a one-launch expert step timed out while it was timed; {name} experts decode in three "
                       "launches", RuntimeWarning, stacklevel=3)
