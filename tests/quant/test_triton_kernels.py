@@ -634,13 +634,14 @@ def test_gpu_one_launch_step_equals_three_launches_and_replays(name: str, n_tok:
     wants = []
     for x in xs:
         wants.append(torch.zeros(k, *x.shape, device="cuda"))
-        tk.experts_forward(x, case.buffers, w, case.tok, case.pos, case.slot, case.exp, case.weights, wants[-1])
+        tk.experts_forward(x, case.buffers, case.w, case.tok, case.pos, case.slot, case.exp, case.weights,
+                           wants[-1])
     x_in, out = xs[0].clone(), torch.zeros_like(wants[0])
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph, stream=stream):
-        tk.experts_forward(x_in, case.buffers, w, case.tok, case.pos, case.slot, case.exp, case.weights, out,
+        tk.experts_forward(x_in, case.buffers, case.w, case.tok, case.pos, case.slot, case.exp, case.weights, out,
                            one_launch=True)
     for i in range(20):
         x_in.copy_(xs[i % 2])
