@@ -9,7 +9,9 @@ engine times them once per process for each kind of layer, as the decode graph r
 graph of the step over several layers' resident experts (so the weights come from memory, not
 L2), and keeps one launch where it takes at most ONE_LAUNCH_SHARE of the three launches' time.
 The one launch is first checked against the three launches bit for bit and for waits that timed
-out; where it cannot run here or differs, a warning says so and the three launches stay.
+out; where it cannot run here or differs, a warning says so and the three launches stay. On the
+H200 the one launch as built is 1.3-2.6x slower at one token (docs/BENCHMARKS.md, session 30):
+there the three launches are kept.
 
 MOESTUDIO_ONE_LAUNCH_STEP: `auto` (the default: timed), `1` (one launch wherever it runs and
 agrees, untimed: the decode benchmarks' A/B), `0` (three launches, nothing tried: a way out).
