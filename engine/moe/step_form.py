@@ -1,20 +1,20 @@
-"""How the decode token's expert step launches its kernels, chosen at load by timing both forms.
+"""How the decode token's expert step launches its kernels: three launches, or one chosen by timing.
 
 The step of a layer (round x; gate/up + activation + round h; down x routing weight) runs as
 three launches or as one (triton_kernels.experts_forward(one_launch=True): the same programs in
 one grid, the later ones waiting on flags the earlier publish). Both give the same bits, so the
-choice changes the speed, never a token. Which is faster depends on the GPU (its SMs, how long
-its front end takes between the kernels of a graph) and on the experts' types and shapes, so the
-engine times them once per process for each kind of layer, as the decode graph runs them: a CUDA
-graph of the step over several layers' resident experts (so the weights come from memory, not
-L2), and keeps one launch where it takes at most ONE_LAUNCH_SHARE of the three launches' time.
-The one launch is first checked against the three launches bit for bit and for waits that timed
-out; where it cannot run here or differs, a warning says so and the three launches stay. On the
-H200 the one launch as built is 1.3-2.6x slower at one token (docs/BENCHMARKS.md, session 30):
-there the three launches are kept.
+choice changes the speed, never a token. Asked to (`auto`), the engine times them once per
+process for each kind of layer, as the decode graph runs them: a CUDA graph of the step over
+several layers' resident experts (so the weights come from memory, not L2), and keeps one launch
+where it takes at most ONE_LAUNCH_SHARE of the three launches' time. The one launch is first
+checked against the three launches bit for bit and for waits that timed out; where it cannot run
+here or differs, a warning says so and the three launches stay.
 
-MOESTUDIO_ONE_LAUNCH_STEP: `auto` (the default: timed), `1` (one launch wherever it runs and
-agrees, untimed: the decode benchmarks' A/B), `0` (three launches, nothing tried: a way out).
+MOESTUDIO_ONE_LAUNCH_STEP: `0` (the default: three launches, nothing tried), `auto` (timed at
+load), `1` (one launch wherever it runs and agrees, untimed: the decode benchmarks' A/B). Three
+launches by default because the H200 measured the one launch as built 1.3-2.6x slower at one
+token (docs/BENCHMARKS.md, session 30): timing it at every load would cost its compile and a few
+graph captures for a form that loses; `auto` is for a one launch that may win.
 """
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ from engine.layers.moe import ExpertWeights
 from engine.moe.slots import layout_key
 from engine.runtime.device_time import graph_us
 
-MODES = ("auto", "1", "0")
+MODES = ("0", "auto", "1")
 ONE_LAUNCH_SHARE = 0.97  # a tie keeps the three launches, the path longer in use
 TIMED_LAYERS = 8  # layers of one kind in a timing graph (Qwen3-30B-A3B Q4_K: 8 x 21 MB, past any L2)
 REPLAYS = 5  # of the timing graph; the best counts
@@ -55,10 +55,10 @@ class SlotLayer:
 
 
 def mode() -> str:
-    value = os.environ.get("MOESTUDIO_ONE_LAUNCH_STEP", "auto")
+    value = os.environ.get("MOESTUDIO_ONE_LAUNCH_STEP", "0")
     if value not in MODES:
-        raise UserError(f"MOESTUDIO_ONE_LAUNCH_STEP={value!r}: use auto (timed at load), 1 (one launch) or 0 "
-                        "(three launches)")
+        raise UserError(f"MOESTUDIO_ONE_LAUNCH_STEP={value!r}: use 0 (three launches), auto (timed at load) or 1 "
+                        "(one launch)")
     return value
 
 

@@ -2,8 +2,8 @@
 
 HybridExperts splits along three lines here:
   decide   on the GPU: the residency map turns router ids into slot ids (mailbox.route)
-  execute  on the GPU: the expert kernels over the resident pairs (in one launch or three, as
-           timed at load: step_form.py), and where measured costs say so the first misses read
+  execute  on the GPU: the expert kernels over the resident pairs (in three launches, or where
+           asked in one: step_form.py), and where measured costs say so the first misses read
            straight from the experts' pinned host rows (the mapped route, tune.mapped_misses); on
            the CPU: the other misses, answered through the mailbox while the graph runs
            (Mailbox.serve)

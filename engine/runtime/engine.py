@@ -221,8 +221,8 @@ class Engine:
         Triton's disk cache). Triton compiles a variant per divisibility by 16 of each integer
         argument, and the one-token-to-eight-row products one per row count: so a chunk-long prompt step,
         one of an odd length at an odd position, one of each row count from 8 down to 2, then
-        decode tokens (the decode graph's capture, and before it the choice of each kind of layer's
-        expert step form, engine/moe/step_form.py); the chunk at 0 is captured as the prompt
+        decode tokens (the decode graph's capture, and before it, where asked, the timing of each kind
+        of layer's expert step form, engine/moe/step_form.py); the chunk at 0 is captured as the prompt
         graph there (engine/runtime/prompt_runner.py). Made-up tokens: the expert cache learns
         nothing from them (HybridExperts.learning_paused) and the KV cache is emptied after."""
         from engine.quant.triton_kernels import DENSE_MAX_ROWS

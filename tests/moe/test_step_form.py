@@ -26,7 +26,7 @@ interp = pytest.mark.skipif(not tk.INTERPRETED, reason="the interpreter's run (t
 @pytest.fixture(autouse=True)
 def fresh_choices(monkeypatch):
     monkeypatch.setattr(step_form, "_chosen", {})
-    monkeypatch.delenv("MOESTUDIO_ONE_LAUNCH_STEP", raising=False)
+    monkeypatch.setenv("MOESTUDIO_ONE_LAUNCH_STEP", "auto")
     if tk.INTERPRETED:  # one program per pair (the interpreter's fastest); its timings only need to exist
         for tile in tk.GATE_UP_CONFIG:
             monkeypatch.setitem(tk.GATE_UP_CONFIG, tile, tk.TileConfig(256, 4))
@@ -90,8 +90,13 @@ def test_the_mode_forces_a_form_untimed(make_model, monkeypatch):
         assert step_form.choose(layers, k, torch.device(DEVICE)) == StepForm(True)
         monkeypatch.setenv("MOESTUDIO_ONE_LAUNCH_STEP", "0")
         assert step_form.choose(layers, k, torch.device(DEVICE)) == StepForm(False)
+        monkeypatch.delenv("MOESTUDIO_ONE_LAUNCH_STEP")  # the default: three launches, nothing run
+        ran = []
+        forward = tk.experts_forward
+        monkeypatch.setattr(tk, "experts_forward", lambda *a, **kw: (ran.append(1), forward(*a, **kw)))
+        assert step_form.choose(layers, k, torch.device(DEVICE)) == StepForm(False) and not ran
         monkeypatch.setenv("MOESTUDIO_ONE_LAUNCH_STEP", "yes")
-        with pytest.raises(UserError, match="auto .* 1 .* 0"):
+        with pytest.raises(UserError, match="0 .* auto .* 1"):
             step_form.choose(layers, k, torch.device(DEVICE))
     finally:
         hybrid.close()
