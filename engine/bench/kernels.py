@@ -132,7 +132,7 @@ def legacy_dense(x: torch.Tensor, raw: torch.Tensor, qtype: QT, n_out: int) -> t
         hr.padded, hr.quants, hr.scales, raw, raw.stride(0), raw.stride(1), hr.padded, hr.padded, 0,
         out, out.stride(0), out.stride(1), tok, zero, zero, zero, n_out,
         K=K, QD=int(qtype), HAS_BIAS=False, WEIGHTED=False, BLOCK_N=cfg.block_n, UNROLL=cfg.unroll,
-        INTERP=tk.INTERPRETED, REV=tk.reversed_ties(), **tk._launch_opts(cfg))
+        INTERP=tk.INTERPRETED, REV=tk.reversed_ties(), PDL=False, **tk._launch_opts(cfg))
     return out[0]
 
 

@@ -155,11 +155,12 @@ def decode_variants(gate: QT, up: QT, down: QT, n_embd: int, n_ff: int, activati
     planar)."""
     vt = tk._vt
     rev = tk.reversed_ties(_target(arch))
+    pdl = arch >= 90  # as tk.dependent_launches compiles them there
     qg, qu = slot_type(gate), slot_type(up)
     gate_up = {"N": n_ff, "K": n_embd, "QG": qg, "QU": qu, "SAME_X": vt(gate) == vt(up), "VT_DOWN": vt(down),
-               "ACT": activation, "HAS_BIAS": bias, "INTERP": False, "REV": rev}
-    out = [("round_x", tk._round_rows_kernel, {"K": n_embd, "VT": vt(gate), "INTERP": False, "SUMS": False},
-            tk.TileConfig(0, 4))]
+               "ACT": activation, "HAS_BIAS": bias, "INTERP": False, "REV": rev, "PDL": pdl}
+    out = [("round_x", tk._round_rows_kernel,
+            {"K": n_embd, "VT": vt(gate), "INTERP": False, "SUMS": False, "PDL": pdl}, tk.TileConfig(0, 4))]
     # gate/up unsplit (many tokens' pairs: Triton specializes the split of 1 as a constant), and for
     # one token's top-8 on an H200 in its own tile, split over K where that tile takes a split (the
     # split a runtime argument)
@@ -179,12 +180,12 @@ def decode_variants(gate: QT, up: QT, down: QT, n_embd: int, n_ff: int, activati
     dn = tk.DOWN_CONFIG["tile"]
     out.append(("down", tk._down_kernel,
                 {"K": n_ff, "QD": slot_type(down), "HAS_BIAS": bias, "WEIGHTED": True, "BLOCK_N": dn.block_n,
-                 "UNROLL": dn.unroll, "INTERP": False, "REV": rev}, dn))
+                 "UNROLL": dn.unroll, "INTERP": False, "REV": rev, "PDL": pdl}, dn))
     if slot_type(down) in tk.K_QUANT_ROWS:  # down in the lanes-along-K tile (timed beside the default)
         row = tk.DOWN_CONFIG["row"]
         out.append(("down row", tk._down_k4_kernel,
                     {"K": n_ff, "QD": slot_type(down), "HAS_BIAS": bias, "WEIGHTED": True, "BLOCK_N": row.block_n,
-                     "UNROLL": False, "INTERP": False, "REV": rev}, row))
+                     "UNROLL": False, "INTERP": False, "REV": rev, "PDL": pdl}, row))
     # the one-launch step (experts_forward(one_launch=True)) of one token: as the engine takes it (down
     # in the quantized tile) and, where it differs, with the down tile that keeps gate/up's registers
     for down_tile in dict.fromkeys(("tile", tk.step_down_tile(tile, slot_type(down)))):
@@ -223,7 +224,7 @@ def dense_variants(qtype: QT, n_out: int, K: int, rows: int, cfg: tk.TileConfig 
     kernel, extra = tk.dense_kernel(qw, rows, cfg, _target(arch))
     return [(f"dense r{rows} s{split.split}", kernel,
              {"K": K, "QW": qw, "ROWS": rows, "SPLIT": split.split, "STEPS": split.steps, "BLOCK_N": cfg.block_n,
-              "INTERP": False, **extra}, cfg)]
+              "INTERP": False, "PDL": arch >= 90, **extra}, cfg)]
 
 
 def grouped_variants(gate: QT, up: QT, down: QT, n_embd: int, n_ff: int, activation: int = 0, bias: bool = False):

@@ -21,11 +21,15 @@ engine/quant/layout.py). Three launches per batch of pairs
 2. `_down_kernel`, grid (pairs, n_embd / BLOCK_N): the rounded h against the down rows, plus
    bias, times the routing weight, stored straight into the executor's per_slot[j, t, :].
 
+On sm_90 and later gate/up (after the step's own rounding) and down are programmatic dependent
+launches (dependent_launches): each starts while the launch before it ends, loading the pair
+tables and its first weights, and waits for that launch's results (gdc_wait) before it reads them.
+
 A dense product (attention projections, output head, shared experts at decode) is two
 launches: `_round_rows_kernel`, then `_dense_kernel` (or, for one row, a kernel with lanes along
 K: `dense_tile`), grid (n_out / BLOCK_N, split): each program a block of weight rows times a
 slice of the K steps against every activation row, the slices' partial sums added by the last
-program of each row block (SplitK).
+program of each row block (SplitK); the product is a dependent launch as gate/up is.
 
 Exactness: the rounding is bit-exact with round_activation (correctly rounded divisions,
 half-to-even); weights decode with dequant.py's arithmetic; products are summed in float32
@@ -57,6 +61,7 @@ try:  # Triton is optional: without it the torch path runs.
     import triton
     import triton.language as tl
     from triton.language.extra import libdevice
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 except ImportError:  # pragma: no cover - depends on the environment
     triton = None
 
@@ -187,10 +192,13 @@ if triton is not None:
 
     @triton.jit
     def _round_rows_kernel(x_ptr, x_stride, out_ptr, q_ptr, d_ptr, s_ptr, K: tl.constexpr, VT: tl.constexpr,
-                           INTERP: tl.constexpr, SUMS: tl.constexpr):
+                           INTERP: tl.constexpr, SUMS: tl.constexpr, PDL: tl.constexpr):
         """Grid (rows, KP / 256): out[row] = round_activation(x[row]), zero-padded to KP, the
         next multiple of 256 (for Q8_K and Q8_0 also q [rows, KP] int8 and d [rows, KP / 32];
-        for Q8_K with SUMS also s [rows, KP / 32], the quants' sums per 32)."""
+        for Q8_K with SUMS also s [rows, KP / 32], the quants' sums per 32). With PDL a
+        dependent launch after it (see dependent_launches) may start at once."""
+        if PDL:
+            gdc_launch_dependents()
         _round_row_step(x_ptr, x_stride, out_ptr, q_ptr, d_ptr, s_ptr, tl.program_id(0), tl.program_id(1), K, VT,
                         INTERP, SUMS)
 
@@ -740,8 +748,10 @@ if triton is not None:
                               N: tl.constexpr, K: tl.constexpr, QG: tl.constexpr, QU: tl.constexpr,
                               SAME_X: tl.constexpr, VT_DOWN: tl.constexpr, ACT: tl.constexpr, HAS_BIAS: tl.constexpr,
                               BLOCK_N: tl.constexpr, UNROLL: tl.constexpr, INTERP: tl.constexpr, REV: tl.constexpr,
-                              STEP: tl.constexpr, WAIT_X: tl.constexpr):
+                              STEP: tl.constexpr, WAIT_X: tl.constexpr, PDL: tl.constexpr):
         """Program (p, nb, s) of _gate_up_kernel."""
+        if PDL:
+            gdc_launch_dependents()
         tok = tl.load(pair_tok + p).to(tl.int64)
         # A pair without a slot here (< 0: the CPU pool computes it, or a launch over mapped host
         # memory) does nothing: its programs end before reading a byte, in both kernels, so a
@@ -773,6 +783,8 @@ if triton is not None:
         if UNROLL:  # every K step: gate_up never splits an unrolled tile
             if WAIT_X:
                 _await(x_flags + tok * NS, NS, epoch, state_ptr, timeout_ns, INTERP)
+            if PDL:
+                gdc_wait()
             for ks in tl.static_range(0, NS):
                 ga, gb, gc, gd = _load_w(g_rows, ks, K, BLOCK_N, QG, REV)
                 ua, ub, uc, ud = _load_w(u_rows, ks, K, BLOCK_N, QU, REV)
@@ -782,6 +794,8 @@ if triton is not None:
             # 16-bit weights: a lane's bytes of a step fill 64 registers a matrix; no second set
             if WAIT_X:
                 _await(x_flags + tok * NS + k0, k1 - k0, epoch, state_ptr, timeout_ns, INTERP)
+            if PDL:
+                gdc_wait()
             for ks in range(k0, k1):
                 ga, gb, gc, gd = _load_w(g_rows, ks, K, BLOCK_N, QG, REV)
                 ua, ub, uc, ud = _load_w(u_rows, ks, K, BLOCK_N, QU, REV)
@@ -792,6 +806,8 @@ if triton is not None:
             ua, ub, uc, ud = _load_w(u_rows, k0, K, BLOCK_N, QU, REV)
             if WAIT_X:  # the first step's weights are on their way meanwhile
                 _await(x_flags + tok * NS + k0, k1 - k0, epoch, state_ptr, timeout_ns, INTERP)
+            if PDL:  # the same, while the launch before ends
+                gdc_wait()
             for ks in range(k0, k1):
                 nk = tl.minimum(ks + 1, k1 - 1)
                 nga, ngb, ngc, ngd = _load_w(g_rows, nk, K, BLOCK_N, QG, REV)
@@ -814,7 +830,8 @@ if triton is not None:
                         pair_tok, pair_slot, pair_exp, n_pairs, split, steps,
                         N: tl.constexpr, K: tl.constexpr, QG: tl.constexpr, QU: tl.constexpr, SAME_X: tl.constexpr,
                         VT_DOWN: tl.constexpr, ACT: tl.constexpr, HAS_BIAS: tl.constexpr,
-                        BLOCK_N: tl.constexpr, UNROLL: tl.constexpr, INTERP: tl.constexpr, REV: tl.constexpr):
+                        BLOCK_N: tl.constexpr, UNROLL: tl.constexpr, INTERP: tl.constexpr, REV: tl.constexpr,
+                        PDL: tl.constexpr):
         """Grid (pairs, N / BLOCK_N, split). x*: the rounded activations [T, K] (values, Q8_K
         quants, Q8_K scales [T, K / 256]) for the gate and the up type; h [pairs, N] and, rounded
         for the down type, hr (values), hq, hd (Q8_K quants and scales). Program (p, nb, s) takes
@@ -827,7 +844,7 @@ if triton is not None:
                               u_row_bytes, gb_ptr, ub_ptr, h_ptr, hr_ptr, hq_ptr, hd_ptr, part_ptr, count_ptr,
                               pair_tok, pair_slot, pair_exp, n_pairs, split, steps, count_ptr, count_ptr, 0,
                               count_ptr, 0, N, K, QG, QU, SAME_X, VT_DOWN, ACT, HAS_BIAS, BLOCK_N, UNROLL, INTERP, REV,
-                              False, False)
+                              False, False, PDL)
 
     @triton.jit
     def _down_store(y, rows, p, db_ptr, wt_ptr, wt_stride_tok, out_ptr, out_stride_pos, out_stride_tok, pair_tok,
@@ -849,7 +866,7 @@ if triton is not None:
                       wt_stride_tok, out_ptr, out_stride_pos, out_stride_tok, pair_tok, pair_pos, pair_slot, pair_exp,
                       N, h_flags, epoch, state_ptr, timeout_ns, K: tl.constexpr, QD: tl.constexpr,
                       HAS_BIAS: tl.constexpr, WEIGHTED: tl.constexpr, BLOCK_N: tl.constexpr, UNROLL: tl.constexpr,
-                      INTERP: tl.constexpr, REV: tl.constexpr, STEP: tl.constexpr):
+                      INTERP: tl.constexpr, REV: tl.constexpr, STEP: tl.constexpr, PDL: tl.constexpr):
         """Program (p, nb) of _down_kernel; in one launch (STEP) it waits for the pair's h."""
         slot_or_none = tl.load(pair_slot + p)
         if slot_or_none < 0:  # no slot here (see _gate_up_tile_program)
@@ -867,6 +884,8 @@ if triton is not None:
         if UNROLL:
             if STEP:
                 _await(h_flags + p * NS, NS, epoch, state_ptr, timeout_ns, INTERP)
+            if PDL:
+                gdc_wait()
             for ks in tl.static_range(0, NS):
                 a, b, cc, dd = _load_w(d_rows, ks, K, BLOCK_N, QD, REV)
                 acc = _use_w(acc, a, b, cc, dd, x_row, xq_row, xd_row, ks, K, BLOCK_N, QD, INTERP, REV)
@@ -874,6 +893,8 @@ if triton is not None:
             a, b, cc, dd = _load_w(d_rows, 0, K, BLOCK_N, QD, REV)
             if STEP:  # the first step's weights are on their way meanwhile
                 _await(h_flags + p * NS, NS, epoch, state_ptr, timeout_ns, INTERP)
+            if PDL:  # the same, while the launch before ends
+                gdc_wait()
             for ks in range(0, NS):
                 na, nb2, nc, nd = _load_w(d_rows, tl.minimum(ks + 1, NS - 1), K, BLOCK_N, QD, REV)
                 acc = _use_w(acc, a, b, cc, dd, x_row, xq_row, xd_row, ks, K, BLOCK_N, QD, INTERP, REV)
@@ -885,12 +906,13 @@ if triton is not None:
     def _down_kernel(hr_ptr, hq_ptr, hd_ptr, d_ptr, d_slot_bytes, d_row_bytes, db_ptr, wt_ptr, wt_stride_tok,
                      out_ptr, out_stride_pos, out_stride_tok, pair_tok, pair_pos, pair_slot, pair_exp, N,
                      K: tl.constexpr, QD: tl.constexpr, HAS_BIAS: tl.constexpr, WEIGHTED: tl.constexpr,
-                     BLOCK_N: tl.constexpr, UNROLL: tl.constexpr, INTERP: tl.constexpr, REV: tl.constexpr):
+                     BLOCK_N: tl.constexpr, UNROLL: tl.constexpr, INTERP: tl.constexpr, REV: tl.constexpr,
+                     PDL: tl.constexpr):
         """Grid (pairs, N / BLOCK_N). hr/hq/hd: the rounded h [pairs, K]; out[pos, tok, :N]."""
         _down_program(tl.program_id(0), tl.program_id(1), hr_ptr, hq_ptr, hd_ptr, d_ptr, d_slot_bytes, d_row_bytes,
                       db_ptr, wt_ptr, wt_stride_tok, out_ptr, out_stride_pos, out_stride_tok, pair_tok, pair_pos,
                       pair_slot, pair_exp, N, pair_slot, 0, pair_slot, 0, K, QD, HAS_BIAS, WEIGHTED, BLOCK_N, UNROLL,
-                      INTERP, REV, False)
+                      INTERP, REV, False, PDL)
 
     # ---------------------------------------------------------------- dense products
 
@@ -933,14 +955,16 @@ if triton is not None:
     @triton.jit
     def _dense_kernel(xr_ptr, xq_ptr, xd_ptr, w_ptr, w_row_bytes, part_ptr, out_ptr, count_ptr, N,
                       K: tl.constexpr, QW: tl.constexpr, ROWS: tl.constexpr, SPLIT: tl.constexpr,
-                      STEPS: tl.constexpr, BLOCK_N: tl.constexpr, INTERP: tl.constexpr, REV: tl.constexpr):
+                      STEPS: tl.constexpr, BLOCK_N: tl.constexpr, INTERP: tl.constexpr, REV: tl.constexpr,
+                      PDL: tl.constexpr):
         """Grid (N / BLOCK_N, SPLIT): out [ROWS, N] = rounded x [ROWS, K] . W [N, K] (GGUF rows
         of w_row_bytes). Program (nb, s) takes weight rows nb * BLOCK_N ... and K steps
         s * STEPS ... (s + 1) * STEPS, and multiplies each step's decoded bytes with all ROWS
         activation rows (the weights are read once whatever the rows). With SPLIT > 1 it stores
         its partial sums in part [SPLIT, ROWS, N]; the last program of a row block to finish
         (a semaphore per row block, reset by that program) adds the SPLIT partials in split
-        order, so the result does not depend on which program finishes last."""
+        order, so the result does not depend on which program finishes last. With PDL it reads x
+        only after the launch before it ended (a dependent launch: dependent_launches)."""
         nb = tl.program_id(0)
         s = tl.program_id(1)
         r4 = tl.arange(0, BLOCK_N)[None, :, None, None, None]
@@ -962,6 +986,8 @@ if triton is not None:
         PREFETCH: tl.constexpr = QW != _F16 and QW != _BF16
         if PREFETCH:
             a, b, cc, dd = _load_w(w_rows, k0, K, BLOCK_N, QW, REV)
+        if PDL:  # the first step's weights are on their way while the launch before ends
+            gdc_wait()
         for ks in range(k0, k1):
             if PREFETCH:
                 na, nb2, nc, nd = _load_w(w_rows, tl.minimum(ks + 1, k1 - 1), K, BLOCK_N, QW, REV)
@@ -1020,7 +1046,7 @@ if triton is not None:
     def _dense16_kernel(xr_ptr, xq_ptr, xd_ptr, w_ptr, w_row_bytes, part_ptr, out_ptr, count_ptr, N,
                         K: tl.constexpr, QW: tl.constexpr, ROWS: tl.constexpr, SPLIT: tl.constexpr,
                         STEPS: tl.constexpr, BLOCK_N: tl.constexpr, K_UNROLL: tl.constexpr,
-                        INTERP: tl.constexpr):
+                        INTERP: tl.constexpr, PDL: tl.constexpr):
         """_dense_kernel's product (its grid, arguments and split-K) for F16 and BF16 weights
         (QW) and one activation row (ROWS = 1): out [1, N] = rounded x [1, K] . W [N, K], in the
         16-bit tile above (the int8 quants xq, xd are not read). The rounded values are loaded
@@ -1038,6 +1064,8 @@ if triton is not None:
         k1 = tl.minimum(k0 + STEPS, NS)
         acc = tl.zeros((BLOCK_N, 256), tl.float32)
         nxt = _load16(w_rows, k0, k, K)  # the next step's bytes load while this one is computed
+        if PDL:
+            gdc_wait()
         for ks in tl.range(k0, k1, loop_unroll_factor=K_UNROLL):
             bits = nxt
             nxt = _load16(w_rows, tl.minimum(ks + 1, k1 - 1), k, K)
@@ -1052,7 +1080,7 @@ if triton is not None:
     @triton.jit
     def _dense16_mma_kernel(xr_ptr, xq_ptr, xd_ptr, w_ptr, w_row_bytes, part_ptr, out_ptr, count_ptr, N,
                             K: tl.constexpr, QW: tl.constexpr, ROWS: tl.constexpr, SPLIT: tl.constexpr,
-                            STEPS: tl.constexpr, BLOCK_N: tl.constexpr, INTERP: tl.constexpr):
+                            STEPS: tl.constexpr, BLOCK_N: tl.constexpr, INTERP: tl.constexpr, PDL: tl.constexpr):
         """_dense16_kernel's product for several activation rows, on tensor cores: per K step
         W [BLOCK_N, 256] . x^T [256, 16] (the rows padded to mma's 16 with zeros), in F16 or
         BF16 as the weights, which hold the rounded activation exactly (round_activation
@@ -1070,6 +1098,8 @@ if triton is not None:
         k0 = s * STEPS
         k1 = tl.minimum(k0 + STEPS, NS)
         acc = tl.zeros((BLOCK_N, 16), tl.float32)
+        if PDL:
+            gdc_wait()
         for ks in range(k0, k1):
             bits = _load16(w_rows, ks, k, K)
             x = tl.load(x_rows + ks * 256 + k, mask=(t < ROWS) & (k >= 0), other=0.0)
@@ -1138,7 +1168,8 @@ if triton is not None:
     @triton.jit
     def _dense_q8p_kernel(xr_ptr, xq_ptr, xd_ptr, w_ptr, w_row_bytes, part_ptr, out_ptr, count_ptr, N,
                           K: tl.constexpr, QW: tl.constexpr, ROWS: tl.constexpr, SPLIT: tl.constexpr,
-                          STEPS: tl.constexpr, BLOCK_N: tl.constexpr, INTERP: tl.constexpr, REV: tl.constexpr):
+                          STEPS: tl.constexpr, BLOCK_N: tl.constexpr, INTERP: tl.constexpr, REV: tl.constexpr,
+                          PDL: tl.constexpr):
         """_dense_kernel's product (its grid, arguments and split-K) for planar Q8_0 weights and
         one activation row (ROWS = 1), in the tile above: out [1, N] = rounded x [1, K] . W [N, K],
         from the activation's int8 quants xq and block scales xd (the values xr are not read)."""
@@ -1151,6 +1182,8 @@ if triton is not None:
         k1 = tl.minimum(k0 + STEPS, NS)
         acc = tl.zeros((32, BLOCK_N), tl.float32)
         w, dw = _q8p_load(w_words, k0, k1, g, wd, NB, REV)  # the next pair loads while this one is used
+        if PDL:
+            gdc_wait()
         for kp in range(k0, k1, 2):
             nw, ndw = _q8p_load(w_words, kp + 2, k1, g, wd, NB, REV)
             # the activation's quant words and the run of 4 block scales holding the lane's
@@ -1311,7 +1344,8 @@ if triton is not None:
     @triton.jit
     def _dense_k4_kernel(xr_ptr, xq_ptr, xd_ptr, w_ptr, w_row_bytes, part_ptr, out_ptr, count_ptr, N,
                          K: tl.constexpr, QW: tl.constexpr, ROWS: tl.constexpr, SPLIT: tl.constexpr,
-                         STEPS: tl.constexpr, BLOCK_N: tl.constexpr, INTERP: tl.constexpr, REV: tl.constexpr):
+                         STEPS: tl.constexpr, BLOCK_N: tl.constexpr, INTERP: tl.constexpr, REV: tl.constexpr,
+                         PDL: tl.constexpr):
         """_dense_kernel's product (its grid, arguments and split-K) for Q4_K, Q5_K, padded Q6_K or
         planar MXFP4 weights (QW) and one activation row (ROWS = 1), in the tile above: out [1, N] =
         rounded x [1, K] . W [N, K], from the activation's int8 quants xq and scales xd (xr is not
@@ -1323,6 +1357,8 @@ if triton is not None:
         k0 = s * STEPS
         k1 = tl.minimum(k0 + STEPS, NS)
         w, hdr, qh, dd = _k4_load(w_words, k0, k1, g, wd, K, QW, REV)
+        if PDL:
+            gdc_wait()
         y = _k4_sums(w, hdr, qh, dd, w_words, xq_ptr, xd_ptr, k0, k1, g, n, wd, K, QW, BLOCK_N, INTERP, REV)
         _dense_finish(y, y, y, y, y, y, y, y, part_ptr, out_ptr, count_ptr, nb, s, N, ROWS, SPLIT, BLOCK_N, INTERP)
 
@@ -1339,8 +1375,10 @@ if triton is not None:
                              N: tl.constexpr, K: tl.constexpr, QG: tl.constexpr, QU: tl.constexpr,
                              SAME_X: tl.constexpr, VT_DOWN: tl.constexpr, ACT: tl.constexpr, HAS_BIAS: tl.constexpr,
                              BLOCK_N: tl.constexpr, INTERP: tl.constexpr, REV: tl.constexpr, STEP: tl.constexpr,
-                             WAIT_X: tl.constexpr):
+                             WAIT_X: tl.constexpr, PDL: tl.constexpr):
         """Program (p, nb, s) of _gate_up_k4_kernel."""
+        if PDL:
+            gdc_launch_dependents()
         tok = tl.load(pair_tok + p).to(tl.int64)
         slot_or_none = tl.load(pair_slot + p)
         if slot_or_none < 0:  # no slot here (see _gate_up_tile_program)
@@ -1365,6 +1403,8 @@ if triton is not None:
         uw, uh, uq, ud = _k4_load(u_words, k0, k1, g, wd, K, QU, REV)
         if WAIT_X:  # the first steps' weights are on their way meanwhile
             _await(x_flags + tok * NS + k0, k1 - k0, epoch, state_ptr, timeout_ns, INTERP)
+        if PDL:  # the same, while the launch before ends
+            gdc_wait()
         for kq in range(k0, k1, 4):
             ngw, ngh, ngq, ngd = _k4_load(g_words, kq + 4, k1, g, wd, K, QG, REV)
             nuw, nuh, nuq, nud = _k4_load(u_words, kq + 4, k1, g, wd, K, QU, REV)
@@ -1383,7 +1423,8 @@ if triton is not None:
                            pair_tok, pair_slot, pair_exp, n_pairs, split, steps,
                            N: tl.constexpr, K: tl.constexpr, QG: tl.constexpr, QU: tl.constexpr,
                            SAME_X: tl.constexpr, VT_DOWN: tl.constexpr, ACT: tl.constexpr, HAS_BIAS: tl.constexpr,
-                           BLOCK_N: tl.constexpr, UNROLL: tl.constexpr, INTERP: tl.constexpr, REV: tl.constexpr):
+                           BLOCK_N: tl.constexpr, UNROLL: tl.constexpr, INTERP: tl.constexpr, REV: tl.constexpr,
+                           PDL: tl.constexpr):
         """_gate_up_kernel for Q4_K, Q5_K, padded Q6_K or planar MXFP4 gate and up weights (QG, QU),
         lanes along K (UNROLL unused)."""
         _gate_up_row_program(tl.program_id(0), tl.program_id(1), tl.program_id(2), xg_ptr, xgq_ptr, xgd_ptr,
@@ -1391,7 +1432,7 @@ if triton is not None:
                              u_row_bytes, gb_ptr, ub_ptr, h_ptr, hr_ptr, hq_ptr, hd_ptr, part_ptr, count_ptr,
                              pair_tok, pair_slot, pair_exp, n_pairs, split, steps, count_ptr, count_ptr, 0,
                              count_ptr, 0, N, K, QG, QU, SAME_X, VT_DOWN, ACT, HAS_BIAS, BLOCK_N, INTERP, REV,
-                             False, False)
+                             False, False, PDL)
 
     # down in the same tile (_down_kernel's grid, arguments and results; hr and UNROLL unused): a
     # pair's BLOCK_N rows a program over all K steps of h. The one-launch step takes it after a
@@ -1404,7 +1445,7 @@ if triton is not None:
                           out_ptr, out_stride_pos, out_stride_tok, pair_tok, pair_pos, pair_slot, pair_exp, N,
                           h_flags, epoch, state_ptr, timeout_ns, K: tl.constexpr, QD: tl.constexpr,
                           HAS_BIAS: tl.constexpr, WEIGHTED: tl.constexpr, BLOCK_N: tl.constexpr,
-                          INTERP: tl.constexpr, REV: tl.constexpr, STEP: tl.constexpr):
+                          INTERP: tl.constexpr, REV: tl.constexpr, STEP: tl.constexpr, PDL: tl.constexpr):
         """Program (p, nb) of _down_k4_kernel; in one launch (STEP) it waits for the pair's h."""
         slot_or_none = tl.load(pair_slot + p)
         if slot_or_none < 0:  # no slot here (see _gate_up_tile_program)
@@ -1418,6 +1459,8 @@ if triton is not None:
         w, hdr, qh, dd = _k4_load(d_words, 0, NS, g, wd, K, QD, REV)
         if STEP:  # the first steps' weights are on their way meanwhile
             _await(h_flags + p * NS, NS, epoch, state_ptr, timeout_ns, INTERP)
+        if PDL:  # the same, while the launch before ends
+            gdc_wait()
         y = _k4_sums(w, hdr, qh, dd, d_words, xq_row, xd_row, 0, NS, g, n, wd, K, QD, BLOCK_N, INTERP, REV)
         _down_store(y, nb * BLOCK_N + tl.arange(0, BLOCK_N), p, db_ptr, wt_ptr, wt_stride_tok,
                     out_ptr, out_stride_pos, out_stride_tok, pair_tok, pair_pos, pair_exp, N, HAS_BIAS, WEIGHTED)
@@ -1426,12 +1469,13 @@ if triton is not None:
     def _down_k4_kernel(hr_ptr, hq_ptr, hd_ptr, d_ptr, d_slot_bytes, d_row_bytes, db_ptr, wt_ptr, wt_stride_tok,
                         out_ptr, out_stride_pos, out_stride_tok, pair_tok, pair_pos, pair_slot, pair_exp, N,
                         K: tl.constexpr, QD: tl.constexpr, HAS_BIAS: tl.constexpr, WEIGHTED: tl.constexpr,
-                        BLOCK_N: tl.constexpr, UNROLL: tl.constexpr, INTERP: tl.constexpr, REV: tl.constexpr):
+                        BLOCK_N: tl.constexpr, UNROLL: tl.constexpr, INTERP: tl.constexpr, REV: tl.constexpr,
+                        PDL: tl.constexpr):
         """_down_kernel for Q4_K, Q5_K, padded Q6_K or planar MXFP4 down weights (QD), lanes along K."""
         _down_row_program(tl.program_id(0), tl.program_id(1), hq_ptr, hd_ptr, d_ptr, d_slot_bytes, d_row_bytes,
                           db_ptr, wt_ptr, wt_stride_tok, out_ptr, out_stride_pos, out_stride_tok, pair_tok, pair_pos,
                           pair_slot, pair_exp, N, pair_slot, 0, pair_slot, 0, K, QD, HAS_BIAS, WEIGHTED, BLOCK_N,
-                          INTERP, REV, False)
+                          INTERP, REV, False, PDL)
 
     @triton.jit
     def _round_x_program(r, x_ptr, x_stride, xg_ptr, xgq_ptr, xgd_ptr, xu_ptr, xuq_ptr, xud_ptr, x_flags, epoch,
@@ -1490,14 +1534,15 @@ if triton is not None:
                                      g_slot_bytes, g_row_bytes, u_ptr, u_slot_bytes, u_row_bytes, gb_ptr, ub_ptr,
                                      h_ptr, hr_ptr, hq_ptr, hd_ptr, part_ptr, count_ptr, pair_tok, pair_slot,
                                      pair_exp, n_pairs, split, steps, x_flags, h_flags, epoch, state_ptr, timeout_ns,
-                                     N, K, QG, QU, SAME_X, VT_DOWN, ACT, HAS_BIAS, BLOCK_G, INTERP, REV, True, ROUND_X)
+                                     N, K, QG, QU, SAME_X, VT_DOWN, ACT, HAS_BIAS, BLOCK_G, INTERP, REV, True, ROUND_X,
+                                     False)
             else:
                 _gate_up_tile_program(p, nb, s, xg_ptr, xgq_ptr, xgd_ptr, xu_ptr, xuq_ptr, xud_ptr, g_ptr,
                                       g_slot_bytes, g_row_bytes, u_ptr, u_slot_bytes, u_row_bytes, gb_ptr, ub_ptr,
                                       h_ptr, hr_ptr, hq_ptr, hd_ptr, part_ptr, count_ptr, pair_tok, pair_slot,
                                       pair_exp, n_pairs, split, steps, x_flags, h_flags, epoch, state_ptr, timeout_ns,
                                       N, K, QG, QU, SAME_X, VT_DOWN, ACT, HAS_BIAS, BLOCK_G, UNROLL, INTERP, REV,
-                                      True, ROUND_X)
+                                      True, ROUND_X, False)
         else:
             q = pid - n_rounds - n_gate_up
             d_blocks = tl.cdiv(d_out, BLOCK_D)
@@ -1505,12 +1550,12 @@ if triton is not None:
                 _down_row_program(q // d_blocks, q % d_blocks, hq_ptr, hd_ptr, d_ptr, d_slot_bytes, d_row_bytes,
                                   db_ptr, wt_ptr, wt_stride_tok, out_ptr, out_stride_pos, out_stride_tok, pair_tok,
                                   pair_pos, pair_slot, pair_exp, d_out, h_flags, epoch, state_ptr, timeout_ns, N, QD,
-                                  HAS_DOWN_BIAS, WEIGHTED, BLOCK_D, INTERP, REV, True)
+                                  HAS_DOWN_BIAS, WEIGHTED, BLOCK_D, INTERP, REV, True, False)
             else:
                 _down_program(q // d_blocks, q % d_blocks, hr_ptr, hq_ptr, hd_ptr, d_ptr, d_slot_bytes, d_row_bytes,
                               db_ptr, wt_ptr, wt_stride_tok, out_ptr, out_stride_pos, out_stride_tok, pair_tok,
                               pair_pos, pair_slot, pair_exp, d_out, h_flags, epoch, state_ptr, timeout_ns, N, QD,
-                              HAS_DOWN_BIAS, WEIGHTED, BLOCK_D, UNROLL_DOWN, INTERP, REV, True)
+                              HAS_DOWN_BIAS, WEIGHTED, BLOCK_D, UNROLL_DOWN, INTERP, REV, True, False)
         # The last program to end (all others have read the epoch) sets it for the next launch.
         if tl.atomic_add(state_ptr + 1, 1, sem="acq_rel", scope="gpu") == tl.num_programs(0) - 1:
             tl.store(state_ptr + 1, 0)
@@ -1594,11 +1639,31 @@ def supports(w) -> bool:
     return all(t.qtype in KERNEL_TYPES for t in (w.gate, w.up, w.down))
 
 
-def _launch_opts(cfg: TileConfig | None) -> dict:
+def _launch_opts(cfg: TileConfig | None, dependent: bool = False) -> dict:
+    """Triton's launch options for tile `cfg`; `dependent`: a programmatic dependent launch
+    (dependent_launches says where the device has them)."""
     if INTERPRETED or cfg is None:
         return {}
     return {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages,
-            **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {})}
+            **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}), **({"launch_pdl": True} if dependent else {})}
+
+
+@functools.lru_cache(maxsize=None)
+def dependent_launches(device: str) -> bool:
+    """Whether launches on `device` can be programmatic dependents (PDL: sm_90 and later, with a
+    Triton that launches them). A dependent launch's programs start once every program of the
+    launch before it has started; they load what does not depend on it (pair tables, the first
+    weights) and wait for its end (gdc_wait) before reading its results or writing anything. So a
+    launch is made dependent only where the launch before it is this step's own, and the tables
+    it reads early were written before that one began: gate/up after the step's rounding of x,
+    down after gate/up (experts_forward). The kernels compiled for such a device wait and let
+    their dependents start in any launch (a no-op where nothing depends)."""
+    dev = torch.device(device)
+    if INTERPRETED or triton is None or dev.type != "cuda":
+        return False
+    from triton.backends.nvidia.compiler import CUDAOptions
+
+    return "launch_pdl" in CUDAOptions.__dataclass_fields__ and torch.cuda.get_device_capability(dev)[0] >= 9
 
 
 def kernel_type(qtype: QT, rows: torch.Tensor, K: int) -> int:
@@ -1688,6 +1753,7 @@ def round_rows(x: torch.Tensor, weight_qtype: QT, sums: bool = False) -> Rounded
         _round_rows_kernel[(T, triton.cdiv(K, KSTEP))](x, x.stride(0), out.padded, out.quants, out.scales,
                                                       out.sums if sums else out.scales, K=K,
                                                       VT=_vt(weight_qtype), INTERP=INTERPRETED, SUMS=sums,
+                                                      PDL=dependent_launches(str(x.device)),
                                                       **_launch_opts(TileConfig(0, 4)))
     return out
 
@@ -1767,12 +1833,14 @@ class _GateUpPlan:
 
 def gate_up(xg: Rounded, xu: Rounded, gate_buf: torch.Tensor, up_buf: torch.Tensor, w,
             pair_tok: torch.Tensor, pair_slot: torch.Tensor, pair_exp: torch.Tensor,
-            cfg: TileConfig | None = None, split: SplitK | None = None) -> tuple[torch.Tensor, Rounded]:
+            cfg: TileConfig | None = None, split: SplitK | None = None,
+            dependent: bool = False) -> tuple[torch.Tensor, Rounded]:
     """h [pairs, n_ff] = act(x[tok] . gate[slot] (+bias), x[tok] . up[slot] (+bias)), and h
     rounded for the down weights. xg, xu: the token rows rounded (round_rows) for the gate and
     the up type (pass the same object when the two round alike). `split` over K defaults to
     SplitK.choose for the launch's row blocks on this device (a few pairs, one token's,
-    would leave most SMs idle)."""
+    would leave most SMs idle). `dependent`: launched as a programmatic dependent where the
+    device has them, only right after the rounding of xg, xu (dependent_launches says why)."""
     n_ff, d_in = w.gate.shape[1], w.gate.shape[2]
     P = pair_tok.numel()
     h = torch.empty((P, n_ff), dtype=torch.float32, device=xg.values.device)
@@ -1782,13 +1850,14 @@ def gate_up(xg: Rounded, xu: Rounded, gate_buf: torch.Tensor, up_buf: torch.Tens
     assert xg.values.shape[1] == d_in
     plan = _GateUpPlan.make(w, gate_buf, up_buf, xg.padded.shape[0], P, h.device, cfg, split)
     kernel = _gate_up_k4_kernel if plan.tile == "row" else _gate_up_kernel
+    pdl = dependent_launches(str(h.device))
     kernel[(P, plan.blocks, plan.split.split)](
         xg.padded, xg.quants, xg.scales, xu.padded, xu.quants, xu.scales,
         gate_buf, gate_buf.stride(0), gate_buf.stride(1), up_buf, up_buf.stride(0), up_buf.stride(1),
         *plan.tensors(w, h, hr), pair_tok, pair_slot, pair_exp, P, plan.split.split, plan.split.steps,
         N=n_ff, K=d_in, QG=plan.qg, QU=plan.qu, SAME_X=xg is xu, VT_DOWN=_vt(w.down.qtype), ACT=_ACT[w.activation],
         HAS_BIAS=w.gate.bias is not None, BLOCK_N=plan.cfg.block_n, UNROLL=plan.cfg.unroll, INTERP=INTERPRETED,
-        REV=reversed_ties(), **_launch_opts(plan.cfg))
+        REV=reversed_ties(), PDL=pdl, **_launch_opts(plan.cfg, dependent and pdl))
     return h, hr
 
 
@@ -1803,12 +1872,14 @@ def _down_type(w, down_buf: torch.Tensor, tile: str) -> int:
 
 def down(hr: Rounded, down_buf: torch.Tensor, w, pair_tok: torch.Tensor, pair_pos: torch.Tensor,
          pair_slot: torch.Tensor, pair_exp: torch.Tensor, weights: torch.Tensor | None, out: torch.Tensor,
-         cfg: TileConfig | None = None, tile: str = "tile") -> None:
+         cfg: TileConfig | None = None, tile: str = "tile", dependent: bool = False) -> None:
     """out[pos, tok, :] = (hr[p] . down[slot] (+bias)) * weights[tok, pos] for each pair p.
 
     hr: h rounded for the down type (gate_up's second result); `out` [k, T, D] (the
     executor's per_slot, last axis contiguous); with weights None the result is unweighted.
-    `tile`: a DOWN_CONFIG key ("row" takes Q4_K, Q5_K, padded Q6_K and planar MXFP4 only)."""
+    `tile`: a DOWN_CONFIG key ("row" takes Q4_K, Q5_K, padded Q6_K and planar MXFP4 only).
+    `dependent`: launched as a programmatic dependent where the device has them, only right
+    after the gate_up launch that made hr (dependent_launches says why)."""
     d_out, n_ff = w.down.shape[1], w.down.shape[2]
     P = pair_tok.numel()
     if P == 0:
@@ -1820,11 +1891,13 @@ def down(hr: Rounded, down_buf: torch.Tensor, w, pair_tok: torch.Tensor, pair_po
     db = w.down.bias if has_bias else hr.padded
     wt = weights if weights is not None else hr.padded
     grid = (P, triton.cdiv(d_out, cfg.block_n))
+    pdl = dependent_launches(str(out.device))
     (_down_k4_kernel if tile == "row" else _down_kernel)[grid](
         hr.padded, hr.quants, hr.scales, down_buf, down_buf.stride(0), down_buf.stride(1), db, wt, wt.stride(0),
         out, out.stride(0), out.stride(1), pair_tok, pair_pos, pair_slot, pair_exp, d_out,
         K=n_ff, QD=qd, HAS_BIAS=has_bias, WEIGHTED=weights is not None,
-        BLOCK_N=cfg.block_n, UNROLL=cfg.unroll, INTERP=INTERPRETED, REV=reversed_ties(), **_launch_opts(cfg))
+        BLOCK_N=cfg.block_n, UNROLL=cfg.unroll, INTERP=INTERPRETED, REV=reversed_ties(), PDL=pdl,
+        **_launch_opts(cfg, dependent and pdl))
 
 
 def _rounds_alike(w) -> bool:
@@ -1851,7 +1924,9 @@ def experts_forward(x: torch.Tensor, buffers, w, pair_tok: torch.Tensor, pair_po
     the three launches' result with the same down tile, so the form changes how, not what).
     `down_tile`: a DOWN_CONFIG key, by default the quantized tile ("tile"); in one launch at
     gate/up's num_warps (down_cfg must take those; step_down_tile names the tile that keeps the
-    grid at gate/up's registers). A pair whose slot is negative does nothing.
+    grid at gate/up's registers). A pair whose slot is negative does nothing. Where the device
+    has programmatic dependent launch (dependent_launches), down, and gate/up after its own
+    rounding of x, start while the launch before them ends.
 
     x [T, D] float32; buffers = [gate, up, down] uint8 slot buffers [slots, rows, row_bytes]
     (GGUF rows, or as layout.kernel_layout lays them out, as LayerSlots does: Q6_K padded, MXFP4
@@ -1864,8 +1939,10 @@ def experts_forward(x: torch.Tensor, buffers, w, pair_tok: torch.Tensor, pair_po
                      gate_up_split, rounded, down_tile)
         return
     xg, xu = rounded or round_inputs(x, w)
-    _, hr = gate_up(xg, xu, buffers[0], buffers[1], w, pair_tok, pair_slot, pair_exp, gate_up_cfg, gate_up_split)
-    down(hr, buffers[2], w, pair_tok, pair_pos, pair_slot, pair_exp, weights, out, down_cfg, down_tile or "tile")
+    _, hr = gate_up(xg, xu, buffers[0], buffers[1], w, pair_tok, pair_slot, pair_exp, gate_up_cfg, gate_up_split,
+                    dependent=rounded is None)
+    down(hr, buffers[2], w, pair_tok, pair_pos, pair_slot, pair_exp, weights, out, down_cfg, down_tile or "tile",
+         dependent=True)
 
 
 # A one-launch step's wait gives up after this, far beyond the step's own length: every wait is
@@ -1889,7 +1966,8 @@ def _step_state(device: torch.device, n: int) -> torch.Tensor:
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             raise RuntimeError("the one-launch expert step's first launch on a device makes its state, so it "
                                "cannot be captured: launch the step once before capturing a graph of it")
-        state = torch.zeros(COUNTERS, dtype=torch.int32, device=device)
+        with torch.inference_mode(False):  # a normal tensor: step_timed_out zeroes it in either mode
+            state = torch.zeros(COUNTERS, dtype=torch.int32, device=device)
         _step_states[device] = state
     return state
 
@@ -2014,7 +2092,7 @@ DENSE16_UNROLLED = 4  # K loop unrolling of the one-row 16-bit tile with `unroll
 def dense_kernel(qw: int, rows: int, cfg: TileConfig, target=None) -> tuple[Callable, dict]:
     """The kernel of a dense product of `rows` activation rows and weights of kernel type `qw`
     (kernel_type) in tile `cfg`, and the constexprs it takes beyond the ones all take (K, QW,
-    ROWS, SPLIT, STEPS, BLOCK_N, INTERP), for compile target `target` (default: the current GPU)."""
+    ROWS, SPLIT, STEPS, BLOCK_N, INTERP, PDL), for compile target `target` (default: the current GPU)."""
     tile = dense_tile(qw, rows)
     if qw in _SIXTEEN_BIT:
         if tile == "mma":
@@ -2029,7 +2107,8 @@ def dense(x: torch.Tensor, raw: torch.Tensor, qtype: QT, n_out: int, cfg: TileCo
     """round(x) @ W.T for x [T, K] float32 (T <= DENSE_MAX_ROWS, rows contiguous) and a dense
     weight W [n_out, K] kept as its GGUF rows raw [1, n_out, row_bytes] (or as
     layout.kernel_layout lays them out: Q6_K padded, MXFP4 planar): two launches (round x; the
-    split-K product). `split` defaults to SplitK.choose for this device."""
+    split-K product, which starts while the rounding ends where the device has dependent
+    launches). `split` defaults to SplitK.choose for this device."""
     T, K = x.shape
     if T > DENSE_MAX_ROWS:
         raise ValueError(f"dense takes at most {DENSE_MAX_ROWS} rows, got {T}: use dequantize + matmul")
@@ -2060,9 +2139,10 @@ def _dense_product(xr: Rounded, raw: torch.Tensor, qtype: QT, n_out: int, cfg: T
     grid = (blocks, split.split)
     kernel, extra = dense_kernel(qw, T, cfg)
     launch = functools.partial(kernel.warmup, grid=grid) if compile_only else kernel[grid]
+    pdl = dependent_launches(str(raw.device))  # a dependent launch: dense launches it right after rounding xr
     launch(xr.padded, xr.quants, xr.scales, raw, raw.stride(1), part, out, count, n_out,
            K=K, QW=qw, ROWS=T, SPLIT=split.split, STEPS=split.steps, BLOCK_N=cfg.block_n,
-           INTERP=INTERPRETED, **extra, **_launch_opts(cfg))
+           INTERP=INTERPRETED, PDL=pdl, **extra, **_launch_opts(cfg, pdl))
     return out
 
 

@@ -651,6 +651,65 @@ def test_gpu_one_launch_step_equals_three_launches_and_replays(name: str, n_tok:
     assert not tk.step_timed_out(torch.device("cuda"))
 
 
+@gpu
+@pytest.mark.parametrize("name", list(GPU_CASES))
+@pytest.mark.parametrize("n_tok", [1, 8])
+def test_gpu_dependent_launches_give_the_serial_launches_bits(name: str, n_tok: int) -> None:
+    """Where the device has programmatic dependent launch, gate/up and down start while the
+    launch before them ends and must read its results only after its end: a chain of steps (each
+    step's x the sum of the last one's outputs), captured in a graph and replayed on changing x,
+    gives bit for bit the launches made one at a time with the device synchronized between them.
+    (Each x is scaled to a largest value of 1: unscaled, F16's rounding overflows by the third step.)"""
+    _needs_compiled()
+    if not tk.dependent_launches("cuda"):
+        pytest.skip("no programmatic dependent launch on this GPU or Triton")
+    qtypes, n_embd, n_ff, n_expert, k, act, bias = GPU_CASES[name]
+    w = make_weights(qtypes, n_expert=n_expert, n_embd=n_embd, n_ff=n_ff, activation=act, bias=bias, seed=n_tok)
+    case = Case(w, n_tok=n_tok, k=k, device="cuda", seed=n_tok)
+    case.slot[1] = -1
+    steps = 3
+
+    def unit(x: torch.Tensor) -> torch.Tensor:
+        return x / x.abs().amax(dim=1, keepdim=True)
+
+    def serial(x: torch.Tensor) -> torch.Tensor:
+        for _ in range(steps):
+            xg, xu = tk.round_inputs(x, case.w)
+            torch.cuda.synchronize()
+            _, hr = tk.gate_up(xg, xu, case.buffers[0], case.buffers[1], case.w, case.tok, case.slot, case.exp)
+            torch.cuda.synchronize()
+            out = torch.zeros(k, *x.shape, device="cuda")
+            tk.down(hr, case.buffers[2], case.w, case.tok, case.pos, case.slot, case.exp, case.weights, out)
+            torch.cuda.synchronize()
+            x = unit(out.sum(0))
+        return x
+
+    def chained(x: torch.Tensor) -> torch.Tensor:
+        for _ in range(steps):
+            out = torch.zeros(k, *x.shape, device="cuda")
+            tk.experts_forward(x, case.buffers, case.w, case.tok, case.pos, case.slot, case.exp, case.weights, out)
+            x = unit(out.sum(0))
+        return x
+
+    def bits(x: torch.Tensor) -> torch.Tensor:  # NaN and all
+        return x.view(torch.int32)
+
+    xs = [case.x.clone(), -0.5 * case.x, 2.0 * case.x]
+    wants = [bits(serial(x)) for x in xs]
+    assert torch.equal(bits(chained(xs[0])), wants[0])
+    x_in = xs[0].clone()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        result = chained(x_in)
+    for i in range(30):
+        x_in.copy_(xs[i % 3])
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(bits(result), wants[i % 3]), f"replay {i}"
+
+
 OTHER_CONFIGS = [tk.TileConfig(8, 2), tk.TileConfig(16, 1), tk.TileConfig(64, 2, unroll=True),
                  tk.TileConfig(128, 8, num_stages=3)]
 
@@ -957,6 +1016,50 @@ def test_gpu_dense_replays_in_a_cuda_graph() -> None:
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(got, want)
+
+
+@gpu
+@pytest.mark.parametrize("qtype, rows", [(QT.Q4_K, 1), (QT.Q6_K, 1), (QT.Q8_0, 1), (QT.MXFP4, 1), (QT.BF16, 1),
+                                         (QT.F16, 8), (QT.Q4_K, 8)], ids=lambda v: getattr(v, "name", str(v)))
+def test_gpu_dependent_dense_products_read_their_rounding(qtype: QT, rows: int) -> None:
+    """Where the device has dependent launches, the product starts while its rounding of x ends:
+    a chain of products (each one's x the last one's result), captured in a graph and replayed
+    on changing x, gives bit for bit the same products with the device synchronized between
+    the rounding and the product."""
+    _needs_compiled()
+    if not tk.dependent_launches("cuda"):
+        pytest.skip("no programmatic dependent launch on this GPU or Triton")
+    K, links = 2048, 4
+    rng = np.random.default_rng(rows)
+    raw = kernel_layout(_random_raw(rng, qtype, (1, K, K), K ** -0.5), qtype).cuda()
+
+    def serial(x: torch.Tensor) -> torch.Tensor:
+        for _ in range(links):
+            xr = tk.round_rows(x, qtype)
+            torch.cuda.synchronize()
+            x = tk._dense_product(xr, raw, qtype, K)
+            torch.cuda.synchronize()
+        return x
+
+    def chained(x: torch.Tensor) -> torch.Tensor:
+        for _ in range(links):
+            x = tk.dense(x, raw, qtype, K)
+        return x
+
+    xs = [torch.randn(rows, K, device="cuda") for _ in range(3)]
+    wants = [serial(x) for x in xs]
+    x_in = xs[0].clone()
+    assert torch.equal(chained(x_in), wants[0])
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        got = chained(x_in)
+    for i in range(30):
+        x_in.copy_(xs[i % 3])
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(got, wants[i % 3]), f"replay {i}"
 
 
 @interp
