@@ -1229,19 +1229,22 @@ if triton is not None:
         return sc.to(tl.float32), mn.to(tl.float32)
 
     @triton.jit
-    def _k4_load(w_words, kq, k1, g, wd, K: tl.constexpr, QW: tl.constexpr, REV: tl.constexpr):
-        """Steps kq ... kq + 3 (those from k1 on masked): the lanes' quant words, their header
+    def _k4_load(w_words, kq, k1, g, wd, K: tl.constexpr, QW: tl.constexpr, REV: tl.constexpr,
+                 SPAN: tl.constexpr):
+        """Steps kq ... kq + SPAN - 1 (those from k1 on masked): the lanes' quant words, their header
         runs (MXFP4: scale runs), their runs of high bits (Q5_K, Q6_K) and Q6_K's run holding d
-        (unused ones repeat the quant words)."""
+        (unused ones repeat the quant words). SPAN 4: a warp's eight-lane groups take four steps
+        of one row; SPAN 1: one step each, of their own rows (w_words says which)."""
         NS: tl.constexpr = (K + 255) // 256
+        lane = g if SPAN == 4 else g % 8
         if QW == _MXFP4_PLANAR:  # qs[16] of every block | their e8m0 scales, zero-padded (layout.planar)
             NB: tl.constexpr = K // 32
-            blk = kq * 8 + g
+            blk = kq * 8 + lane
             live = (blk < k1 * 8) & (blk < NB) & (wd >= 0)
             w = _ld3(w_words + tl.minimum(blk, NB - 1) * 4 + wd, REV, live)
             hdr = _ld3(w_words + NB * 4 + (blk // 16) * 4 + wd, REV, live)
             return w, hdr, w, w
-        blk = kq + g // 8
+        blk = kq + lane // 8
         live = (blk < k1) & (wd >= 0)
         if QW == _Q4_K:  # d, dmin | scales[12] | qs[128]
             base = w_words + tl.minimum(blk, NS - 1) * 36
@@ -1260,25 +1263,28 @@ if triton is not None:
 
     @triton.jit
     def _k4_dot(w, hdr, qh, dd, xq_ptr, xd_ptr, kq, k1, g, n, wd, K: tl.constexpr, QW: tl.constexpr,
-                INTERP: tl.constexpr, REV: tl.constexpr):
-        """Each lane's 32 values of steps kq ... kq + 3 dotted with the activation's int8 quants
-        (Q8_K; MXFP4: Q8_0), scaled per group of values sharing scales, [32, BLOCK_N]."""
+                INTERP: tl.constexpr, REV: tl.constexpr, SPAN: tl.constexpr):
+        """Each lane's 32 values of steps kq ... kq + SPAN - 1 (_k4_load) dotted with the
+        activation's int8 quants (Q8_K; MXFP4: Q8_0), scaled per group of values sharing scales,
+        [32, BLOCK_N]."""
+        lane = g if SPAN == 4 else g % 8
+        lane2 = tl.arange(0, 32)[:, None] if SPAN == 4 else tl.arange(0, 32)[:, None] % 8
         if QW == _MXFP4_PLANAR:
             # block blk: word wd of its nibbles holds values 4wd .. 4wd + 3 (low) and 16 + 4wd .. (high)
             NB: tl.constexpr = K // 32
-            blk = kq * 8 + g + n * 0 + wd * 0
+            blk = kq * 8 + lane + n * 0 + wd * 0
             live = (blk < k1 * 8) & (blk < NB)
             xw = xq_ptr.to(tl.pointer_type(tl.int32)) + blk * 8 + wd
             sw = tl.sum(_dp4a(_e2m1_words(w, INTERP), _ld3(xw, REV, live), INTERP, True)
                         + _dp4a(_e2m1_words(w >> 4, INTERP), _ld3(xw + 4, REV, live), INTERP, True), axis=2)
-            b2 = kq * 8 + tl.arange(0, 32)[:, None]
-            e = _run_byte(hdr, wd, (kq * 8 + g) % 16, b2 % 16)
+            b2 = kq * 8 + lane2
+            e = _run_byte(hdr, wd, (kq * 8 + lane) % 16, b2 % 16)
             dw = tl.where(e < 2, 0x00200000 << e, (e - 1) << 23).to(tl.float32, bitcast=True)
             # Q8_0's scale of the block: word blk % 4 of a run of 4
             run = _ld3(xd_ptr.to(tl.pointer_type(tl.int32)) + blk // 4 * 4 + wd, REV, live)
             dx = tl.sum(tl.where(wd == blk % 4, run, 0), axis=2).to(tl.float32, bitcast=True)
             return (dw * dx) * sw.to(tl.float32)
-        blk = kq + g // 8 + n * 0 + wd * 0
+        blk = kq + lane // 8 + n * 0 + wd * 0
         live = (blk < k1)
         # Q8_K's scale of the block: the first word of a run of 4 at 8 words a step
         run = _ld3(xd_ptr.to(tl.pointer_type(tl.int32)) + blk * 8 + wd, REV, live)
@@ -1330,16 +1336,21 @@ if triton is not None:
 
     @triton.jit
     def _k4_sums(w, hdr, qh, dd, w_words, xq_ptr, xd_ptr, k0, k1, g, n, wd, K: tl.constexpr, QW: tl.constexpr,
-                 BLOCK_N: tl.constexpr, INTERP: tl.constexpr, REV: tl.constexpr):
-        """The row tile's sums over K steps k0 ... k1 of one weight, [BLOCK_N]: (w, hdr, qh, dd) are
-        its first four steps, loaded by the caller (which may wait for x meanwhile); each next four
-        load while these are used."""
+                 BLOCK_N: tl.constexpr, INTERP: tl.constexpr, REV: tl.constexpr, SPAN: tl.constexpr):
+        """The row tile's sums over K steps k0 ... k1 of one weight: (w, hdr, qh, dd) are its first
+        SPAN steps, loaded by the caller (which may wait for x meanwhile); each next SPAN load while
+        these are used. SPAN 4: [BLOCK_N], a row a tile column; SPAN 1: [4 * BLOCK_N], rows
+        4c ... 4c + 3 in column c (the eight-lane groups' own rows, _k4_rows)."""
         acc = tl.zeros((32, BLOCK_N), tl.float32)
-        for kq in range(k0, k1, 4):
-            nw, nhdr, nqh, ndd = _k4_load(w_words, kq + 4, k1, g, wd, K, QW, REV)
-            acc += _k4_dot(w, hdr, qh, dd, xq_ptr, xd_ptr, kq, k1, g, n, wd, K, QW, INTERP, REV)
+        for kq in range(k0, k1, SPAN):
+            nw, nhdr, nqh, ndd = _k4_load(w_words, kq + SPAN, k1, g, wd, K, QW, REV, SPAN)
+            acc += _k4_dot(w, hdr, qh, dd, xq_ptr, xd_ptr, kq, k1, g, n, wd, K, QW, INTERP, REV, SPAN)
             w, hdr, qh, dd = nw, nhdr, nqh, ndd
-        return tl.sum(acc, axis=0)
+        if SPAN == 4:
+            y = tl.sum(acc, axis=0)
+        else:
+            y = tl.reshape(tl.permute(tl.sum(tl.reshape(acc, (4, 8, BLOCK_N)), axis=1), (1, 0)), (4 * BLOCK_N,))
+        return y
 
     @triton.jit
     def _dense_k4_kernel(xr_ptr, xq_ptr, xd_ptr, w_ptr, w_row_bytes, part_ptr, out_ptr, count_ptr, N,
@@ -1356,10 +1367,10 @@ if triton is not None:
         NS: tl.constexpr = (K + 255) // 256
         k0 = s * STEPS
         k1 = tl.minimum(k0 + STEPS, NS)
-        w, hdr, qh, dd = _k4_load(w_words, k0, k1, g, wd, K, QW, REV)
+        w, hdr, qh, dd = _k4_load(w_words, k0, k1, g, wd, K, QW, REV, 4)
         if PDL:
             gdc_wait()
-        y = _k4_sums(w, hdr, qh, dd, w_words, xq_ptr, xd_ptr, k0, k1, g, n, wd, K, QW, BLOCK_N, INTERP, REV)
+        y = _k4_sums(w, hdr, qh, dd, w_words, xq_ptr, xd_ptr, k0, k1, g, n, wd, K, QW, BLOCK_N, INTERP, REV, 4)
         _dense_finish(y, y, y, y, y, y, y, y, part_ptr, out_ptr, count_ptr, nb, s, N, ROWS, SPLIT, BLOCK_N, INTERP)
 
     # gate/up in the same tile, for the same types' experts at one token (_gate_up_kernel's grid,
@@ -1399,17 +1410,17 @@ if triton is not None:
         k1 = tl.minimum(k0 + steps, NS)
         acc_g = tl.zeros((32, BLOCK_N), tl.float32)
         acc_u = tl.zeros((32, BLOCK_N), tl.float32)
-        gw, gh, gq, gd = _k4_load(g_words, k0, k1, g, wd, K, QG, REV)  # the next four steps load while these are used
-        uw, uh, uq, ud = _k4_load(u_words, k0, k1, g, wd, K, QU, REV)
+        gw, gh, gq, gd = _k4_load(g_words, k0, k1, g, wd, K, QG, REV, 4)  # the next four load while these are used
+        uw, uh, uq, ud = _k4_load(u_words, k0, k1, g, wd, K, QU, REV, 4)
         if WAIT_X:  # the first steps' weights are on their way meanwhile
             _await(x_flags + tok * NS + k0, k1 - k0, epoch, state_ptr, timeout_ns, INTERP)
         if PDL:  # the same, while the launch before ends
             gdc_wait()
         for kq in range(k0, k1, 4):
-            ngw, ngh, ngq, ngd = _k4_load(g_words, kq + 4, k1, g, wd, K, QG, REV)
-            nuw, nuh, nuq, nud = _k4_load(u_words, kq + 4, k1, g, wd, K, QU, REV)
-            acc_g += _k4_dot(gw, gh, gq, gd, xgq_row, xgd_row, kq, k1, g, n, wd, K, QG, INTERP, REV)
-            acc_u += _k4_dot(uw, uh, uq, ud, xuq_row, xud_row, kq, k1, g, n, wd, K, QU, INTERP, REV)
+            ngw, ngh, ngq, ngd = _k4_load(g_words, kq + 4, k1, g, wd, K, QG, REV, 4)
+            nuw, nuh, nuq, nud = _k4_load(u_words, kq + 4, k1, g, wd, K, QU, REV, 4)
+            acc_g += _k4_dot(gw, gh, gq, gd, xgq_row, xgd_row, kq, k1, g, n, wd, K, QG, INTERP, REV, 4)
+            acc_u += _k4_dot(uw, uh, uq, ud, xuq_row, xud_row, kq, k1, g, n, wd, K, QU, INTERP, REV, 4)
             gw, gh, gq, gd = ngw, ngh, ngq, ngd
             uw, uh, uq, ud = nuw, nuh, nuq, nud
         _gate_up_finish(tl.sum(acc_g, axis=0), tl.sum(acc_u, axis=0), nb * BLOCK_N + tl.arange(0, BLOCK_N), p, nb,
@@ -1438,7 +1449,9 @@ if triton is not None:
     # pair's BLOCK_N rows a program over all K steps of h. The one-launch step takes it after a
     # "row" gate/up (step_down_tile); alone it is timed beside the quantized tile ("down row" in
     # `moestudio bench kernels`): session 27 found it slower at Qwen3's K = 768, where three K steps
-    # leave a quarter of the lanes idle, so the three launches keep the quantized tile.
+    # left a quarter of the lanes idle, so the three launches keep the quantized tile. Under four K
+    # steps each eight lanes now take a row of their own instead (session 31; not yet timed: the
+    # H200 found the quantized tile's down at 8 warps an SM, 20% of DRAM bandwidth, at one token).
 
     @triton.jit
     def _down_row_program(p, nb, hq_ptr, hd_ptr, d_ptr, d_slot_bytes, d_row_bytes, db_ptr, wt_ptr, wt_stride_tok,
@@ -1446,23 +1459,34 @@ if triton is not None:
                           h_flags, epoch, state_ptr, timeout_ns, K: tl.constexpr, QD: tl.constexpr,
                           HAS_BIAS: tl.constexpr, WEIGHTED: tl.constexpr, BLOCK_N: tl.constexpr,
                           INTERP: tl.constexpr, REV: tl.constexpr, STEP: tl.constexpr, PDL: tl.constexpr):
-        """Program (p, nb) of _down_k4_kernel; in one launch (STEP) it waits for the pair's h."""
+        """Program (p, nb) of _down_k4_kernel; in one launch (STEP) it waits for the pair's h. Under
+        four K steps (Qwen3's K = 768) a warp's eight-lane groups take a step each of rows of their
+        own, so that none idles: a program then covers 4 * BLOCK_N rows (down_rows_per_program)."""
         slot_or_none = tl.load(pair_slot + p)
         if slot_or_none < 0:  # no slot here (see _gate_up_tile_program)
             return
         slot = slot_or_none.to(tl.int64)
-        g, n, wd, d_words = _row_tile(d_ptr + slot * d_slot_bytes, d_row_bytes, nb, N, BLOCK_N)
         NS: tl.constexpr = (K + 255) // 256
+        SPAN: tl.constexpr = 1 if NS < 4 else 4
+        ROWS: tl.constexpr = BLOCK_N * 4 // SPAN
+        if SPAN == 4:
+            g, n, wd, d_words = _row_tile(d_ptr + slot * d_slot_bytes, d_row_bytes, nb, N, BLOCK_N)
+        else:  # lane g of column c: row 4c + g // 8 of the program's
+            g = tl.arange(0, 32)[:, None, None]
+            n = tl.arange(0, BLOCK_N)[None, :, None]
+            wd = tl.arange(0, 4)[None, None, :]
+            row = tl.minimum(nb * ROWS + n * 4 + g // 8, N - 1).to(tl.int64)
+            d_words = (d_ptr + slot * d_slot_bytes).to(tl.pointer_type(tl.int32)) + row * (d_row_bytes // 4)
         p64 = p.to(tl.int64)
         xq_row = hq_ptr + p64 * (NS * 256)
         xd_row = hd_ptr + p64 * (NS * 8)
-        w, hdr, qh, dd = _k4_load(d_words, 0, NS, g, wd, K, QD, REV)
+        w, hdr, qh, dd = _k4_load(d_words, 0, NS, g, wd, K, QD, REV, SPAN)
         if STEP:  # the first steps' weights are on their way meanwhile
             _await(h_flags + p * NS, NS, epoch, state_ptr, timeout_ns, INTERP)
         if PDL:  # the same, while the launch before ends
             gdc_wait()
-        y = _k4_sums(w, hdr, qh, dd, d_words, xq_row, xd_row, 0, NS, g, n, wd, K, QD, BLOCK_N, INTERP, REV)
-        _down_store(y, nb * BLOCK_N + tl.arange(0, BLOCK_N), p, db_ptr, wt_ptr, wt_stride_tok,
+        y = _k4_sums(w, hdr, qh, dd, d_words, xq_row, xd_row, 0, NS, g, n, wd, K, QD, BLOCK_N, INTERP, REV, SPAN)
+        _down_store(y, nb * ROWS + tl.arange(0, ROWS), p, db_ptr, wt_ptr, wt_stride_tok,
                     out_ptr, out_stride_pos, out_stride_tok, pair_tok, pair_pos, pair_exp, N, HAS_BIAS, WEIGHTED)
 
     @triton.jit
@@ -1545,7 +1569,10 @@ if triton is not None:
                                       True, ROUND_X, False)
         else:
             q = pid - n_rounds - n_gate_up
-            d_blocks = tl.cdiv(d_out, BLOCK_D)
+            if DOWN_ROW:  # rows a down program covers (down_rows_per_program)
+                d_blocks = tl.cdiv(d_out, BLOCK_D if (N + 255) // 256 >= 4 else 4 * BLOCK_D)
+            else:
+                d_blocks = tl.cdiv(d_out, BLOCK_D)
             if DOWN_ROW:
                 _down_row_program(q // d_blocks, q % d_blocks, hq_ptr, hd_ptr, d_ptr, d_slot_bytes, d_row_bytes,
                                   db_ptr, wt_ptr, wt_stride_tok, out_ptr, out_stride_pos, out_stride_tok, pair_tok,
@@ -1861,6 +1888,12 @@ def gate_up(xg: Rounded, xu: Rounded, gate_buf: torch.Tensor, up_buf: torch.Tens
     return h, hr
 
 
+def down_rows_per_program(tile: str, cfg: TileConfig, K: int) -> int:
+    """Rows of the down product a program of tile `tile` (a DOWN_CONFIG key) in `cfg` covers, at
+    K values a row: the row tile under four K steps gives each eight lanes a row of their own."""
+    return cfg.block_n * 4 if tile == "row" and -(-K // KSTEP) < 4 else cfg.block_n
+
+
 def _down_type(w, down_buf: torch.Tensor, tile: str) -> int:
     """The kernel type of down's weights, which down's `tile` must read."""
     qd = kernel_type(w.down.qtype, down_buf, w.down.shape[2])
@@ -1890,7 +1923,7 @@ def down(hr: Rounded, down_buf: torch.Tensor, w, pair_tok: torch.Tensor, pair_po
     has_bias = w.down.bias is not None
     db = w.down.bias if has_bias else hr.padded
     wt = weights if weights is not None else hr.padded
-    grid = (P, triton.cdiv(d_out, cfg.block_n))
+    grid = (P, triton.cdiv(d_out, down_rows_per_program(tile, cfg, n_ff)))
     pdl = dependent_launches(str(out.device))
     (_down_k4_kernel if tile == "row" else _down_kernel)[grid](
         hr.padded, hr.quants, hr.scales, down_buf, down_buf.stride(0), down_buf.stride(1), db, wt, wt.stride(0),
@@ -2026,7 +2059,7 @@ def _expert_step(x: torch.Tensor, buffers, w, pair_tok: torch.Tensor, pair_pos: 
     hr = Rounded.empty(P, n_ff, dev)
     n_rounds = T * -(-d_in // KSTEP) if rounded is None else 0
     state = _step_state(dev, 3 + n_rounds + P * -(-n_ff // KSTEP))
-    d_blocks = triton.cdiv(d_out, down_cfg.block_n)
+    d_blocks = triton.cdiv(d_out, down_rows_per_program(down_tile, down_cfg, n_ff))
     has_down_bias = w.down.bias is not None
     db = w.down.bias if has_down_bias else h
     wt = weights if weights is not None else h

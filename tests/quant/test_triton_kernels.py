@@ -297,14 +297,17 @@ def test_interpreter_h_is_rounded_a_k_step_at_a_time(qtypes, n_ff: int, split: t
 
 
 @interp
-@pytest.mark.parametrize("qtypes,n_ff", [((QT.Q4_K,) * 3, 1280), ((QT.Q5_K,) * 3, 768),
-                                         ((QT.Q4_K, QT.Q4_K, QT.Q6_K), 1280), ((QT.MXFP4,) * 3, 1440)],
-                         ids=["Q4_K", "Q5_K", "Q6_K", "MXFP4"])
-def test_interpreter_one_token_down_with_lanes_along_k(qtypes, n_ff: int) -> None:
+@pytest.mark.parametrize("qtypes,n_embd,n_ff", [
+    ((QT.Q4_K,) * 3, 256, 1280), ((QT.Q5_K,) * 3, 256, 768), ((QT.Q4_K, QT.Q4_K, QT.Q6_K), 256, 1280),
+    ((QT.MXFP4,) * 3, 256, 1440), ((QT.Q4_K,) * 3, 256, 768), ((QT.Q4_K, QT.Q4_K, QT.Q6_K), 256, 512),
+    ((QT.MXFP4,) * 3, 288, 736)], ids=["Q4_K", "Q5_K", "Q6_K", "MXFP4", "Q4_K-3", "Q6_K-2", "MXFP4-3"])
+def test_interpreter_one_token_down_with_lanes_along_k(qtypes, n_embd: int, n_ff: int) -> None:
     """down in the lanes-along-K tile ("row", _down_k4_kernel): h of five K steps (a group of four
-    and a partial one), of three, and gpt-oss's 1440 (a partial last step; biases, SWIGLU_OAI)."""
+    and a partial one), and gpt-oss's 1440 (a partial last step; biases, SWIGLU_OAI); and under four
+    steps, where each eight lanes take rows of their own: three steps, two, and a partial third over
+    288 rows (the last program's rows partly past the end)."""
     gpt_oss = qtypes[2] == QT.MXFP4
-    w = make_weights(qtypes, n_expert=5, n_embd=256, n_ff=n_ff, activation=SWIGLU_OAI if gpt_oss else SILU,
+    w = make_weights(qtypes, n_expert=5, n_embd=n_embd, n_ff=n_ff, activation=SWIGLU_OAI if gpt_oss else SILU,
                      bias=gpt_oss, seed=16)
     check_case(Case(w, n_tok=1, k=3, device="cpu", seed=10), SMALL, tk.TileConfig(64, 4), down_tile="row")
 
