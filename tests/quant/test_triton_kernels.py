@@ -654,6 +654,27 @@ def test_gpu_one_launch_step_equals_three_launches_and_replays(name: str, n_tok:
     assert not tk.step_timed_out(torch.device("cuda"))
 
 
+def check_chain_replays(chained, serial, xs: list[torch.Tensor]) -> None:
+    """chained(x) (launches that may overlap the one before) gives serial(x)'s bits (NaN and all)
+    eagerly, and captured in a graph replayed 30 times on xs in turn."""
+    def bits(x: torch.Tensor) -> torch.Tensor:
+        return x.view(torch.int32)
+
+    wants = [bits(serial(x)) for x in xs]
+    x_in = xs[0].clone()
+    assert torch.equal(bits(chained(x_in)), wants[0])
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        result = chained(x_in)
+    for i in range(30):
+        x_in.copy_(xs[i % 3])
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(bits(result), wants[i % 3]), f"replay {i}"
+
+
 @gpu
 @pytest.mark.parametrize("name", list(GPU_CASES))
 @pytest.mark.parametrize("n_tok", [1, 8])
@@ -694,23 +715,7 @@ def test_gpu_dependent_launches_give_the_serial_launches_bits(name: str, n_tok: 
             x = unit(out.sum(0))
         return x
 
-    def bits(x: torch.Tensor) -> torch.Tensor:  # NaN and all
-        return x.view(torch.int32)
-
-    xs = [case.x.clone(), -0.5 * case.x, 2.0 * case.x]
-    wants = [bits(serial(x)) for x in xs]
-    assert torch.equal(bits(chained(xs[0])), wants[0])
-    x_in = xs[0].clone()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, stream=stream):
-        result = chained(x_in)
-    for i in range(30):
-        x_in.copy_(xs[i % 3])
-        graph.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(bits(result), wants[i % 3]), f"replay {i}"
+    check_chain_replays(chained, serial, [case.x.clone(), -0.5 * case.x, 2.0 * case.x])
 
 
 OTHER_CONFIGS = [tk.TileConfig(8, 2), tk.TileConfig(16, 1), tk.TileConfig(64, 2, unroll=True),
@@ -1049,20 +1054,7 @@ def test_gpu_dependent_dense_products_read_their_rounding(qtype: QT, rows: int) 
             x = tk.dense(x, raw, qtype, K)
         return x
 
-    xs = [torch.randn(rows, K, device="cuda") for _ in range(3)]
-    wants = [serial(x) for x in xs]
-    x_in = xs[0].clone()
-    assert torch.equal(chained(x_in), wants[0])
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, stream=stream):
-        got = chained(x_in)
-    for i in range(30):
-        x_in.copy_(xs[i % 3])
-        graph.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(got, wants[i % 3]), f"replay {i}"
+    check_chain_replays(chained, serial, [torch.randn(rows, K, device="cuda") for _ in range(3)])
 
 
 @interp
