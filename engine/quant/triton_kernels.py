@@ -1340,7 +1340,7 @@ if triton is not None:
         """The row tile's sums over K steps k0 ... k1 of one weight: (w, hdr, qh, dd) are its first
         SPAN steps, loaded by the caller (which may wait for x meanwhile); each next SPAN load while
         these are used. SPAN 4: [BLOCK_N], a row a tile column; SPAN 1: [4 * BLOCK_N], rows
-        4c ... 4c + 3 in column c (the eight-lane groups' own rows, _k4_rows)."""
+        4c ... 4c + 3 in column c (the eight-lane groups' own rows, _down_row_program)."""
         acc = tl.zeros((32, BLOCK_N), tl.float32)
         for kq in range(k0, k1, SPAN):
             nw, nhdr, nqh, ndd = _k4_load(w_words, kq + SPAN, k1, g, wd, K, QW, REV, SPAN)
@@ -1683,7 +1683,7 @@ def dependent_launches(device: str) -> bool:
     weights) and wait for its end (gdc_wait) before reading its results or writing anything. So a
     launch is made dependent only where the launch before it is this step's own, and the tables
     it reads early were written before that one began: gate/up after the step's rounding of x,
-    down after gate/up (experts_forward). The kernels compiled for such a device wait and let
+    down after gate/up (experts_forward), the dense product after its rounding (dense). The kernels compiled for such a device wait and let
     their dependents start in any launch (a no-op where nothing depends)."""
     dev = torch.device(device)
     if INTERPRETED or triton is None or dev.type != "cuda":
