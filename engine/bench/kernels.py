@@ -743,21 +743,21 @@ def _dense_sweep(qw: int, rows: int) -> list:
     from engine.quant import triton_kernels as tk
 
     tile = tk.dense_tile(qw, rows)
+    default = tk.DENSE_CONFIG[tile]
     if tile == "mma":
         tiles = [tk.TileConfig(16, 4, num_stages=3), tk.TileConfig(64, 4, num_stages=3),
                  tk.TileConfig(32, 4, num_stages=2), tk.TileConfig(32, 4, num_stages=4),
                  tk.TileConfig(32, 2, num_stages=3), tk.TileConfig(64, 8, num_stages=3)]
-    elif tile == "row":
+    elif tile in ("row", "row_bf16"):
         tiles = [tk.TileConfig(4, 4), tk.TileConfig(8, 8), tk.TileConfig(16, 8), tk.TileConfig(4, 2),
                  tk.TileConfig(2, 2), tk.TileConfig(16, 4)]
-        if qw in (int(QT.F16), int(QT.BF16)):  # the K loop unrolled by Triton (DENSE16_UNROLLED)
-            tiles += [replace(tk.DENSE_CONFIG[tile], unroll=True), tk.TileConfig(16, 4, unroll=True)]
+        if qw in (int(QT.F16), int(QT.BF16)):  # the K loop unrolled by Triton (DENSE16_UNROLLED), or not
+            tiles += [replace(default, unroll=not default.unroll), tk.TileConfig(16, 4, unroll=True)]
     elif tile == "row_kquant":
         tiles = [tk.TileConfig(2, 2, programs_per_sm=1), tk.TileConfig(4, 2, programs_per_sm=1),
                  tk.TileConfig(4, 4, programs_per_sm=1), tk.TileConfig(8, 4, programs_per_sm=1)]
     else:
         tiles = _sweep_tiles()
-    default = tk.DENSE_CONFIG[tile]
     return [t for t in tiles if t != default] + [replace(default, programs_per_sm=n) for n in (1, 2, 4, 8, 16)]
 
 
