@@ -142,6 +142,11 @@ H200_SMS = 132  # the variants are compiled with the splits they take on an H200
 ONE_TOKEN_PAIRS = 8  # a decode token's expert pairs (Qwen3-30B's top-8)
 
 
+def _dependent_launches(arch: int) -> bool:
+    """The kernels' PDL constexpr on sm_`arch`, as tk.dependent_launches gives it there."""
+    return arch >= 90
+
+
 def slot_type(q: QT) -> int:
     """The kernels' type id of rows in layout.kernel_layout's layout, as engine/moe/slots.LayerSlots
     and the dense layers hold them (Q6_K padded, MXFP4 and Q8_0 planar)."""
@@ -155,7 +160,7 @@ def decode_variants(gate: QT, up: QT, down: QT, n_embd: int, n_ff: int, activati
     planar)."""
     vt = tk._vt
     rev = tk.reversed_ties(_target(arch))
-    pdl = arch >= 90  # as tk.dependent_launches compiles them there
+    pdl = _dependent_launches(arch)
     qg, qu = slot_type(gate), slot_type(up)
     gate_up = {"N": n_ff, "K": n_embd, "QG": qg, "QU": qu, "SAME_X": vt(gate) == vt(up), "VT_DOWN": vt(down),
                "ACT": activation, "HAS_BIAS": bias, "INTERP": False, "REV": rev, "PDL": pdl}
@@ -224,7 +229,7 @@ def dense_variants(qtype: QT, n_out: int, K: int, rows: int, cfg: tk.TileConfig 
     kernel, extra = tk.dense_kernel(qw, rows, cfg, _target(arch))
     return [(f"dense r{rows} s{split.split}", kernel,
              {"K": K, "QW": qw, "ROWS": rows, "SPLIT": split.split, "STEPS": split.steps, "BLOCK_N": cfg.block_n,
-              "INTERP": False, "PDL": arch >= 90, **extra}, cfg)]
+              "INTERP": False, "PDL": _dependent_launches(arch), **extra}, cfg)]
 
 
 def grouped_variants(gate: QT, up: QT, down: QT, n_embd: int, n_ff: int, activation: int = 0, bias: bool = False):

@@ -1520,13 +1520,13 @@ if triton is not None:
     # the first pairs' h is ready by the time their down programs are dispatched, which is only
     # once every gate/up program was. All take the one num_warps, and the registers of the
     # largest of them.
-    @triton.jit(do_not_specialize=["n_pairs", "steps", "n_rounds"])
+    @triton.jit(do_not_specialize=["n_pairs", "steps", "n_rounds", "d_blocks"])
     def _expert_step_kernel(x_ptr, x_stride, xg_ptr, xgq_ptr, xgd_ptr, xu_ptr, xuq_ptr, xud_ptr,
                             g_ptr, g_slot_bytes, g_row_bytes, u_ptr, u_slot_bytes, u_row_bytes,
                             gb_ptr, ub_ptr, h_ptr, hr_ptr, hq_ptr, hd_ptr, part_ptr, count_ptr,
                             d_ptr, d_slot_bytes, d_row_bytes, db_ptr, wt_ptr, wt_stride_tok,
                             out_ptr, out_stride_pos, out_stride_tok, pair_tok, pair_pos, pair_slot, pair_exp,
-                            n_pairs, split, steps, n_rounds, d_out, state_ptr, timeout_ns,
+                            n_pairs, split, steps, n_rounds, d_out, d_blocks, state_ptr, timeout_ns,
                             N: tl.constexpr, K: tl.constexpr, QG: tl.constexpr, QU: tl.constexpr, QD: tl.constexpr,
                             SAME_X: tl.constexpr, VT_G: tl.constexpr, VT_U: tl.constexpr, VT_DOWN: tl.constexpr,
                             ACT: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_DOWN_BIAS: tl.constexpr,
@@ -1535,9 +1535,9 @@ if triton is not None:
                             ROUND_X: tl.constexpr, INTERP: tl.constexpr, REV: tl.constexpr):
         """Round x (ROUND_X; else x* hold x rounded), gate/up (the row tile where ROW, else the
         quantized tile; BLOCK_G rows) and down (the row tile where DOWN_ROW, else the quantized
-        tile; BLOCK_D rows) in one grid. The arguments of the three kernels, and the step state
-        at state_ptr: epoch, programs ended, a wait timed out, x's flags [n_rounds], h's
-        [pairs, N / 256]."""
+        tile; BLOCK_D rows) in one grid. The arguments of the three kernels, down's programs a pair
+        (d_blocks: down_rows_per_program), and the step state at state_ptr: epoch, programs ended,
+        a wait timed out, x's flags [n_rounds], h's [pairs, N / 256]."""
         pid = tl.program_id(0)
         epoch = tl.load(state_ptr, volatile=True) + 1
         x_flags = state_ptr + 3
@@ -1569,10 +1569,6 @@ if triton is not None:
                                       True, ROUND_X, False)
         else:
             q = pid - n_rounds - n_gate_up
-            if DOWN_ROW:  # rows a down program covers (down_rows_per_program)
-                d_blocks = tl.cdiv(d_out, BLOCK_D if (N + 255) // 256 >= 4 else 4 * BLOCK_D)
-            else:
-                d_blocks = tl.cdiv(d_out, BLOCK_D)
             if DOWN_ROW:
                 _down_row_program(q // d_blocks, q % d_blocks, hq_ptr, hd_ptr, d_ptr, d_slot_bytes, d_row_bytes,
                                   db_ptr, wt_ptr, wt_stride_tok, out_ptr, out_stride_pos, out_stride_tok, pair_tok,
@@ -1683,8 +1679,9 @@ def dependent_launches(device: str) -> bool:
     weights) and wait for its end (gdc_wait) before reading its results or writing anything. So a
     launch is made dependent only where the launch before it is this step's own, and the tables
     it reads early were written before that one began: gate/up after the step's rounding of x,
-    down after gate/up (experts_forward), the dense product after its rounding (dense). The kernels compiled for such a device wait and let
-    their dependents start in any launch (a no-op where nothing depends)."""
+    down after gate/up (experts_forward), the dense product after its rounding (dense). The
+    kernels compiled for such a device wait and let their dependents start in any launch (a
+    no-op where nothing depends)."""
     dev = torch.device(device)
     if INTERPRETED or triton is None or dev.type != "cuda":
         return False
@@ -1890,7 +1887,8 @@ def gate_up(xg: Rounded, xu: Rounded, gate_buf: torch.Tensor, up_buf: torch.Tens
 
 def down_rows_per_program(tile: str, cfg: TileConfig, K: int) -> int:
     """Rows of the down product a program of tile `tile` (a DOWN_CONFIG key) in `cfg` covers, at
-    K values a row: the row tile under four K steps gives each eight lanes a row of their own."""
+    K values a row: the row tile under four K steps gives each eight lanes a row of their own
+    (_down_row_program's SPAN, the same rule)."""
     return cfg.block_n * 4 if tile == "row" and -(-K // KSTEP) < 4 else cfg.block_n
 
 
@@ -2068,8 +2066,8 @@ def _expert_step(x: torch.Tensor, buffers, w, pair_tok: torch.Tensor, pair_pos: 
         x, x.stride(0), xg.padded, xg.quants, xg.scales, xu.padded, xu.quants, xu.scales,
         gd, gd.stride(0), gd.stride(1), ud, ud.stride(0), ud.stride(1), *plan.tensors(w, h, hr),
         dd, dd.stride(0), dd.stride(1), db, wt, wt.stride(0), out, out.stride(0), out.stride(1),
-        pair_tok, pair_pos, pair_slot, pair_exp, P, plan.split.split, plan.split.steps, n_rounds, d_out, state,
-        STEP_WAIT_NS, N=n_ff, K=d_in, QG=plan.qg, QU=plan.qu, QD=qd,
+        pair_tok, pair_pos, pair_slot, pair_exp, P, plan.split.split, plan.split.steps, n_rounds, d_out, d_blocks,
+        state, STEP_WAIT_NS, N=n_ff, K=d_in, QG=plan.qg, QU=plan.qu, QD=qd,
         SAME_X=xg is xu, VT_G=_vt(w.gate.qtype), VT_U=_vt(w.up.qtype), VT_DOWN=_vt(w.down.qtype),
         ACT=_ACT[w.activation], HAS_BIAS=w.gate.bias is not None, HAS_DOWN_BIAS=has_down_bias,
         WEIGHTED=weights is not None, ROW=plan.tile == "row", DOWN_ROW=down_tile == "row", BLOCK_G=plan.cfg.block_n,
