@@ -718,12 +718,14 @@ def _expert_sweep(tile: str) -> list:
     from engine.quant import triton_kernels as tk
 
     if tile == "row":
-        # register caps: at its 64 registers the default (4 rows on 4 warps) fits 8 programs an SM,
-        # so one token's Qwen3 gate/up (1,536 programs) ran in 1.45 waves (Nsight Compute, H200);
-        # 40 fit them in one, at the cost of a stack (sm_90: 112 bytes for Q4_K, 208 for Q6_K)
+        # at its 64 registers the default (4 rows on 4 warps) fits 8 programs an SM, so one token's
+        # Qwen3 gate/up (1,536 programs) ran in 1.45 waves (Nsight Compute, H200). Register caps:
+        # 40 fit them in one, at the cost of a stack (sm_90: 112 bytes for Q4_K, 208 for Q6_K).
+        # Turns: 8 rows a program in two turns of 4 (sm_90: 64 registers, Q4_K and Q6_K; no stack)
+        # fit them in 0.73 of one; 16 in four (72) in 0.42
         return [tk.TileConfig(2, 1), tk.TileConfig(2, 2), tk.TileConfig(4, 2), tk.TileConfig(8, 4),
                 tk.TileConfig(8, 8), tk.TileConfig(16, 4), tk.TileConfig(4, 4, maxnreg=48),
-                tk.TileConfig(4, 4, maxnreg=40)]
+                tk.TileConfig(4, 4, maxnreg=40), tk.TileConfig(8, 4, passes=2), tk.TileConfig(16, 4, passes=4)]
     return _sweep_tiles()
 
 
@@ -763,7 +765,8 @@ def _dense_sweep(qw: int, rows: int) -> list:
 
 def cfg_name(cfg) -> str:
     return (f"bn{cfg.block_n}w{cfg.num_warps}" + (f"s{cfg.num_stages}" if cfg.num_stages > 1 else "")
-            + ("u" if cfg.unroll else "") + (f"r{cfg.maxnreg}" if cfg.maxnreg else ""))
+            + ("u" if cfg.unroll else "") + (f"r{cfg.maxnreg}" if cfg.maxnreg else "")
+            + (f"t{cfg.passes}" if cfg.passes > 1 else ""))
 
 
 def dense_line(r: dict) -> str:

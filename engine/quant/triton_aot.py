@@ -171,17 +171,17 @@ def decode_variants(gate: QT, up: QT, down: QT, n_embd: int, n_ff: int, activati
     # split a runtime argument)
     many = tk.GATE_UP_CONFIG["tile"]
     out.append(("gate_up s1", tk._gate_up_kernel, {**gate_up, "BLOCK_N": many.block_n, "UNROLL": many.unroll,
-                                                   "split": 1}, many))
+                                                   "PASSES": 1, "split": 1}, many))
     tile = tk.expert_tile(qg, qu, 1)
     one = tk.GATE_UP_CONFIG[tile]
     split = tk.SplitK.choose(ONE_TOKEN_PAIRS * -(-n_ff // one.block_n) * one.block_n, n_embd, H200_SMS, one)
     if tile == "row":
         out.append((f"gate_up row s{split.split}", tk._gate_up_k4_kernel,
-                    {**gate_up, "BLOCK_N": one.block_n, "UNROLL": False, **({"split": 1} if split.split == 1 else {})},
-                    one))
+                    {**gate_up, "BLOCK_N": one.block_n, "UNROLL": False, "PASSES": one.passes,
+                     **({"split": 1} if split.split == 1 else {})}, one))
     elif split.split > 1 and not one.unroll:
         out.append((f"gate_up s{split.split}", tk._gate_up_kernel,
-                    {**gate_up, "BLOCK_N": one.block_n, "UNROLL": one.unroll}, one))
+                    {**gate_up, "BLOCK_N": one.block_n, "UNROLL": one.unroll, "PASSES": 1}, one))
     dn = tk.DOWN_CONFIG["tile"]
     out.append(("down", tk._down_kernel,
                 {"K": n_ff, "QD": slot_type(down), "HAS_BIAS": bias, "WEIGHTED": True, "BLOCK_N": dn.block_n,
@@ -200,7 +200,8 @@ def decode_variants(gate: QT, up: QT, down: QT, n_embd: int, n_ff: int, activati
                      "SAME_X": vt(gate) == vt(up), "VT_G": vt(gate), "VT_U": vt(up), "VT_DOWN": vt(down),
                      "ACT": activation, "HAS_BIAS": bias, "HAS_DOWN_BIAS": bias, "WEIGHTED": True,
                      "ROW": tile == "row", "DOWN_ROW": down_tile == "row", "BLOCK_G": one.block_n,
-                     "BLOCK_D": step_down.block_n, "UNROLL": one.unroll, "UNROLL_DOWN": step_down.unroll,
+                     "BLOCK_D": step_down.block_n, "PASSES_G": one.passes, "UNROLL": one.unroll,
+                     "UNROLL_DOWN": step_down.unroll,
                      "ROUND_X": True, "INTERP": False, "REV": rev}, one))
     return out
 

@@ -830,15 +830,16 @@ if triton is not None:
                         pair_tok, pair_slot, pair_exp, n_pairs, split, steps,
                         N: tl.constexpr, K: tl.constexpr, QG: tl.constexpr, QU: tl.constexpr, SAME_X: tl.constexpr,
                         VT_DOWN: tl.constexpr, ACT: tl.constexpr, HAS_BIAS: tl.constexpr,
-                        BLOCK_N: tl.constexpr, UNROLL: tl.constexpr, INTERP: tl.constexpr, REV: tl.constexpr,
-                        PDL: tl.constexpr):
+                        BLOCK_N: tl.constexpr, UNROLL: tl.constexpr, PASSES: tl.constexpr, INTERP: tl.constexpr,
+                        REV: tl.constexpr, PDL: tl.constexpr):
         """Grid (pairs, N / BLOCK_N, split). x*: the rounded activations [T, K] (values, Q8_K
         quants, Q8_K scales [T, K / 256]) for the gate and the up type; h [pairs, N] and, rounded
         for the down type, hr (values), hq, hd (Q8_K quants and scales). Program (p, nb, s) takes
         K steps s * steps ... (s + 1) * steps of its rows; with split > 1 it stores its partial
         sums in part [pairs, split, 2, N] and the last program of the row block to finish (a
         semaphore per pair and row block, after the h steps' own) adds them in split order, so
-        the result does not depend on which program finishes last, then activates."""
+        the result does not depend on which program finishes last, then activates. (PASSES: 1, the
+        row tile's turns.)"""
         _gate_up_tile_program(tl.program_id(0), tl.program_id(1), tl.program_id(2), xg_ptr, xgq_ptr, xgd_ptr,
                               xu_ptr, xuq_ptr, xud_ptr, g_ptr, g_slot_bytes, g_row_bytes, u_ptr, u_slot_bytes,
                               u_row_bytes, gb_ptr, ub_ptr, h_ptr, hr_ptr, hq_ptr, hd_ptr, part_ptr, count_ptr,
@@ -1131,13 +1132,17 @@ if triton is not None:
     # quantized tile (H200, Mixtral's 4096 x 14336: 65.6 against 44.8 us, 130 against 58).
 
     @triton.jit
-    def _row_tile(w_ptr, w_row_bytes, nb, N, BLOCK_N: tl.constexpr):
+    def _row_tile(w_ptr, w_row_bytes, nb, N, BLOCK_N: tl.constexpr, PASSES: tl.constexpr = 1):
         """Row block nb of the tile [32 (g: lanes), BLOCK_N (n: weight rows), 4 (wd: words)]: its
-        index tensors and its weight rows as int32 word pointers (rows past N read row N - 1)."""
+        index tensors and its weight rows as int32 word pointers (rows past N read row N - 1).
+        Where a program takes its rows in PASSES turns of BLOCK_N (N a multiple of PASSES), turn
+        0's: rows nb * BLOCK_N * PASSES + PASSES * i (turn j's: j rows on, w_row_bytes // 4 * j
+        words; rows past N read rows N - PASSES ... N - 1)."""
         g = tl.arange(0, 32)[:, None, None]
-        n = nb * BLOCK_N + tl.arange(0, BLOCK_N)[None, :, None]
+        n = nb * BLOCK_N * PASSES + tl.arange(0, BLOCK_N)[None, :, None] * PASSES
         wd = tl.arange(0, 4)[None, None, :]
-        return g, n, wd, w_ptr.to(tl.pointer_type(tl.int32)) + tl.minimum(n, N - 1).to(tl.int64) * (w_row_bytes // 4)
+        rows = tl.minimum(n, N - PASSES).to(tl.int64)
+        return g, n, wd, w_ptr.to(tl.pointer_type(tl.int32)) + rows * (w_row_bytes // 4)
 
     @triton.jit
     def _ld3(ptr, REV: tl.constexpr, mask):
@@ -1385,9 +1390,11 @@ if triton is not None:
                              x_flags, h_flags, epoch, state_ptr, timeout_ns,
                              N: tl.constexpr, K: tl.constexpr, QG: tl.constexpr, QU: tl.constexpr,
                              SAME_X: tl.constexpr, VT_DOWN: tl.constexpr, ACT: tl.constexpr, HAS_BIAS: tl.constexpr,
-                             BLOCK_N: tl.constexpr, INTERP: tl.constexpr, REV: tl.constexpr, STEP: tl.constexpr,
-                             WAIT_X: tl.constexpr, PDL: tl.constexpr):
-        """Program (p, nb, s) of _gate_up_k4_kernel."""
+                             BLOCK_N: tl.constexpr, PASSES: tl.constexpr, INTERP: tl.constexpr, REV: tl.constexpr,
+                             STEP: tl.constexpr, WAIT_X: tl.constexpr, PDL: tl.constexpr):
+        """Program (p, nb, s) of _gate_up_k4_kernel: its BLOCK_N rows in PASSES turns (_row_tile),
+        the last steps of a turn loaded with the next turn's first (so a program's loads never
+        stop), one end for them all (_gate_up_finish: one semaphore, one h rounding)."""
         if PDL:
             gdc_launch_dependents()
         tok = tl.load(pair_tok + p).to(tl.int64)
@@ -1395,8 +1402,9 @@ if triton is not None:
         if slot_or_none < 0:  # no slot here (see _gate_up_tile_program)
             return
         slot = slot_or_none.to(tl.int64)
-        g, n, wd, g_words = _row_tile(g_ptr + slot * g_slot_bytes, g_row_bytes, nb, N, BLOCK_N)
-        _, _, _, u_words = _row_tile(u_ptr + slot * u_slot_bytes, u_row_bytes, nb, N, BLOCK_N)
+        R: tl.constexpr = BLOCK_N // PASSES
+        g, n, wd, g_words = _row_tile(g_ptr + slot * g_slot_bytes, g_row_bytes, nb, N, R, PASSES)
+        _, _, _, u_words = _row_tile(u_ptr + slot * u_slot_bytes, u_row_bytes, nb, N, R, PASSES)
         NS: tl.constexpr = (K + 255) // 256
         xgq_row = xgq_ptr + tok * (NS * 256)
         xgd_row = xgd_ptr + tok * (NS * 8)
@@ -1408,24 +1416,50 @@ if triton is not None:
             xud_row = xud_ptr + tok * (NS * 8)
         k0 = s * steps
         k1 = tl.minimum(k0 + steps, NS)
-        acc_g = tl.zeros((32, BLOCK_N), tl.float32)
-        acc_u = tl.zeros((32, BLOCK_N), tl.float32)
         gw, gh, gq, gd = _k4_load(g_words, k0, k1, g, wd, K, QG, REV, 4)  # the next four load while these are used
         uw, uh, uq, ud = _k4_load(u_words, k0, k1, g, wd, K, QU, REV, 4)
         if WAIT_X:  # the first steps' weights are on their way meanwhile
             _await(x_flags + tok * NS + k0, k1 - k0, epoch, state_ptr, timeout_ns, INTERP)
         if PDL:  # the same, while the launch before ends
             gdc_wait()
-        for kq in range(k0, k1, 4):
-            ngw, ngh, ngq, ngd = _k4_load(g_words, kq + 4, k1, g, wd, K, QG, REV, 4)
-            nuw, nuh, nuq, nud = _k4_load(u_words, kq + 4, k1, g, wd, K, QU, REV, 4)
-            acc_g += _k4_dot(gw, gh, gq, gd, xgq_row, xgd_row, kq, k1, g, n, wd, K, QG, INTERP, REV, 4)
-            acc_u += _k4_dot(uw, uh, uq, ud, xuq_row, xud_row, kq, k1, g, n, wd, K, QU, INTERP, REV, 4)
-            gw, gh, gq, gd = ngw, ngh, ngq, ngd
-            uw, uh, uq, ud = nuw, nuh, nuq, nud
-        _gate_up_finish(tl.sum(acc_g, axis=0), tl.sum(acc_u, axis=0), nb * BLOCK_N + tl.arange(0, BLOCK_N), p, nb,
-                        s, split, n_pairs, gb_ptr, ub_ptr, h_ptr, hr_ptr, hq_ptr, hd_ptr, part_ptr, count_ptr,
-                        pair_exp, h_flags, epoch, N, VT_DOWN, ACT, HAS_BIAS, BLOCK_N, INTERP, STEP)
+        if PASSES > 1:
+            turn = tl.arange(0, PASSES)[None, :]
+            sums_g = tl.zeros((R, PASSES), tl.float32)
+            sums_u = tl.zeros((R, PASSES), tl.float32)
+        for j in tl.static_range(PASSES):
+            acc_g = tl.zeros((32, R), tl.float32)
+            acc_u = tl.zeros((32, R), tl.float32)
+            for kq in range(k0, k1, 4):
+                if j + 1 < PASSES:  # after this turn's last steps, the next turn's first
+                    # (a row on in arithmetic: a selected pointer would lose its alignment, and
+                    # its loads their width)
+                    turn_on = (kq + 4 >= k1).to(tl.int64)
+                    nk = kq + 4 - turn_on * (kq + 4 - k0)
+                    ngw, ngh, ngq, ngd = _k4_load(g_words + turn_on * (g_row_bytes // 4), nk, k1, g, wd, K, QG, REV,
+                                                  4)
+                    nuw, nuh, nuq, nud = _k4_load(u_words + turn_on * (u_row_bytes // 4), nk, k1, g, wd, K, QU, REV,
+                                                  4)
+                else:
+                    ngw, ngh, ngq, ngd = _k4_load(g_words, kq + 4, k1, g, wd, K, QG, REV, 4)
+                    nuw, nuh, nuq, nud = _k4_load(u_words, kq + 4, k1, g, wd, K, QU, REV, 4)
+                acc_g += _k4_dot(gw, gh, gq, gd, xgq_row, xgd_row, kq, k1, g, n, wd, K, QG, INTERP, REV, 4)
+                acc_u += _k4_dot(uw, uh, uq, ud, xuq_row, xud_row, kq, k1, g, n, wd, K, QU, INTERP, REV, 4)
+                gw, gh, gq, gd = ngw, ngh, ngq, ngd
+                uw, uh, uq, ud = nuw, nuh, nuq, nud
+            if PASSES > 1:
+                sums_g += tl.where(turn == j, tl.sum(acc_g, axis=0)[:, None], 0.0)
+                sums_u += tl.where(turn == j, tl.sum(acc_u, axis=0)[:, None], 0.0)
+                g_words += g_row_bytes // 4
+                u_words += u_row_bytes // 4
+        if PASSES > 1:  # row i * PASSES + j of the program's: turn j's row i
+            g_sums = tl.reshape(sums_g, (BLOCK_N,))
+            u_sums = tl.reshape(sums_u, (BLOCK_N,))
+        else:
+            g_sums = tl.sum(acc_g, axis=0)
+            u_sums = tl.sum(acc_u, axis=0)
+        _gate_up_finish(g_sums, u_sums, nb * BLOCK_N + tl.arange(0, BLOCK_N), p, nb, s, split, n_pairs, gb_ptr,
+                        ub_ptr, h_ptr, hr_ptr, hq_ptr, hd_ptr, part_ptr, count_ptr, pair_exp, h_flags, epoch, N,
+                        VT_DOWN, ACT, HAS_BIAS, BLOCK_N, INTERP, STEP)
 
     @triton.jit(do_not_specialize=["n_pairs", "steps"])
     def _gate_up_k4_kernel(xg_ptr, xgq_ptr, xgd_ptr, xu_ptr, xuq_ptr, xud_ptr,
@@ -1434,16 +1468,16 @@ if triton is not None:
                            pair_tok, pair_slot, pair_exp, n_pairs, split, steps,
                            N: tl.constexpr, K: tl.constexpr, QG: tl.constexpr, QU: tl.constexpr,
                            SAME_X: tl.constexpr, VT_DOWN: tl.constexpr, ACT: tl.constexpr, HAS_BIAS: tl.constexpr,
-                           BLOCK_N: tl.constexpr, UNROLL: tl.constexpr, INTERP: tl.constexpr, REV: tl.constexpr,
-                           PDL: tl.constexpr):
+                           BLOCK_N: tl.constexpr, UNROLL: tl.constexpr, PASSES: tl.constexpr,
+                           INTERP: tl.constexpr, REV: tl.constexpr, PDL: tl.constexpr):
         """_gate_up_kernel for Q4_K, Q5_K, padded Q6_K or planar MXFP4 gate and up weights (QG, QU),
-        lanes along K (UNROLL unused)."""
+        lanes along K, a program's BLOCK_N rows in PASSES turns (UNROLL unused)."""
         _gate_up_row_program(tl.program_id(0), tl.program_id(1), tl.program_id(2), xg_ptr, xgq_ptr, xgd_ptr,
                              xu_ptr, xuq_ptr, xud_ptr, g_ptr, g_slot_bytes, g_row_bytes, u_ptr, u_slot_bytes,
                              u_row_bytes, gb_ptr, ub_ptr, h_ptr, hr_ptr, hq_ptr, hd_ptr, part_ptr, count_ptr,
                              pair_tok, pair_slot, pair_exp, n_pairs, split, steps, count_ptr, count_ptr, 0,
-                             count_ptr, 0, N, K, QG, QU, SAME_X, VT_DOWN, ACT, HAS_BIAS, BLOCK_N, INTERP, REV,
-                             False, False, PDL)
+                             count_ptr, 0, N, K, QG, QU, SAME_X, VT_DOWN, ACT, HAS_BIAS, BLOCK_N, PASSES, INTERP,
+                             REV, False, False, PDL)
 
     # down in the same tile (_down_kernel's grid, arguments and results; hr and UNROLL unused): a
     # pair's BLOCK_N rows a program over all K steps of h. The one-launch step takes it after a
@@ -1531,13 +1565,15 @@ if triton is not None:
                             SAME_X: tl.constexpr, VT_G: tl.constexpr, VT_U: tl.constexpr, VT_DOWN: tl.constexpr,
                             ACT: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_DOWN_BIAS: tl.constexpr,
                             WEIGHTED: tl.constexpr, ROW: tl.constexpr, DOWN_ROW: tl.constexpr, BLOCK_G: tl.constexpr,
-                            BLOCK_D: tl.constexpr, UNROLL: tl.constexpr, UNROLL_DOWN: tl.constexpr,
-                            ROUND_X: tl.constexpr, INTERP: tl.constexpr, REV: tl.constexpr):
+                            BLOCK_D: tl.constexpr, PASSES_G: tl.constexpr, UNROLL: tl.constexpr,
+                            UNROLL_DOWN: tl.constexpr, ROUND_X: tl.constexpr, INTERP: tl.constexpr,
+                            REV: tl.constexpr):
         """Round x (ROUND_X; else x* hold x rounded), gate/up (the row tile where ROW, else the
-        quantized tile; BLOCK_G rows) and down (the row tile where DOWN_ROW, else the quantized
-        tile; BLOCK_D rows) in one grid. The arguments of the three kernels, down's programs a pair
-        (d_blocks: down_rows_per_program), and the step state at state_ptr: epoch, programs ended,
-        a wait timed out, x's flags [n_rounds], h's [pairs, N / 256]."""
+        quantized tile; BLOCK_G rows, in PASSES_G turns in the row tile) and down (the row tile
+        where DOWN_ROW, else the quantized tile; BLOCK_D rows) in one grid. The arguments of the
+        three kernels, down's programs a pair (d_blocks: down_rows_per_program), and the step state
+        at state_ptr: epoch, programs ended, a wait timed out, x's flags [n_rounds], h's
+        [pairs, N / 256]."""
         pid = tl.program_id(0)
         epoch = tl.load(state_ptr, volatile=True) + 1
         x_flags = state_ptr + 3
@@ -1558,8 +1594,8 @@ if triton is not None:
                                      g_slot_bytes, g_row_bytes, u_ptr, u_slot_bytes, u_row_bytes, gb_ptr, ub_ptr,
                                      h_ptr, hr_ptr, hq_ptr, hd_ptr, part_ptr, count_ptr, pair_tok, pair_slot,
                                      pair_exp, n_pairs, split, steps, x_flags, h_flags, epoch, state_ptr, timeout_ns,
-                                     N, K, QG, QU, SAME_X, VT_DOWN, ACT, HAS_BIAS, BLOCK_G, INTERP, REV, True, ROUND_X,
-                                     False)
+                                     N, K, QG, QU, SAME_X, VT_DOWN, ACT, HAS_BIAS, BLOCK_G, PASSES_G, INTERP, REV,
+                                     True, ROUND_X, False)
             else:
                 _gate_up_tile_program(p, nb, s, xg_ptr, xgq_ptr, xgd_ptr, xu_ptr, xuq_ptr, xud_ptr, g_ptr,
                                       g_slot_bytes, g_row_bytes, u_ptr, u_slot_bytes, u_row_bytes, gb_ptr, ub_ptr,
@@ -1626,6 +1662,9 @@ class TileConfig:
     num_stages: int = 1  # Triton's own pipeliner: only the 16-bit tensor-core product has work for it
     programs_per_sm: int = PROGRAMS_PER_SM  # SplitK.choose's target for this tile
     maxnreg: int | None = None  # registers a thread may take (None: as many as ptxas wants), for occupancy
+    # gate/up's row tile: a program takes its block_n rows in this many turns of block_n / passes
+    # (rows per program against registers: the turns share them)
+    passes: int = 1
 
 
 # The expert kernels' tiles and their defaults. gate/up takes one of two (expert_tile picks):
@@ -1833,6 +1872,9 @@ class _GateUpPlan:
         cfg = cfg or GATE_UP_CONFIG[tile]
         if KSTEP % cfg.block_n:
             raise ValueError(f"gate/up tiles of {cfg.block_n} rows: a tile's rows must divide a K step's {KSTEP}")
+        if cfg.passes > 1 and (tile != "row" or cfg.block_n % cfg.passes or n_ff % cfg.passes):
+            raise ValueError(f"gate/up in {cfg.passes} turns: only the row tile takes turns, of rows that divide "
+                             f"its {cfg.block_n} and the experts' {n_ff} ({tile} tile asked)")
         blocks = triton.cdiv(n_ff, cfg.block_n)
         if split is None:
             split = SplitK.choose(n_pairs * blocks * cfg.block_n, d_in, sm_count(str(device)), cfg)
@@ -1880,8 +1922,8 @@ def gate_up(xg: Rounded, xu: Rounded, gate_buf: torch.Tensor, up_buf: torch.Tens
         gate_buf, gate_buf.stride(0), gate_buf.stride(1), up_buf, up_buf.stride(0), up_buf.stride(1),
         *plan.tensors(w, h, hr), pair_tok, pair_slot, pair_exp, P, plan.split.split, plan.split.steps,
         N=n_ff, K=d_in, QG=plan.qg, QU=plan.qu, SAME_X=xg is xu, VT_DOWN=_vt(w.down.qtype), ACT=_ACT[w.activation],
-        HAS_BIAS=w.gate.bias is not None, BLOCK_N=plan.cfg.block_n, UNROLL=plan.cfg.unroll, INTERP=INTERPRETED,
-        REV=reversed_ties(), PDL=pdl, **_launch_opts(plan.cfg, dependent and pdl))
+        HAS_BIAS=w.gate.bias is not None, BLOCK_N=plan.cfg.block_n, UNROLL=plan.cfg.unroll, PASSES=plan.cfg.passes,
+        INTERP=INTERPRETED, REV=reversed_ties(), PDL=pdl, **_launch_opts(plan.cfg, dependent and pdl))
     return h, hr
 
 
@@ -2071,7 +2113,7 @@ def _expert_step(x: torch.Tensor, buffers, w, pair_tok: torch.Tensor, pair_pos: 
         SAME_X=xg is xu, VT_G=_vt(w.gate.qtype), VT_U=_vt(w.up.qtype), VT_DOWN=_vt(w.down.qtype),
         ACT=_ACT[w.activation], HAS_BIAS=w.gate.bias is not None, HAS_DOWN_BIAS=has_down_bias,
         WEIGHTED=weights is not None, ROW=plan.tile == "row", DOWN_ROW=down_tile == "row", BLOCK_G=plan.cfg.block_n,
-        BLOCK_D=down_cfg.block_n,
+        BLOCK_D=down_cfg.block_n, PASSES_G=plan.cfg.passes,
         UNROLL=plan.cfg.unroll, UNROLL_DOWN=down_cfg.unroll, ROUND_X=rounded is None, INTERP=INTERPRETED,
         REV=reversed_ties(), **_launch_opts(plan.cfg))
 

@@ -285,6 +285,45 @@ def test_interpreter_one_token_gpt_oss_gate_up_with_lanes_along_k(split: tk.Spli
 
 
 @interp
+@pytest.mark.parametrize("qtypes,n_embd,n_ff,cfg,split", [
+    ((QT.Q4_K,) * 3, 1280, 256, tk.TileConfig(64, 4, passes=2), None),
+    ((QT.Q6_K,) * 3, 768, 256, tk.TileConfig(64, 4, passes=4), tk.SplitK(2, 2)),
+    ((QT.MXFP4,) * 3, 1440, 192, tk.TileConfig(128, 4, passes=2), None)], ids=["Q4_K-2", "Q6_K-4-split", "gpt-oss-2"])
+def test_interpreter_gate_up_rows_in_turns(qtypes, n_embd: int, n_ff: int, cfg: tk.TileConfig,
+                                           split: tk.SplitK | None) -> None:
+    """The row tile's rows taken in turns (each turn's last K steps loaded with the next turn's
+    first) give the reference's h, rounded bit-exactly, and the bits of the same rows at once: five
+    K steps (a group and a partial one), three split in slices of 2 and 1, gpt-oss's partial last
+    step and biases, and a last row block partly past the end (192 rows in blocks of 128)."""
+    gpt_oss = qtypes[0] == QT.MXFP4
+    w = make_weights(qtypes, n_expert=5, n_embd=n_embd, n_ff=n_ff, activation=SWIGLU_OAI if gpt_oss else SILU,
+                     bias=gpt_oss, seed=17)
+    check_turns(Case(w, n_tok=1, k=2, device="cpu", seed=11), cfg, SMALL, split)
+
+
+def check_turns(case: Case, cfg: tk.TileConfig, down_cfg: tk.TileConfig, split: tk.SplitK | None = None) -> None:
+    """gate/up's row tile with its rows in turns (cfg.passes) against the reference, and bit for bit
+    against the same rows at once."""
+    check_case(case, cfg, down_cfg, whole=False, split=split)
+    w = case.w
+    xg, xu = tk.round_inputs(case.x, w)
+    at_once = replace(cfg, passes=1)
+    h, hr = tk.gate_up(xg, xu, case.buffers[0], case.buffers[1], w, case.tok, case.slot, case.exp, cfg, split)
+    h1, hr1 = tk.gate_up(xg, xu, case.buffers[0], case.buffers[1], w, case.tok, case.slot, case.exp, at_once, split)
+    assert torch.equal(h, h1) and torch.equal(hr.padded, hr1.padded) and torch.equal(hr.quants, hr1.quants)
+
+
+def test_only_the_row_tile_takes_turns_of_whole_rows() -> None:
+    w = make_weights((QT.MXFP4,) * 3, n_expert=2, n_embd=256, n_ff=96, seed=1)
+    case = Case(w, n_tok=1, k=1, device="cpu")
+    # two tokens take the quantized tile; 96 rows are no whole number of turns of 64
+    for cfg, tokens in ((tk.TileConfig(64, 4, passes=2), 2), (tk.TileConfig(64, 4, passes=64), 1)):
+        x = tk.Rounded.empty(tokens, 256, torch.device("cpu"))  # refused before any launch
+        with pytest.raises(ValueError, match="turns"):
+            tk.gate_up(x, x, case.buffers[0], case.buffers[1], case.w, case.tok, case.slot, case.exp, cfg)
+
+
+@interp
 @pytest.mark.parametrize("qtypes,n_ff,split", [((QT.Q4_K,) * 3, 768, None),
                                               ((QT.Q8_0, QT.Q8_0, QT.MXFP4), 640, tk.SplitK(2, 1))],
                          ids=["Q4_K", "MXFP4-down-split"])
@@ -390,10 +429,10 @@ def test_interpreter_pairs_without_a_slot_do_nothing_and_a_second_launch_fills_t
 
 
 ONE_LAUNCH_CASES = {
-    # one token, lanes along K, x rounded for gate and up apart, split over K, h of two K steps;
-    # down in the quantized tile
-    "row Q6_K-MXFP4-Q4_K": ((QT.Q6_K, QT.MXFP4, QT.Q4_K), 1280, 512, 1, tk.TileConfig(64, 4), tk.SplitK(2, 3),
-                            "tile", SMALL),
+    # one token, lanes along K (rows in two turns), x rounded for gate and up apart, split over K,
+    # h of two K steps; down in the quantized tile
+    "row Q6_K-MXFP4-Q4_K": ((QT.Q6_K, QT.MXFP4, QT.Q4_K), 1280, 512, 1, tk.TileConfig(64, 4, passes=2),
+                            tk.SplitK(2, 3), "tile", SMALL),
     # gpt-oss: a partial last K step, biases, SWIGLU_OAI; down in the row tile (step_down_tile's here)
     "row gpt-oss": ((QT.MXFP4,) * 3, 1440, 192, 1, tk.TileConfig(64, 4), None, "row", tk.TileConfig(64, 4)),
     # two tokens in the quantized tile, split; the MXFP4 down's h a partial third K step
@@ -745,6 +784,19 @@ def test_gpu_other_row_tiles(cfg: tk.TileConfig, qtype: QT) -> None:
     w = make_weights((qtype,) * 3, n_expert=16, n_embd=K, n_ff=768, seed=8)
     check_case(Case(w, n_tok=1, k=8, device="cuda", seed=8), cfg)
     check_dense(qtype, n_out=4096, K=K, rows=1, device="cuda", cfg=cfg, laid_out=True)
+
+
+@gpu
+@pytest.mark.parametrize("cfg", [tk.TileConfig(8, 4, passes=2), tk.TileConfig(16, 4, passes=4)],
+                         ids=lambda c: f"bn{c.block_n}w{c.num_warps}t{c.passes}")
+@pytest.mark.parametrize("qtype", [QT.Q4_K, QT.Q5_K, QT.Q6_K, QT.MXFP4], ids=lambda t: t.name)
+def test_gpu_gate_up_rows_in_turns(cfg: tk.TileConfig, qtype: QT) -> None:
+    """One token's gate/up with its rows in turns, as the benchmark sweeps it (MXFP4 at gpt-oss's
+    K = 2880: a partial last K step)."""
+    _needs_compiled()
+    K = 2880 if qtype == QT.MXFP4 else 2048
+    w = make_weights((qtype,) * 3, n_expert=16, n_embd=K, n_ff=768, seed=8)
+    check_turns(Case(w, n_tok=1, k=8, device="cuda", seed=8), cfg, None)
 
 
 # ------------------------------------------------------------------------------ the hybrid hook
