@@ -331,6 +331,11 @@ def bench_experts(name: str, sc: ExpertScenario, rows: list[int], dev: torch.dev
                                             copy)})
             best = min(row["sweep"], key=lambda r: r["us"])
             print(f"       sweep best {best['config']}: {best['us']} us {best['GBps']} GB/s", flush=True)
+            if "row" in down_tiles:  # the three launches with down in the row tile (its weights before its wait)
+                run_row = [lambda s=s: tk.experts_forward(s.x, layer.buffers, w, s.tok, s.pos, s.slot, s.exp,
+                                                          s.weights, s.out, down_tile="row") for s in steps]
+                row["step_down_row"] = rate(nbytes, graph_us(run_row, replays), copy)
+                print(f"       down row in the step: {row['step_down_row']['us']} us", flush=True)
             default = tk.GATE_UP_CONFIG[tile]
             variants = [(replace(default, maxnreg=n), d) for d in down_tiles for n in ONE_LAUNCH_MAXNREG]
             row["one_launch_sweep"] = [

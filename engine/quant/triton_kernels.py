@@ -1351,6 +1351,11 @@ if triton is not None:
             nw, nhdr, nqh, ndd = _k4_load(w_words, kq + SPAN, k1, g, wd, K, QW, REV, SPAN)
             acc += _k4_dot(w, hdr, qh, dd, xq_ptr, xd_ptr, kq, k1, g, n, wd, K, QW, INTERP, REV, SPAN)
             w, hdr, qh, dd = nw, nhdr, nqh, ndd
+        return _k4_rows(acc, BLOCK_N, SPAN)
+
+    @triton.jit
+    def _k4_rows(acc, BLOCK_N: tl.constexpr, SPAN: tl.constexpr):
+        """The row tile's per-lane sums acc [32, BLOCK_N] added up per row (see _k4_sums)."""
         if SPAN == 4:
             y = tl.sum(acc, axis=0)
         else:
@@ -1515,11 +1520,26 @@ if triton is not None:
         xq_row = hq_ptr + p64 * (NS * 256)
         xd_row = hd_ptr + p64 * (NS * 8)
         w, hdr, qh, dd = _k4_load(d_words, 0, NS, g, wd, K, QD, REV, SPAN)
+        if SPAN == 1:  # under four K steps every step's weights are on their way before the wait
+            if NS > 1:
+                w1, hdr1, qh1, dd1 = _k4_load(d_words, 1, NS, g, wd, K, QD, REV, SPAN)
+            if NS > 2:
+                w2, hdr2, qh2, dd2 = _k4_load(d_words, 2, NS, g, wd, K, QD, REV, SPAN)
         if STEP:  # the first steps' weights are on their way meanwhile
             _await(h_flags + p * NS, NS, epoch, state_ptr, timeout_ns, INTERP)
         if PDL:  # the same, while the launch before ends
             gdc_wait()
-        y = _k4_sums(w, hdr, qh, dd, d_words, xq_row, xd_row, 0, NS, g, n, wd, K, QD, BLOCK_N, INTERP, REV, SPAN)
+        if SPAN == 1:  # _k4_sums' order: step 0, 1, 2
+            acc = tl.zeros((32, BLOCK_N), tl.float32)
+            acc += _k4_dot(w, hdr, qh, dd, xq_row, xd_row, 0, NS, g, n, wd, K, QD, INTERP, REV, SPAN)
+            if NS > 1:
+                acc += _k4_dot(w1, hdr1, qh1, dd1, xq_row, xd_row, 1, NS, g, n, wd, K, QD, INTERP, REV, SPAN)
+            if NS > 2:
+                acc += _k4_dot(w2, hdr2, qh2, dd2, xq_row, xd_row, 2, NS, g, n, wd, K, QD, INTERP, REV, SPAN)
+            y = _k4_rows(acc, BLOCK_N, SPAN)
+        else:
+            y = _k4_sums(w, hdr, qh, dd, d_words, xq_row, xd_row, 0, NS, g, n, wd, K, QD, BLOCK_N, INTERP, REV,
+                         SPAN)
         _down_store(y, nb * ROWS + tl.arange(0, ROWS), p, db_ptr, wt_ptr, wt_stride_tok,
                     out_ptr, out_stride_pos, out_stride_tok, pair_tok, pair_pos, pair_exp, N, HAS_BIAS, WEIGHTED)
 
