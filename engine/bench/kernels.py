@@ -331,11 +331,13 @@ def bench_experts(name: str, sc: ExpertScenario, rows: list[int], dev: torch.dev
                                             copy)})
             best = min(row["sweep"], key=lambda r: r["us"])
             print(f"       sweep best {best['config']}: {best['us']} us {best['GBps']} GB/s", flush=True)
-            if "row" in down_tiles:  # the three launches with down in the row tile (its weights before its wait)
-                run_row = [lambda s=s: tk.experts_forward(s.x, layer.buffers, w, s.tok, s.pos, s.slot, s.exp,
-                                                          s.weights, s.out, down_tile="row") for s in steps]
-                row["step_down_row"] = rate(nbytes, graph_us(run_row, replays), copy)
-                print(f"       down row in the step: {row['step_down_row']['us']} us", flush=True)
+            if t == 1:
+                row["step_tiles"] = {name: rate(nbytes, graph_us(
+                    [lambda s=s, kw=kw: tk.experts_forward(s.x, layer.buffers, w, s.tok, s.pos, s.slot, s.exp,
+                                                           s.weights, s.out, **kw) for s in steps], replays), copy)
+                    for name, kw in _row_tile_steps(tile, qg, qu, qd).items()}
+                print("       the step in row tiles: " + ", ".join(f"{k} {r['us']} us"
+                                                                   for k, r in row["step_tiles"].items()), flush=True)
             default = tk.GATE_UP_CONFIG[tile]
             variants = [(replace(default, maxnreg=n), d) for d in down_tiles for n in ONE_LAUNCH_MAXNREG]
             row["one_launch_sweep"] = [
@@ -348,6 +350,23 @@ def bench_experts(name: str, sc: ExpertScenario, rows: list[int], dev: torch.dev
     del layer
     torch.cuda.empty_cache()
     return out
+
+
+def _row_tile_steps(tile: str, qg: int, qu: int, qd: int) -> dict[str, dict]:
+    """experts_forward's tile arguments for one token's step in the lanes-along-K tiles where they
+    read the weights but are not the default: gate/up (planar Q8_0's), down (whose weights all load
+    before its dependent launch waits), both."""
+    from engine.quant import triton_kernels as tk
+
+    steps = {}
+    gate_up = tile != "row" and qg in tk.ROW_TILE_TYPES and qu in tk.ROW_TILE_TYPES
+    if gate_up:
+        steps["gate/up row"] = {"gate_up_tile": "row"}
+    if qd in tk.ROW_TILE_TYPES:
+        steps["down row"] = {"down_tile": "row"}
+        if gate_up:
+            steps["gate/up row, down row"] = {"gate_up_tile": "row", "down_tile": "row"}
+    return steps
 
 
 # --sweep's register caps for the one-launch step (occupancy against spills; sm_90 compiles, one token: 48-72
@@ -407,7 +426,7 @@ def expert_step_launches(layer: ExpertLayer, steps: list[ExpertStep], replays: i
                                    for r, s in zip(rounded, steps)], replays), 2),
         "down": down("tile")}
     qd = tk.kernel_type(w.down.qtype, layer.buffers[2], w.down.shape[2])
-    if steps[0].x.shape[0] == 1 and qd in tk.K_QUANT_ROWS:
+    if steps[0].x.shape[0] == 1 and qd in tk.ROW_TILE_TYPES:
         s = steps[0]
         want = s.out.clone()  # the quantized tile's, from the last replay
         tk.down(hrs[0], layer.buffers[2], w, s.tok, s.pos, s.slot, s.exp, s.weights, s.out, tile="row")

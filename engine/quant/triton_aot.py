@@ -182,11 +182,15 @@ def decode_variants(gate: QT, up: QT, down: QT, n_embd: int, n_ff: int, activati
     elif split.split > 1 and not one.unroll:
         out.append((f"gate_up s{split.split}", tk._gate_up_kernel,
                     {**gate_up, "BLOCK_N": one.block_n, "UNROLL": one.unroll, "PASSES": 1}, one))
+    if tile != "row" and qg in tk.ROW_TILE_TYPES and qu in tk.ROW_TILE_TYPES:  # the row tile where asked
+        row = tk.GATE_UP_CONFIG["row"]
+        out.append(("gate_up row asked", tk._gate_up_k4_kernel,
+                    {**gate_up, "BLOCK_N": row.block_n, "UNROLL": False, "PASSES": row.passes, "split": 1}, row))
     dn = tk.DOWN_CONFIG["tile"]
     out.append(("down", tk._down_kernel,
                 {"K": n_ff, "QD": slot_type(down), "HAS_BIAS": bias, "WEIGHTED": True, "BLOCK_N": dn.block_n,
                  "UNROLL": dn.unroll, "INTERP": False, "REV": rev, "PDL": pdl}, dn))
-    if slot_type(down) in tk.K_QUANT_ROWS:  # down in the lanes-along-K tile (timed beside the default)
+    if slot_type(down) in tk.ROW_TILE_TYPES:  # down in the lanes-along-K tile (timed beside the default)
         row = tk.DOWN_CONFIG["row"]
         out.append(("down row", tk._down_k4_kernel,
                     {"K": n_ff, "QD": slot_type(down), "HAS_BIAS": bias, "WEIGHTED": True, "BLOCK_N": row.block_n,

@@ -1237,9 +1237,10 @@ if triton is not None:
     def _k4_load(w_words, kq, k1, g, wd, K: tl.constexpr, QW: tl.constexpr, REV: tl.constexpr,
                  SPAN: tl.constexpr):
         """Steps kq ... kq + SPAN - 1 (those from k1 on masked): the lanes' quant words, their header
-        runs (MXFP4: scale runs), their runs of high bits (Q5_K, Q6_K) and Q6_K's run holding d
-        (unused ones repeat the quant words). SPAN 4: a warp's eight-lane groups take four steps
-        of one row; SPAN 1: one step each, of their own rows (w_words says which)."""
+        runs (MXFP4, Q8_0: scale runs), their runs of high bits (Q5_K, Q6_K; Q8_0: a block's
+        quants 16-31) and Q6_K's run holding d (unused ones repeat the quant words). SPAN 4: a
+        warp's eight-lane groups take four steps of one row; SPAN 1: one step each, of their own
+        rows (w_words says which)."""
         NS: tl.constexpr = (K + 255) // 256
         lane = g if SPAN == 4 else g % 8
         if QW == _MXFP4_PLANAR:  # qs[16] of every block | their e8m0 scales, zero-padded (layout.planar)
@@ -1249,6 +1250,13 @@ if triton is not None:
             w = _ld3(w_words + tl.minimum(blk, NB - 1) * 4 + wd, REV, live)
             hdr = _ld3(w_words + NB * 4 + (blk // 16) * 4 + wd, REV, live)
             return w, hdr, w, w
+        if QW == _Q8_0_PLANAR:  # qs[32] of every block | their f16 scales, zero-padded: a lane a block
+            NB8: tl.constexpr = K // 32
+            blk = kq * 8 + lane
+            live = (blk < k1 * 8) & (blk < NB8) & (wd >= 0)
+            qs = w_words + tl.minimum(blk, NB8 - 1) * 8 + wd
+            hdr = _ld3(w_words + NB8 * 8 + (blk // 8) * 4 + wd, REV, live)  # the run of the step's 8 scales
+            return _ld3(qs, REV, live), hdr, _ld3(qs + 4, REV, live), hdr
         blk = kq + lane // 8
         live = (blk < k1) & (wd >= 0)
         if QW == _Q4_K:  # d, dmin | scales[12] | qs[128]
@@ -1286,6 +1294,20 @@ if triton is not None:
             e = _run_byte(hdr, wd, (kq * 8 + lane) % 16, b2 % 16)
             dw = tl.where(e < 2, 0x00200000 << e, (e - 1) << 23).to(tl.float32, bitcast=True)
             # Q8_0's scale of the block: word blk % 4 of a run of 4
+            run = _ld3(xd_ptr.to(tl.pointer_type(tl.int32)) + blk // 4 * 4 + wd, REV, live)
+            dx = tl.sum(tl.where(wd == blk % 4, run, 0), axis=2).to(tl.float32, bitcast=True)
+            return (dw * dx) * sw.to(tl.float32)
+        if QW == _Q8_0_PLANAR:  # a lane's block: quants 0-15 in w, 16-31 in qh; Q8_0 activations
+            NB8: tl.constexpr = K // 32
+            blk = kq * 8 + lane + n * 0 + wd * 0
+            live = (blk < k1 * 8) & (blk < NB8)
+            xw = xq_ptr.to(tl.pointer_type(tl.int32)) + blk * 8 + wd
+            sw = tl.sum(_dp4a(w, _ld3(xw, REV, live), INTERP, True) + _dp4a(qh, _ld3(xw + 4, REV, live), INTERP, True),
+                        axis=2)
+            # block b of the run of 8 scales: half b % 2 of word b // 2
+            b2 = (kq * 8 + lane2) % 8
+            word = tl.sum(tl.where(wd == (kq * 8 + lane) % 8 // 2, hdr, 0), axis=2)
+            dw = _f16_bits((word >> (b2 % 2 * 16)) & 0xFFFF)
             run = _ld3(xd_ptr.to(tl.pointer_type(tl.int32)) + blk // 4 * 4 + wd, REV, live)
             dx = tl.sum(tl.where(wd == blk % 4, run, 0), axis=2).to(tl.float32, bitcast=True)
             return (dw * dx) * sw.to(tl.float32)
@@ -1475,7 +1497,7 @@ if triton is not None:
                            SAME_X: tl.constexpr, VT_DOWN: tl.constexpr, ACT: tl.constexpr, HAS_BIAS: tl.constexpr,
                            BLOCK_N: tl.constexpr, UNROLL: tl.constexpr, PASSES: tl.constexpr,
                            INTERP: tl.constexpr, REV: tl.constexpr, PDL: tl.constexpr):
-        """_gate_up_kernel for Q4_K, Q5_K, padded Q6_K or planar MXFP4 gate and up weights (QG, QU),
+        """_gate_up_kernel for Q4_K, Q5_K, padded Q6_K, planar MXFP4 or Q8_0 gate and up weights (QG, QU),
         lanes along K, a program's BLOCK_N rows in PASSES turns (UNROLL unused)."""
         _gate_up_row_program(tl.program_id(0), tl.program_id(1), tl.program_id(2), xg_ptr, xgq_ptr, xgd_ptr,
                              xu_ptr, xuq_ptr, xud_ptr, g_ptr, g_slot_bytes, g_row_bytes, u_ptr, u_slot_bytes,
@@ -1549,7 +1571,7 @@ if triton is not None:
                         K: tl.constexpr, QD: tl.constexpr, HAS_BIAS: tl.constexpr, WEIGHTED: tl.constexpr,
                         BLOCK_N: tl.constexpr, UNROLL: tl.constexpr, INTERP: tl.constexpr, REV: tl.constexpr,
                         PDL: tl.constexpr):
-        """_down_kernel for Q4_K, Q5_K, padded Q6_K or planar MXFP4 down weights (QD), lanes along K."""
+        """_down_kernel for Q4_K, Q5_K, padded Q6_K, planar MXFP4 or Q8_0 down weights (QD), lanes along K."""
         _down_row_program(tl.program_id(0), tl.program_id(1), hq_ptr, hd_ptr, d_ptr, d_slot_bytes, d_row_bytes,
                           db_ptr, wt_ptr, wt_stride_tok, out_ptr, out_stride_pos, out_stride_tok, pair_tok, pair_pos,
                           pair_slot, pair_exp, N, pair_slot, 0, pair_slot, 0, K, QD, HAS_BIAS, WEIGHTED, BLOCK_N,
@@ -1692,7 +1714,7 @@ class TileConfig:
 #   "row"   Q4_K / Q5_K / padded Q6_K / planar MXFP4 gate and up at one token: a warp's lanes
 #           along each weight row, four K steps an access (_gate_up_k4_kernel; BLOCK_N rows on
 #           num_warps warps). At 2 and 8 tokens the tile was faster (H200: 17.4 / 44.6 against
-#           17.9 / 51.4 us, Qwen3 Q4_K).
+#           17.9 / 51.4 us, Qwen3 Q4_K). It reads planar Q8_0 too, taken where asked (ROW_GATE_UP_TYPES).
 # The down kernel takes the quantized tile. That tile puts two lanes on a row and 16 rows on a
 # warp, so BLOCK_N = 16 x num_warps gives each lane pair one row; 2 warps and 32 rows keep enough
 # programs for decode (Qwen3-30B: 8 pairs x 24 of them for gate/up); BLOCK_N = 32 x num_warps
@@ -1703,13 +1725,16 @@ GATE_UP_CONFIG: dict[str, TileConfig] = {"tile": TileConfig(32, 2), "row": TileC
 # the one-launch step after a "row" gate/up (step_down_tile)
 DOWN_CONFIG: dict[str, TileConfig] = {"tile": TileConfig(32, 2), "row": TileConfig(4, 4)}
 # the types the lanes-along-K kernels read (_dense_k4_kernel, _gate_up_k4_kernel, _down_k4_kernel)
-K_QUANT_ROWS = (int(QT.Q4_K), int(QT.Q5_K), Q6_K_PADDED, MXFP4_PLANAR)
+ROW_TILE_TYPES = (int(QT.Q4_K), int(QT.Q5_K), Q6_K_PADDED, MXFP4_PLANAR, Q8_0_PLANAR)
+# those whose gate/up takes the row tile at one token by default (expert_tile); planar Q8_0's row
+# tile is not yet timed against its quantized one (experts_forward(gate_up_tile="row") asks for it)
+ROW_GATE_UP_TYPES = (int(QT.Q4_K), int(QT.Q5_K), Q6_K_PADDED, MXFP4_PLANAR)
 
 
 def expert_tile(qg: int, qu: int, tokens: int) -> str:
     """The tile (a GATE_UP_CONFIG key) of a gate/up launch over `tokens` tokens' pairs and
     weights of kernel types `qg`, `qu` (kernel_type)."""
-    return "row" if tokens == 1 and qg in K_QUANT_ROWS and qu in K_QUANT_ROWS else "tile"
+    return "row" if tokens == 1 and qg in ROW_GATE_UP_TYPES and qu in ROW_GATE_UP_TYPES else "tile"
 
 _ACT = {"silu": 0, "swiglu_oai": 1}
 
@@ -1885,10 +1910,13 @@ class _GateUpPlan:
 
     @classmethod
     def make(cls, w, gate_buf, up_buf, tokens: int, n_pairs: int, device: torch.device,
-             cfg: TileConfig | None, split: SplitK | None) -> "_GateUpPlan":
+             cfg: TileConfig | None, split: SplitK | None, tile: str | None = None) -> "_GateUpPlan":
         n_ff, d_in = w.gate.shape[1], w.gate.shape[2]
         qg, qu = kernel_type(w.gate.qtype, gate_buf, d_in), kernel_type(w.up.qtype, up_buf, d_in)
-        tile = expert_tile(qg, qu, tokens)
+        tile = tile or expert_tile(qg, qu, tokens)
+        if tile == "row" and not (qg in ROW_TILE_TYPES and qu in ROW_TILE_TYPES):
+            raise ValueError(f"the row tile of gate/up reads Q4_K, Q5_K, padded Q6_K, planar MXFP4 and planar Q8_0, "
+                             f"not {w.gate.qtype.name} / {w.up.qtype.name} in the layout given")
         cfg = cfg or GATE_UP_CONFIG[tile]
         if KSTEP % cfg.block_n:
             raise ValueError(f"gate/up tiles of {cfg.block_n} rows: a tile's rows must divide a K step's {KSTEP}")
@@ -1920,13 +1948,14 @@ class _GateUpPlan:
 def gate_up(xg: Rounded, xu: Rounded, gate_buf: torch.Tensor, up_buf: torch.Tensor, w,
             pair_tok: torch.Tensor, pair_slot: torch.Tensor, pair_exp: torch.Tensor,
             cfg: TileConfig | None = None, split: SplitK | None = None,
-            dependent: bool = False) -> tuple[torch.Tensor, Rounded]:
+            dependent: bool = False, tile: str | None = None) -> tuple[torch.Tensor, Rounded]:
     """h [pairs, n_ff] = act(x[tok] . gate[slot] (+bias), x[tok] . up[slot] (+bias)), and h
     rounded for the down weights. xg, xu: the token rows rounded (round_rows) for the gate and
     the up type (pass the same object when the two round alike). `split` over K defaults to
     SplitK.choose for the launch's row blocks on this device (a few pairs, one token's,
     would leave most SMs idle). `dependent`: launched as a programmatic dependent where the
-    device has them, only right after the rounding of xg, xu (dependent_launches says why)."""
+    device has them, only right after the rounding of xg, xu (dependent_launches says why).
+    `tile`: a GATE_UP_CONFIG key, by default expert_tile's ("row" takes ROW_TILE_TYPES only)."""
     n_ff, d_in = w.gate.shape[1], w.gate.shape[2]
     P = pair_tok.numel()
     h = torch.empty((P, n_ff), dtype=torch.float32, device=xg.values.device)
@@ -1934,7 +1963,7 @@ def gate_up(xg: Rounded, xu: Rounded, gate_buf: torch.Tensor, up_buf: torch.Tens
     if P == 0:
         return h, hr
     assert xg.values.shape[1] == d_in
-    plan = _GateUpPlan.make(w, gate_buf, up_buf, xg.padded.shape[0], P, h.device, cfg, split)
+    plan = _GateUpPlan.make(w, gate_buf, up_buf, xg.padded.shape[0], P, h.device, cfg, split, tile)
     kernel = _gate_up_k4_kernel if plan.tile == "row" else _gate_up_kernel
     pdl = dependent_launches(str(h.device))
     kernel[(P, plan.blocks, plan.split.split)](
@@ -1957,9 +1986,9 @@ def down_rows_per_program(tile: str, cfg: TileConfig, K: int) -> int:
 def _down_type(w, down_buf: torch.Tensor, tile: str) -> int:
     """The kernel type of down's weights, which down's `tile` must read."""
     qd = kernel_type(w.down.qtype, down_buf, w.down.shape[2])
-    if tile == "row" and qd not in K_QUANT_ROWS:
-        raise ValueError(f"the row tile of down reads Q4_K, Q5_K, padded Q6_K and planar MXFP4, "
-                         f"not {w.down.qtype.name}")
+    if tile == "row" and qd not in ROW_TILE_TYPES:
+        raise ValueError(f"the row tile of down reads Q4_K, Q5_K, padded Q6_K, planar MXFP4 and planar Q8_0, "
+                         f"not {w.down.qtype.name} in the layout given")
     return qd
 
 
@@ -2010,11 +2039,12 @@ def experts_forward(x: torch.Tensor, buffers, w, pair_tok: torch.Tensor, pair_po
                     out: torch.Tensor, gate_up_cfg: TileConfig | None = None,
                     down_cfg: TileConfig | None = None, gate_up_split: SplitK | None = None,
                     rounded: tuple[Rounded, Rounded] | None = None, one_launch: bool = False,
-                    down_tile: str | None = None) -> None:
+                    down_tile: str | None = None, gate_up_tile: str | None = None) -> None:
     """Every pair's expert output, weighted, into out[pos, tok, :]: three launches in all
     (round x, unless `rounded` holds round_inputs(x, w) already; gate/up + activation + round h;
     down), or with `one_launch` the same programs in one grid (_expert_step_kernel; bit for bit
     the three launches' result with the same down tile, so the form changes how, not what).
+    `gate_up_tile`: a GATE_UP_CONFIG key, by default expert_tile's pick for the launch.
     `down_tile`: a DOWN_CONFIG key, by default the quantized tile ("tile"); in one launch at
     gate/up's num_warps (down_cfg must take those; step_down_tile names the tile that keeps the
     grid at gate/up's registers). A pair whose slot is negative does nothing. Where the device
@@ -2029,11 +2059,11 @@ def experts_forward(x: torch.Tensor, buffers, w, pair_tok: torch.Tensor, pair_po
         return
     if one_launch:
         _expert_step(x, buffers, w, pair_tok, pair_pos, pair_slot, pair_exp, weights, out, gate_up_cfg, down_cfg,
-                     gate_up_split, rounded, down_tile)
+                     gate_up_split, rounded, down_tile, gate_up_tile)
         return
     xg, xu = rounded or round_inputs(x, w)
     _, hr = gate_up(xg, xu, buffers[0], buffers[1], w, pair_tok, pair_slot, pair_exp, gate_up_cfg, gate_up_split,
-                    dependent=rounded is None)
+                    dependent=rounded is None, tile=gate_up_tile)
     down(hr, buffers[2], w, pair_tok, pair_pos, pair_slot, pair_exp, weights, out, down_cfg, down_tile or "tile",
          dependent=True)
 
@@ -2085,7 +2115,7 @@ def step_down_tile(gate_up_tile: str, qd: int) -> str:
     gate/up's tile `gate_up_tile` (expert_tile) over down weights of kernel type `qd`: the row
     tile after gate/up's (sm_90: 32-42 for it, 76-100 for the quantized one), whose sums differ
     from the quantized tile's in order, so the engine's step keeps the quantized one."""
-    return "row" if gate_up_tile == "row" and qd in K_QUANT_ROWS else "tile"
+    return "row" if gate_up_tile == "row" and qd in ROW_TILE_TYPES else "tile"
 
 
 def step_down_config(down_tile: str, num_warps: int) -> TileConfig:
@@ -2097,7 +2127,7 @@ def step_down_config(down_tile: str, num_warps: int) -> TileConfig:
 def _expert_step(x: torch.Tensor, buffers, w, pair_tok: torch.Tensor, pair_pos: torch.Tensor,
                  pair_slot: torch.Tensor, pair_exp: torch.Tensor, weights: torch.Tensor | None, out: torch.Tensor,
                  gate_up_cfg: TileConfig | None, down_cfg: TileConfig | None, split: SplitK | None,
-                 rounded: tuple[Rounded, Rounded] | None, down_tile: str | None) -> None:
+                 rounded: tuple[Rounded, Rounded] | None, down_tile: str | None, gate_up_tile: str | None) -> None:
     """experts_forward(one_launch=True)."""
     T, d_in = x.shape
     n_ff, d_out = w.down.shape[2], w.down.shape[1]
@@ -2107,7 +2137,7 @@ def _expert_step(x: torch.Tensor, buffers, w, pair_tok: torch.Tensor, pair_pos: 
         xu = xg if _rounds_alike(w) else Rounded.empty(T, d_in, dev)
     else:
         xg, xu = rounded
-    plan = _GateUpPlan.make(w, buffers[0], buffers[1], T, P, dev, gate_up_cfg, split)
+    plan = _GateUpPlan.make(w, buffers[0], buffers[1], T, P, dev, gate_up_cfg, split, gate_up_tile)
     gd, ud, dd = buffers
     down_tile = down_tile or "tile"
     qd = _down_type(w, dd, down_tile)
@@ -2173,7 +2203,7 @@ def dense_tile(qw: int, rows: int) -> str:
         return "mma" if rows > 1 else "row_bf16" if qw == int(QT.BF16) else "row"
     if rows == 1 and qw == Q8_0_PLANAR:
         return "row"
-    return "row_kquant" if rows == 1 and qw in K_QUANT_ROWS else "tile"
+    return "row_kquant" if rows == 1 and qw in ROW_TILE_TYPES else "tile"
 
 
 def dense_config(qw: int, rows: int) -> TileConfig:

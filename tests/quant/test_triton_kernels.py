@@ -133,13 +133,14 @@ def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
 
 
 def check_case(case: Case, gate_up_cfg=None, down_cfg=None, tol: float = REL_TOL, whole: bool = True,
-               split: tk.SplitK | None = None, down_tile: str = "tile") -> dict:
+               split: tk.SplitK | None = None, down_tile: str = "tile", gate_up_tile: str | None = None) -> dict:
     w = case.w
     h_ref, out_ref = case.reference()
     xg = tk.round_rows(case.x, w.gate.qtype)
     xu = tk.round_rows(case.x, w.up.qtype)
     assert torch.equal(xg.values, round_activation(case.x, w.gate.qtype))
-    h, hr = tk.gate_up(xg, xu, case.buffers[0], case.buffers[1], w, case.tok, case.slot, case.exp, gate_up_cfg, split)
+    h, hr = tk.gate_up(xg, xu, case.buffers[0], case.buffers[1], w, case.tok, case.slot, case.exp, gate_up_cfg, split,
+                       tile=gate_up_tile)
     assert torch.isfinite(h).all()
     err_h = rel_err(h, h_ref)
     assert err_h < tol, f"gate/up + activation: relative error {err_h:.2e}"
@@ -158,7 +159,7 @@ def check_case(case: Case, gate_up_cfg=None, down_cfg=None, tol: float = REL_TOL
         return {"h": err_h, "down": err_d, "all": err_all}
     out2 = torch.zeros_like(out_ref)
     tk.experts_forward(case.x, case.buffers, w, case.tok, case.pos, case.slot, case.exp, case.weights, out2,
-                       gate_up_cfg, down_cfg, split)
+                       gate_up_cfg, down_cfg, split, gate_up_tile=gate_up_tile)
     assert torch.equal(out, out2), "experts_forward differs from its parts"
     return {"h": err_h, "down": err_d, "all": err_all}
 
@@ -285,6 +286,29 @@ def test_interpreter_one_token_gpt_oss_gate_up_with_lanes_along_k(split: tk.Spli
 
 
 @interp
+@pytest.mark.parametrize("n_embd,split", [(1280, None), (1440, tk.SplitK(2, 3))], ids=["unsplit", "partial-split"])
+def test_interpreter_planar_q8_0_gate_up_with_lanes_along_k(n_embd: int, split: tk.SplitK | None) -> None:
+    """Planar Q8_0 gate/up in the lanes-along-K tile where asked (gate_up_tile="row"; a lane a
+    32-byte block, eight a K step): five K steps (a group of four and one), and 1440 (a partial
+    last step of 5 blocks) split in slices of 3 and 2 steps; the quantized tile stays the default."""
+    assert tk.expert_tile(tk.Q8_0_PLANAR, tk.Q8_0_PLANAR, 1) == "tile"
+    w = make_weights((QT.Q8_0,) * 3, n_expert=5, n_embd=n_embd, n_ff=192, seed=18)
+    check_case(Case(w, n_tok=1, k=3, device="cpu", seed=12), tk.TileConfig(64, 4), SMALL, split=split,
+               gate_up_tile="row")
+
+
+def test_row_tiles_take_their_types_in_their_layout() -> None:
+    w = make_weights((QT.Q8_0,) * 3, n_expert=2, n_embd=256, n_ff=96, seed=1)
+    case = Case(w, n_tok=1, k=1, device="cpu", gguf_layout=True)  # Q8_0 as the file holds it, not planar
+    x = tk.Rounded.empty(1, 256, torch.device("cpu"))  # refused before any launch
+    with pytest.raises(ValueError, match="row tile of gate/up"):
+        tk.gate_up(x, x, case.buffers[0], case.buffers[1], case.w, case.tok, case.slot, case.exp, tile="row")
+    with pytest.raises(ValueError, match="row tile of down"):
+        tk.down(tk.Rounded.empty(1, 96, "cpu"), case.buffers[2], case.w, case.tok, case.pos, case.slot, case.exp,
+                case.weights, torch.zeros(1, *case.x.shape), tile="row")
+
+
+@interp
 @pytest.mark.parametrize("qtypes,n_embd,n_ff,cfg,split", [
     ((QT.Q4_K,) * 3, 1280, 256, tk.TileConfig(64, 4, passes=2), None),
     ((QT.Q6_K,) * 3, 768, 256, tk.TileConfig(64, 4, passes=4), tk.SplitK(2, 2)),
@@ -339,7 +363,8 @@ def test_interpreter_h_is_rounded_a_k_step_at_a_time(qtypes, n_ff: int, split: t
 @pytest.mark.parametrize("qtypes,n_embd,n_ff", [
     ((QT.Q4_K,) * 3, 256, 1280), ((QT.Q5_K,) * 3, 256, 768), ((QT.Q4_K, QT.Q4_K, QT.Q6_K), 256, 1280),
     ((QT.MXFP4,) * 3, 256, 1440), ((QT.Q4_K,) * 3, 256, 768), ((QT.Q4_K, QT.Q4_K, QT.Q6_K), 256, 512),
-    ((QT.MXFP4,) * 3, 288, 736)], ids=["Q4_K", "Q5_K", "Q6_K", "MXFP4", "Q4_K-3", "Q6_K-2", "MXFP4-3"])
+    ((QT.MXFP4,) * 3, 288, 736), ((QT.Q8_0,) * 3, 256, 1280), ((QT.Q8_0,) * 3, 288, 736)],
+    ids=["Q4_K", "Q5_K", "Q6_K", "MXFP4", "Q4_K-3", "Q6_K-2", "MXFP4-3", "Q8_0", "Q8_0-3"])
 def test_interpreter_one_token_down_with_lanes_along_k(qtypes, n_embd: int, n_ff: int) -> None:
     """down in the lanes-along-K tile ("row", _down_k4_kernel): h of five K steps (a group of four
     and a partial one), and gpt-oss's 1440 (a partial last step; biases, SWIGLU_OAI); and under four
@@ -349,15 +374,6 @@ def test_interpreter_one_token_down_with_lanes_along_k(qtypes, n_embd: int, n_ff
     w = make_weights(qtypes, n_expert=5, n_embd=n_embd, n_ff=n_ff, activation=SWIGLU_OAI if gpt_oss else SILU,
                      bias=gpt_oss, seed=16)
     check_case(Case(w, n_tok=1, k=3, device="cpu", seed=10), SMALL, tk.TileConfig(64, 4), down_tile="row")
-
-
-def test_down_row_tile_takes_its_types_only() -> None:
-    w = make_weights((QT.Q8_0,) * 3, n_expert=2, n_embd=256, n_ff=96, seed=1)
-    case = Case(w, n_tok=1, k=1, device="cpu")
-    hr = tk.Rounded.empty(1, 96, "cpu")
-    with pytest.raises(ValueError, match="row tile of down"):
-        tk.down(hr, case.buffers[2], case.w, case.tok, case.pos, case.slot, case.exp, case.weights,
-                torch.zeros(1, *case.x.shape), tile="row")
 
 
 def test_gate_up_tiles_must_divide_a_k_step() -> None:
@@ -784,6 +800,16 @@ def test_gpu_other_row_tiles(cfg: tk.TileConfig, qtype: QT) -> None:
     w = make_weights((qtype,) * 3, n_expert=16, n_embd=K, n_ff=768, seed=8)
     check_case(Case(w, n_tok=1, k=8, device="cuda", seed=8), cfg)
     check_dense(qtype, n_out=4096, K=K, rows=1, device="cuda", cfg=cfg, laid_out=True)
+
+
+@gpu
+@pytest.mark.parametrize("K", [2048, 2880])
+def test_gpu_planar_q8_0_in_the_row_tiles(K: int) -> None:
+    """Planar Q8_0's gate/up and down in the lanes-along-K tiles, as `bench kernels --sweep` times
+    them (2880: a partial last K step)."""
+    _needs_compiled()
+    w = make_weights((QT.Q8_0,) * 3, n_expert=16, n_embd=K, n_ff=768, seed=8)
+    check_case(Case(w, n_tok=1, k=8, device="cuda", seed=8), down_tile="row", gate_up_tile="row")
 
 
 @gpu
