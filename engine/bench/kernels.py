@@ -331,13 +331,12 @@ def bench_experts(name: str, sc: ExpertScenario, rows: list[int], dev: torch.dev
                                             copy)})
             best = min(row["sweep"], key=lambda r: r["us"])
             print(f"       sweep best {best['config']}: {best['us']} us {best['GBps']} GB/s", flush=True)
-            if t == 1:
-                row["step_tiles"] = {name: rate(nbytes, graph_us(
-                    [lambda s=s, kw=kw: tk.experts_forward(s.x, layer.buffers, w, s.tok, s.pos, s.slot, s.exp,
-                                                           s.weights, s.out, **kw) for s in steps], replays), copy)
-                    for name, kw in _row_tile_steps(tile, qg, qu, qd).items()}
-                print("       the step in row tiles: " + ", ".join(f"{k} {r['us']} us"
-                                                                   for k, r in row["step_tiles"].items()), flush=True)
+            row["step_tiles"] = {name: rate(nbytes, graph_us(
+                [lambda s=s, kw=kw: tk.experts_forward(s.x, layer.buffers, w, s.tok, s.pos, s.slot, s.exp,
+                                                       s.weights, s.out, **kw) for s in steps], replays), copy)
+                for name, kw in _row_tile_steps(tile, qg, qu, qd).items()}
+            print("       the step in row tiles: " + ", ".join(f"{k} {r['us']} us"
+                                                               for k, r in row["step_tiles"].items()), flush=True)
             default = tk.GATE_UP_CONFIG[tile]
             variants = [(replace(default, maxnreg=n), d) for d in down_tiles for n in ONE_LAUNCH_MAXNREG]
             row["one_launch_sweep"] = [
@@ -353,9 +352,9 @@ def bench_experts(name: str, sc: ExpertScenario, rows: list[int], dev: torch.dev
 
 
 def _row_tile_steps(tile: str, qg: int, qu: int, qd: int) -> dict[str, dict]:
-    """experts_forward's tile arguments for one token's step in the lanes-along-K tiles where they
-    read the weights but are not the default: gate/up (planar Q8_0's), down (whose weights all load
-    before its dependent launch waits), both."""
+    """experts_forward's tile arguments for the step in the lanes-along-K tiles where they read the
+    weights but are not the default: gate/up (its default over several tokens, and planar Q8_0's at
+    one: the quantized tile), down (whose weights all load before its dependent launch waits), both."""
     from engine.quant import triton_kernels as tk
 
     steps = {}
