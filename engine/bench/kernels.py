@@ -217,11 +217,11 @@ def bench_dense(name: str, n_out: int, K: int, qtype: QT, rows: list[int], dev: 
             [lambda: tk.dense(x, engine_raws[0], qtype, n_out)] * calls_per_graph, replays), copy)
         if sweep:
             row["sweep"] = []
-            for cfg in _dense_sweep(qw, t):  # in the engine's layout
+            for tile, cfg in _dense_sweep(qw, t):  # in the engine's layout
                 sp = tk.SplitK.choose(n_out, K, tk.sm_count(str(dev)), cfg)
-                tk.dense(x, engine_raws[0], qtype, n_out, cfg, sp)
-                us = graph_us(calls(tk.dense, engine_raws, cfg, sp), replays)
-                row["sweep"].append({"config": f"{cfg_name(cfg)} {cfg.programs_per_sm}/SM",
+                tk.dense(x, engine_raws[0], qtype, n_out, cfg, sp, tile)
+                us = graph_us(calls(tk.dense, engine_raws, cfg, sp, tile), replays)
+                row["sweep"].append({"config": f"{tile} {cfg_name(cfg)} {cfg.programs_per_sm}/SM",
                                      "split": [sp.split, sp.steps], **rate(one.numel(), us, copy)})
             best = min(row["sweep"], key=lambda r: r["us"])
             print(f"       sweep best {best['config']} split {best['split']}: {best['us']} us {best['GBps']} GB/s",
@@ -760,14 +760,27 @@ def _sweep_tiles() -> list:
             tk.TileConfig(64, 2), tk.TileConfig(128, 4)]
 
 
-def _dense_sweep(qw: int, rows: int) -> list:
-    """Tiles --sweep times for the dense product of weights of kernel type `qw`
-    (triton_kernels.kernel_type) at `rows` activation rows, by the tile it takes
+def _dense_sweep(qw: int, rows: int) -> list[tuple[str, object]]:
+    """(tile, config) pairs --sweep times for the dense product of weights of kernel type `qw`
+    (triton_kernels.kernel_type) at `rows` activation rows: configs of the tile it takes
     (triton_kernels.dense_tile: lanes along K take BLOCK_N rows on num_warps warps; tensor
-    cores a BLOCK_N of at least 16), the default at several programs per SM (its split)."""
+    cores a BLOCK_N of at least 16), the default at several programs per SM (its split); and
+    where that is not the lanes-along-K tile of four K steps an access but it reads the type
+    (2-8 rows; planar Q8_0), that tile's."""
     from engine.quant import triton_kernels as tk
 
     tile = tk.dense_tile(qw, rows)
+    pairs = [(tile, cfg) for cfg in _dense_tile_sweep(tile, qw)]
+    if tile != "row_kquant" and qw in tk.ROW_TILE_TYPES:
+        pairs += [("row_kquant", cfg) for cfg in _dense_tile_sweep("row_kquant", qw)]
+    return pairs
+
+
+def _dense_tile_sweep(tile: str, qw: int) -> list:
+    """Configs of dense tile `tile` that --sweep times, the tile's default last at several
+    programs per SM."""
+    from engine.quant import triton_kernels as tk
+
     default = tk.DENSE_CONFIG[tile]
     if tile == "mma":
         tiles = [tk.TileConfig(16, 4, num_stages=3), tk.TileConfig(64, 4, num_stages=3),

@@ -1389,10 +1389,10 @@ if triton is not None:
                          K: tl.constexpr, QW: tl.constexpr, ROWS: tl.constexpr, SPLIT: tl.constexpr,
                          STEPS: tl.constexpr, BLOCK_N: tl.constexpr, INTERP: tl.constexpr, REV: tl.constexpr,
                          PDL: tl.constexpr):
-        """_dense_kernel's product (its grid, arguments and split-K) for Q4_K, Q5_K, padded Q6_K or
-        planar MXFP4 weights (QW) and one activation row (ROWS = 1), in the tile above: out [1, N] =
-        rounded x [1, K] . W [N, K], from the activation's int8 quants xq and scales xd (xr is not
-        read)."""
+        """_dense_kernel's product (its grid, arguments and split-K) for Q4_K, Q5_K, padded Q6_K,
+        planar MXFP4 or Q8_0 weights (QW) and 1-8 activation rows, in the tile above: out [ROWS, N]
+        = rounded x [ROWS, K] . W [N, K], from the activation's int8 quants xq and scales xd (xr is
+        not read); each weight load serves every row (llama.cpp's mmvq does the same)."""
         nb = tl.program_id(0)
         s = tl.program_id(1)
         g, n, wd, w_words = _row_tile(w_ptr, w_row_bytes, nb, N, BLOCK_N)
@@ -1402,8 +1402,43 @@ if triton is not None:
         w, hdr, qh, dd = _k4_load(w_words, k0, k1, g, wd, K, QW, REV, 4)
         if PDL:
             gdc_wait()
-        y = _k4_sums(w, hdr, qh, dd, w_words, xq_ptr, xd_ptr, k0, k1, g, n, wd, K, QW, BLOCK_N, INTERP, REV, 4)
-        _dense_finish(y, y, y, y, y, y, y, y, part_ptr, out_ptr, count_ptr, nb, s, N, ROWS, SPLIT, BLOCK_N, INTERP)
+        if ROWS == 1:
+            y = _k4_sums(w, hdr, qh, dd, w_words, xq_ptr, xd_ptr, k0, k1, g, n, wd, K, QW, BLOCK_N, INTERP, REV, 4)
+            _dense_finish(y, y, y, y, y, y, y, y, part_ptr, out_ptr, count_ptr, nb, s, N, ROWS, SPLIT, BLOCK_N,
+                          INTERP)
+        else:
+            a0 = tl.zeros((32, BLOCK_N), tl.float32)
+            a1 = a0
+            a2 = a0
+            a3 = a0
+            a4 = a0
+            a5 = a0
+            a6 = a0
+            a7 = a0
+            for kq in range(k0, k1, 4):
+                nw, nhdr, nqh, ndd = _k4_load(w_words, kq + 4, k1, g, wd, K, QW, REV, 4)
+                a0 = _k4_row(a0, 0, ROWS, w, hdr, qh, dd, xq_ptr, xd_ptr, kq, k1, g, n, wd, K, QW, INTERP, REV)
+                a1 = _k4_row(a1, 1, ROWS, w, hdr, qh, dd, xq_ptr, xd_ptr, kq, k1, g, n, wd, K, QW, INTERP, REV)
+                a2 = _k4_row(a2, 2, ROWS, w, hdr, qh, dd, xq_ptr, xd_ptr, kq, k1, g, n, wd, K, QW, INTERP, REV)
+                a3 = _k4_row(a3, 3, ROWS, w, hdr, qh, dd, xq_ptr, xd_ptr, kq, k1, g, n, wd, K, QW, INTERP, REV)
+                a4 = _k4_row(a4, 4, ROWS, w, hdr, qh, dd, xq_ptr, xd_ptr, kq, k1, g, n, wd, K, QW, INTERP, REV)
+                a5 = _k4_row(a5, 5, ROWS, w, hdr, qh, dd, xq_ptr, xd_ptr, kq, k1, g, n, wd, K, QW, INTERP, REV)
+                a6 = _k4_row(a6, 6, ROWS, w, hdr, qh, dd, xq_ptr, xd_ptr, kq, k1, g, n, wd, K, QW, INTERP, REV)
+                a7 = _k4_row(a7, 7, ROWS, w, hdr, qh, dd, xq_ptr, xd_ptr, kq, k1, g, n, wd, K, QW, INTERP, REV)
+                w, hdr, qh, dd = nw, nhdr, nqh, ndd
+            _dense_finish(tl.sum(a0, axis=0), tl.sum(a1, axis=0), tl.sum(a2, axis=0), tl.sum(a3, axis=0),
+                          tl.sum(a4, axis=0), tl.sum(a5, axis=0), tl.sum(a6, axis=0), tl.sum(a7, axis=0),
+                          part_ptr, out_ptr, count_ptr, nb, s, N, ROWS, SPLIT, BLOCK_N, INTERP)
+
+    @triton.jit
+    def _k4_row(acc, t: tl.constexpr, ROWS: tl.constexpr, w, hdr, qh, dd, xq_ptr, xd_ptr, kq, k1, g, n, wd,
+                K: tl.constexpr, QW: tl.constexpr, INTERP: tl.constexpr, REV: tl.constexpr):
+        """acc of activation row t += these steps (_k4_dot), where the launch has more than t rows."""
+        if t < ROWS:
+            KP: tl.constexpr = (K + 255) // 256 * 256
+            acc += _k4_dot(w, hdr, qh, dd, xq_ptr + t * KP, xd_ptr + t * (KP // 32), kq, k1, g, n, wd, K, QW,
+                           INTERP, REV, 4)
+        return acc
 
     # gate/up in the same tile, for the same types' experts at one token (_gate_up_kernel's grid,
     # arguments, results and end): a pair's BLOCK_N rows of gate and up a program, four K steps
@@ -2215,32 +2250,41 @@ def dense_config(qw: int, rows: int) -> TileConfig:
 DENSE16_UNROLLED = 4  # K loop unrolling of the one-row 16-bit tile with `unroll`
 
 
-def dense_kernel(qw: int, rows: int, cfg: TileConfig, target=None) -> tuple[Callable, dict]:
+def dense_kernel(qw: int, rows: int, cfg: TileConfig, target=None, tile: str | None = None) -> tuple[Callable, dict]:
     """The kernel of a dense product of `rows` activation rows and weights of kernel type `qw`
-    (kernel_type) in tile `cfg`, and the constexprs it takes beyond the ones all take (K, QW,
-    ROWS, SPLIT, STEPS, BLOCK_N, INTERP, PDL), for compile target `target` (default: the current GPU)."""
-    tile = dense_tile(qw, rows)
+    (kernel_type) in `tile` (a DENSE_CONFIG key, by default dense_tile's; "row_kquant" takes 1-8
+    rows of ROW_TILE_TYPES) of config `cfg`, and the constexprs it takes beyond the ones all take
+    (K, QW, ROWS, SPLIT, STEPS, BLOCK_N, INTERP, PDL), for compile target `target` (default: the
+    current GPU)."""
+    default = dense_tile(qw, rows)
+    tile = tile or default
+    if tile != default and not (tile == "row_kquant" and qw in ROW_TILE_TYPES):
+        raise ValueError(f"a dense product of {rows} rows of kernel type {qw} takes the {default} tile, or "
+                         f"row_kquant where that reads the type, not {tile}")
+    if tile == "row_kquant":
+        return _dense_k4_kernel, {"REV": reversed_ties(target)}
     if qw in _SIXTEEN_BIT:
         if tile == "mma":
             return _dense16_mma_kernel, {}
         return _dense16_kernel, {"K_UNROLL": DENSE16_UNROLLED if cfg.unroll else 1}
-    kernel = {"tile": _dense_kernel, "row": _dense_q8p_kernel, "row_kquant": _dense_k4_kernel}[tile]
+    kernel = {"tile": _dense_kernel, "row": _dense_q8p_kernel}[tile]
     return kernel, {"REV": reversed_ties(target)}
 
 
 def dense(x: torch.Tensor, raw: torch.Tensor, qtype: QT, n_out: int, cfg: TileConfig | None = None,
-          split: SplitK | None = None) -> torch.Tensor:
+          split: SplitK | None = None, tile: str | None = None) -> torch.Tensor:
     """round(x) @ W.T for x [T, K] float32 (T <= DENSE_MAX_ROWS, rows contiguous) and a dense
     weight W [n_out, K] kept as its GGUF rows raw [1, n_out, row_bytes] (or as
     layout.kernel_layout lays them out: Q6_K padded, MXFP4 planar): two launches (round x; the
     split-K product, which starts while the rounding ends where the device has dependent
-    launches). `split` defaults to SplitK.choose for this device."""
+    launches). `split` defaults to SplitK.choose for this device; `tile`, `cfg`: dense_kernel's
+    tile (by default dense_tile's) and its config (by default DENSE_CONFIG's)."""
     T, K = x.shape
     if T > DENSE_MAX_ROWS:
         raise ValueError(f"dense takes at most {DENSE_MAX_ROWS} rows, got {T}: use dequantize + matmul")
     if T == 0:
         return torch.empty((0, n_out), dtype=torch.float32, device=x.device)
-    return _dense_product(round_rows(x, qtype), raw, qtype, n_out, cfg, split)
+    return _dense_product(round_rows(x, qtype), raw, qtype, n_out, cfg, split, tile=tile)
 
 
 def compile_dense(raw: torch.Tensor, qtype: QT, n_out: int, K: int, rows: int) -> None:
@@ -2250,11 +2294,13 @@ def compile_dense(raw: torch.Tensor, qtype: QT, n_out: int, K: int, rows: int) -
 
 
 def _dense_product(xr: Rounded, raw: torch.Tensor, qtype: QT, n_out: int, cfg: TileConfig | None = None,
-                   split: SplitK | None = None, compile_only: bool = False) -> torch.Tensor:
+                   split: SplitK | None = None, compile_only: bool = False, tile: str | None = None) -> torch.Tensor:
     T, K = xr.padded.shape[0], xr.K
     out = torch.empty((T, n_out), dtype=torch.float32, device=raw.device)
     qw = kernel_type(qtype, raw, K)
-    cfg = cfg or dense_config(qw, T)
+    tile = tile or dense_tile(qw, T)
+    cfg = cfg or DENSE_CONFIG.get(tile)
+    kernel, extra = dense_kernel(qw, T, cfg, tile=tile)  # refuses a tile that cannot read the weights
     split = split or SplitK.choose(n_out, K, sm_count(str(raw.device)), cfg)
     blocks = triton.cdiv(n_out, cfg.block_n)
     if split.split > 1:
@@ -2263,7 +2309,6 @@ def _dense_product(xr: Rounded, raw: torch.Tensor, qtype: QT, n_out: int, cfg: T
     else:
         part, count = out, _counter(raw.device, 1)
     grid = (blocks, split.split)
-    kernel, extra = dense_kernel(qw, T, cfg)
     launch = functools.partial(kernel.warmup, grid=grid) if compile_only else kernel[grid]
     pdl = dependent_launches(str(raw.device))  # a dependent launch: dense launches it right after rounding xr
     launch(xr.padded, xr.quants, xr.scales, raw, raw.stride(1), part, out, count, n_out,

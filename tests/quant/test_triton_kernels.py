@@ -885,14 +885,15 @@ DENSE_TYPES = [QT.Q4_K, QT.Q5_K, QT.Q6_K, QT.Q8_0, QT.MXFP4, QT.F16, QT.BF16]
 
 
 def check_dense(qtype: QT, n_out: int, K: int, rows: int, device: str, cfg: tk.TileConfig | None = None,
-                split: tk.SplitK | None = None, laid_out: bool = False) -> float:
+                split: tk.SplitK | None = None, laid_out: bool = False, tile: str | None = None) -> float:
     """tk.dense (a dense weight read in its GGUF bytes, or with `laid_out` as kernel_layout lays
-    them out: Q6_K padded, MXFP4 and Q8_0 planar) against round_activation(x) @ dequantize(W).T."""
+    them out: Q6_K padded, MXFP4 and Q8_0 planar; in `tile`, by default dense_tile's) against
+    round_activation(x) @ dequantize(W).T."""
     rng = np.random.default_rng(int(qtype) + n_out + rows)
     raw = _random_raw(rng, qtype, (1, n_out, K), K ** -0.5).to(device)
     x = torch.from_numpy(rng.standard_normal((rows, K)).astype(np.float32) * 2.0).to(device)
     want = round_activation(x, qtype) @ dequantize(raw[0], qtype, (n_out, K)).T
-    got = tk.dense(x, kernel_layout(raw, qtype) if laid_out else raw, qtype, n_out, cfg, split)
+    got = tk.dense(x, kernel_layout(raw, qtype) if laid_out else raw, qtype, n_out, cfg, split, tile)
     assert got.shape == want.shape
     err = rel_err(got, want)
     assert err < REL_TOL, (qtype.name, rows, split, err)
@@ -946,6 +947,26 @@ def test_interpreter_one_row_k4_kernel_over_several_step_groups(qtype: QT, K: in
     assert tk.dense_tile(int(qtype), 1) == ("row_kquant" if qw == int(qtype) else "tile")  # GGUF rows: the tile
     for split in (tk.SplitK(1, 6), tk.SplitK(2, 3), tk.SplitK(3, 2), tk.SplitK(6, 1)):
         check_dense(qtype, n_out=40, K=K, rows=1, device="cpu", cfg=tk.TileConfig(16, 4), split=split, laid_out=True)
+
+
+@interp
+@pytest.mark.parametrize("qtype,K,rows,split", [
+    (QT.Q4_K, 1536, 3, None), (QT.Q5_K, 1536, 8, tk.SplitK(2, 3)), (QT.Q6_K, 1536, 2, None),
+    (QT.MXFP4, 1440, 8, None), (QT.Q8_0, 1440, 3, tk.SplitK(3, 2)), (QT.Q8_0, 768, 1, None)],
+    ids=lambda v: getattr(v, "name", str(v)))
+def test_interpreter_k4_dense_over_several_rows(qtype: QT, K: int, rows: int, split: tk.SplitK | None) -> None:
+    """The lanes-along-K dense tile ("row_kquant") where asked: 2-8 activation rows on each weight
+    load, planar Q8_0 (one row too), partial last steps (1440) and splits over K."""
+    check_dense(qtype, n_out=40, K=K, rows=rows, device="cpu", cfg=tk.TileConfig(16, 4), split=split,
+                laid_out=True, tile="row_kquant")
+
+
+def test_dense_takes_the_k4_tile_only_where_it_reads_the_type() -> None:
+    x = torch.zeros(2, 256)
+    for raw, qtype in ((torch.zeros(1, 4, 512, dtype=torch.uint8), QT.F16),
+                       (torch.zeros(1, 4, 272, dtype=torch.uint8), QT.Q8_0)):  # Q8_0 as the file holds it
+        with pytest.raises(ValueError, match="row_kquant"):
+            tk.dense(x, raw, qtype, 4, tile="row_kquant")
 
 
 def check_linear(qtype: QT, n_out: int, K: int, device: str, monkeypatch, decode_rows=(1, 3),
@@ -1079,6 +1100,17 @@ def test_gpu_one_row_16_bit_unrolled_gives_the_loop_s_bits(qtype: QT) -> None:
         want = tk.dense(x, raw, qtype, 4096, tk.DENSE_CONFIG["row"], split)
         got = tk.dense(x, raw, qtype, 4096, replace(tk.DENSE_CONFIG["row"], unroll=True), split)
         assert torch.equal(got, want)
+
+
+@gpu
+@pytest.mark.parametrize("qtype", [QT.Q4_K, QT.Q5_K, QT.Q6_K, QT.MXFP4, QT.Q8_0], ids=lambda t: t.name)
+@pytest.mark.parametrize("rows", [1, 2, 8])
+def test_gpu_k4_dense_over_several_rows(qtype: QT, rows: int) -> None:
+    """The lanes-along-K dense tile where `bench kernels --sweep` times it beside the default: 2-8
+    rows, and planar Q8_0 (MXFP4 and Q8_0 at K = 2880: a partial last step)."""
+    _needs_compiled()
+    K = 2880 if qtype in (QT.MXFP4, QT.Q8_0) else 2048
+    check_dense(qtype, n_out=4096, K=K, rows=rows, device="cuda", laid_out=True, tile="row_kquant")
 
 
 @gpu
