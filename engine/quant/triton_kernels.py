@@ -1402,33 +1402,28 @@ if triton is not None:
         w, hdr, qh, dd = _k4_load(w_words, k0, k1, g, wd, K, QW, REV, 4)
         if PDL:
             gdc_wait()
-        if ROWS == 1:
-            y = _k4_sums(w, hdr, qh, dd, w_words, xq_ptr, xd_ptr, k0, k1, g, n, wd, K, QW, BLOCK_N, INTERP, REV, 4)
-            _dense_finish(y, y, y, y, y, y, y, y, part_ptr, out_ptr, count_ptr, nb, s, N, ROWS, SPLIT, BLOCK_N,
-                          INTERP)
-        else:
-            a0 = tl.zeros((32, BLOCK_N), tl.float32)
-            a1 = a0
-            a2 = a0
-            a3 = a0
-            a4 = a0
-            a5 = a0
-            a6 = a0
-            a7 = a0
-            for kq in range(k0, k1, 4):
-                nw, nhdr, nqh, ndd = _k4_load(w_words, kq + 4, k1, g, wd, K, QW, REV, 4)
-                a0 = _k4_row(a0, 0, ROWS, w, hdr, qh, dd, xq_ptr, xd_ptr, kq, k1, g, n, wd, K, QW, INTERP, REV)
-                a1 = _k4_row(a1, 1, ROWS, w, hdr, qh, dd, xq_ptr, xd_ptr, kq, k1, g, n, wd, K, QW, INTERP, REV)
-                a2 = _k4_row(a2, 2, ROWS, w, hdr, qh, dd, xq_ptr, xd_ptr, kq, k1, g, n, wd, K, QW, INTERP, REV)
-                a3 = _k4_row(a3, 3, ROWS, w, hdr, qh, dd, xq_ptr, xd_ptr, kq, k1, g, n, wd, K, QW, INTERP, REV)
-                a4 = _k4_row(a4, 4, ROWS, w, hdr, qh, dd, xq_ptr, xd_ptr, kq, k1, g, n, wd, K, QW, INTERP, REV)
-                a5 = _k4_row(a5, 5, ROWS, w, hdr, qh, dd, xq_ptr, xd_ptr, kq, k1, g, n, wd, K, QW, INTERP, REV)
-                a6 = _k4_row(a6, 6, ROWS, w, hdr, qh, dd, xq_ptr, xd_ptr, kq, k1, g, n, wd, K, QW, INTERP, REV)
-                a7 = _k4_row(a7, 7, ROWS, w, hdr, qh, dd, xq_ptr, xd_ptr, kq, k1, g, n, wd, K, QW, INTERP, REV)
-                w, hdr, qh, dd = nw, nhdr, nqh, ndd
-            _dense_finish(tl.sum(a0, axis=0), tl.sum(a1, axis=0), tl.sum(a2, axis=0), tl.sum(a3, axis=0),
-                          tl.sum(a4, axis=0), tl.sum(a5, axis=0), tl.sum(a6, axis=0), tl.sum(a7, axis=0),
-                          part_ptr, out_ptr, count_ptr, nb, s, N, ROWS, SPLIT, BLOCK_N, INTERP)
+        a0 = tl.zeros((32, BLOCK_N), tl.float32)
+        a1 = a0
+        a2 = a0
+        a3 = a0
+        a4 = a0
+        a5 = a0
+        a6 = a0
+        a7 = a0
+        for kq in range(k0, k1, 4):
+            nw, nhdr, nqh, ndd = _k4_load(w_words, kq + 4, k1, g, wd, K, QW, REV, 4)
+            a0 = _k4_row(a0, 0, ROWS, w, hdr, qh, dd, xq_ptr, xd_ptr, kq, k1, g, n, wd, K, QW, INTERP, REV)
+            a1 = _k4_row(a1, 1, ROWS, w, hdr, qh, dd, xq_ptr, xd_ptr, kq, k1, g, n, wd, K, QW, INTERP, REV)
+            a2 = _k4_row(a2, 2, ROWS, w, hdr, qh, dd, xq_ptr, xd_ptr, kq, k1, g, n, wd, K, QW, INTERP, REV)
+            a3 = _k4_row(a3, 3, ROWS, w, hdr, qh, dd, xq_ptr, xd_ptr, kq, k1, g, n, wd, K, QW, INTERP, REV)
+            a4 = _k4_row(a4, 4, ROWS, w, hdr, qh, dd, xq_ptr, xd_ptr, kq, k1, g, n, wd, K, QW, INTERP, REV)
+            a5 = _k4_row(a5, 5, ROWS, w, hdr, qh, dd, xq_ptr, xd_ptr, kq, k1, g, n, wd, K, QW, INTERP, REV)
+            a6 = _k4_row(a6, 6, ROWS, w, hdr, qh, dd, xq_ptr, xd_ptr, kq, k1, g, n, wd, K, QW, INTERP, REV)
+            a7 = _k4_row(a7, 7, ROWS, w, hdr, qh, dd, xq_ptr, xd_ptr, kq, k1, g, n, wd, K, QW, INTERP, REV)
+            w, hdr, qh, dd = nw, nhdr, nqh, ndd
+        _dense_finish(tl.sum(a0, axis=0), tl.sum(a1, axis=0), tl.sum(a2, axis=0), tl.sum(a3, axis=0),
+                      tl.sum(a4, axis=0), tl.sum(a5, axis=0), tl.sum(a6, axis=0), tl.sum(a7, axis=0),
+                      part_ptr, out_ptr, count_ptr, nb, s, N, ROWS, SPLIT, BLOCK_N, INTERP)
 
     @triton.jit
     def _k4_row(acc, t: tl.constexpr, ROWS: tl.constexpr, w, hdr, qh, dd, xq_ptr, xd_ptr, kq, k1, g, n, wd,
@@ -2034,7 +2029,7 @@ def down(hr: Rounded, down_buf: torch.Tensor, w, pair_tok: torch.Tensor, pair_po
 
     hr: h rounded for the down type (gate_up's second result); `out` [k, T, D] (the
     executor's per_slot, last axis contiguous); with weights None the result is unweighted.
-    `tile`: a DOWN_CONFIG key ("row" takes Q4_K, Q5_K, padded Q6_K and planar MXFP4 only).
+    `tile`: a DOWN_CONFIG key ("row" takes ROW_TILE_TYPES only).
     `dependent`: launched as a programmatic dependent where the device has them, only right
     after the gate_up launch that made hr (dependent_launches says why)."""
     d_out, n_ff = w.down.shape[1], w.down.shape[2]
@@ -2217,7 +2212,7 @@ def dense_supported(qtype: QT) -> bool:
 #   "row_bf16"  the same for BF16, its K loop unrolled four times by Triton (sm_90 unrolls F16's
 #           loop by itself, BF16's not; H200, Mixtral's 4096 x 14336: 33.33 against 34.64 us)
 #   "row_kquant"  the same for one row of Q4_K, Q5_K, padded Q6_K or planar MXFP4 weights, four K
-#           steps an access (_dense_k4_kernel)
+#           steps an access (_dense_k4_kernel; where asked, also 2-8 rows and planar Q8_0)
 #   "mma"   2-8 rows of 16-bit weights on tensor cores (_dense16_mma_kernel; BLOCK_N rows a
 #           program, Triton's pipeliner keeping num_stages steps in flight)
 DENSE_MAX_ROWS = 8  # activation rows one launch multiplies (the kernel's accumulators)
