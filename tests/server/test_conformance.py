@@ -163,7 +163,8 @@ def test_prefill_rules(claude):
     with pytest.raises(anthropic.BadRequestError, match="final assistant content cannot end with trailing whitespace"):
         claude.messages.create(model="m", max_tokens=2, messages=[*USER, {"role": "assistant", "content": "Sure "}])
     # An empty final assistant message is allowed: an ordinary reply.
-    r = claude.messages.create(model="m", max_tokens=2, messages=[*USER, {"role": "assistant", "content": ""}])
+    r = claude.messages.create(model="m", max_tokens=2, messages=[*USER, {"role": "assistant", "content": ""}],
+                               extra_body={"temperature": 0})
     assert r.usage.output_tokens == 2
 
 
@@ -201,7 +202,8 @@ def test_a_file_name_that_is_not_utf8_loads_and_health_stays_json(serve, tiny_mo
     assert health["model"].endswith("mod\ufffdl-\ufffd.gguf") and health["settings"]["model"] == health["model"]
     client = openai.OpenAI(base_url=s.url + "/v1", api_key="x", max_retries=0, timeout=60)
     assert [m.id for m in client.models.list()] == ["mod\ufffdl-\ufffd"]
-    assert client.chat.completions.create(model="m", messages=USER, max_tokens=2).usage.completion_tokens == 2
+    assert client.chat.completions.create(model="m", messages=USER, max_tokens=2,
+                                          temperature=0).usage.completion_tokens == 2
     assert s.request("GET", "/v1/stats")[0] == 200
 
 

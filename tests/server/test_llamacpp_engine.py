@@ -139,7 +139,8 @@ def test_auto_checks_a_file_once_and_falls_back_where_the_engine_does_not_match(
     assert second.reason == "auto: this engine did not match llama.cpp on this file (mean KL 1e-2)"
     from engine.runtime.engine import Request
 
-    assert list(second.engine.generate(Request(messages=USER, max_tokens=2)))[-1].completion_tokens == 2
+    events = list(second.engine.generate(Request(messages=USER, max_tokens=2, ignore_eos=True)))
+    assert events[-1].completion_tokens == 2
 
 
 def _quiet(stage: str, fraction: float) -> None:
