@@ -314,9 +314,9 @@ def bench_experts(name: str, sc: ExpertScenario, rows: list[int], dev: torch.dev
                "slots": layer.n_slots, "new": rate(nbytes, us, copy), "host_us_eager": round(host, 1),
                "launches_us": expert_step_launches(layer, steps, replays)}
         # the one launch as the engine takes it (down in the three launches' tile, so the same bits),
-        # and where another down tile keeps its grid at gate/up's registers, in that one too
+        # and where down's other tile reads the type, in that one too
         qd = tk.kernel_type(w.down.qtype, layer.buffers[2], sc.n_ff)
-        down_tiles = list(dict.fromkeys(("tile", tk.step_down_tile(tile, qd))))
+        down_tiles = _down_tiles(qd, t)
         row["one_launch"], *others = [
             {"down_tile": d, **rate(nbytes, one_launch_us(name, layer, steps, replays, None, d), copy)}
             for d in down_tiles]
@@ -324,7 +324,8 @@ def bench_experts(name: str, sc: ExpertScenario, rows: list[int], dev: torch.dev
             row["one_launch_other_down"] = others[0]
         if sweep:
             row["sweep"] = []
-            for cfg in _expert_sweep(tile):
+            default = tk.gate_up_config(tile, qg, qu, sc.n_ff)
+            for cfg in [c for c in _expert_sweep(tile) if c != default]:
                 run(steps[0], cfg)
                 row["sweep"].append({"config": cfg_name(cfg),
                                      **rate(nbytes, graph_us([lambda s=s: run(s, cfg) for s in steps], replays),
@@ -334,10 +335,9 @@ def bench_experts(name: str, sc: ExpertScenario, rows: list[int], dev: torch.dev
             row["step_tiles"] = {name: rate(nbytes, graph_us(
                 [lambda s=s, kw=kw: tk.experts_forward(s.x, layer.buffers, w, s.tok, s.pos, s.slot, s.exp,
                                                        s.weights, s.out, **kw) for s in steps], replays), copy)
-                for name, kw in _row_tile_steps(tile, qg, qu, qd).items()}
-            print("       the step in row tiles: " + ", ".join(f"{k} {r['us']} us"
-                                                               for k, r in row["step_tiles"].items()), flush=True)
-            default = tk.GATE_UP_CONFIG[tile]
+                for name, kw in _other_step_tiles(qg, qu, qd, t).items()}
+            print("       the step in other tiles: " + ", ".join(f"{k} {r['us']} us"
+                                                                 for k, r in row["step_tiles"].items()), flush=True)
             variants = [(replace(default, maxnreg=n), d) for d in down_tiles for n in ONE_LAUNCH_MAXNREG]
             row["one_launch_sweep"] = [
                 {"config": f"{cfg_name(cfg)} down {d}",
@@ -351,21 +351,25 @@ def bench_experts(name: str, sc: ExpertScenario, rows: list[int], dev: torch.dev
     return out
 
 
-def _row_tile_steps(tile: str, qg: int, qu: int, qd: int) -> dict[str, dict]:
-    """experts_forward's tile arguments for the step in the lanes-along-K tiles where they read the
-    weights but are not the default: gate/up (its default over several tokens, and planar Q8_0's at
-    one: the quantized tile), down (whose weights all load before its dependent launch waits), both."""
+def _down_tiles(qd: int, tokens: int) -> list[str]:
+    """down's tiles over weights of kernel type `qd` at `tokens` tokens: the default first."""
     from engine.quant import triton_kernels as tk
 
-    steps = {}
-    gate_up = tile != "row" and qg in tk.ROW_TILE_TYPES and qu in tk.ROW_TILE_TYPES
-    if gate_up:
-        steps["gate/up row"] = {"gate_up_tile": "row"}
-    if qd in tk.ROW_TILE_TYPES:
-        steps["down row"] = {"down_tile": "row"}
-        if gate_up:
-            steps["gate/up row, down row"] = {"gate_up_tile": "row", "down_tile": "row"}
-    return steps
+    return list(dict.fromkeys((tk.expert_down_tile(qd, tokens), *(("tile", "row") if qd in tk.ROW_TILE_TYPES
+                                                                   else ("tile",)))))
+
+
+def _other_step_tiles(qg: int, qu: int, qd: int, tokens: int) -> dict[str, dict]:
+    """experts_forward's tile arguments for the step in every other pair of gate/up and down tiles
+    that read its weights (the row tiles over several tokens; the quantized ones at one), by name."""
+    from engine.quant import triton_kernels as tk
+
+    default = tk.expert_tile(qg, qu, tokens)
+    gate_ups = list(dict.fromkeys((default, *(("tile", "row") if qg in tk.ROW_TILE_TYPES and qu in tk.ROW_TILE_TYPES
+                                              else ("tile",)))))
+    downs = _down_tiles(qd, tokens)
+    return {f"gate/up {g}, down {d}": {"gate_up_tile": g, "down_tile": d}
+            for g in gate_ups for d in downs if (g, d) != (default, downs[0])}
 
 
 # --sweep's register caps for the one-launch step (occupancy against spills; sm_90 compiles, one token: 48-72
@@ -741,13 +745,13 @@ def _expert_sweep(tile: str) -> list:
     from engine.quant import triton_kernels as tk
 
     if tile == "row":
-        # at its 64 registers the default (4 rows on 4 warps) fits 8 programs an SM, so one token's
-        # Qwen3 gate/up (1,536 programs) ran in 1.45 waves (Nsight Compute, H200). Register caps:
-        # 40 fit them in one, at the cost of a stack (sm_90: 112 bytes for Q4_K, 208 for Q6_K).
-        # Turns: 8 rows a program in two turns of 4 (sm_90: 64 registers, Q4_K and Q6_K; no stack)
-        # fit them in 0.73 of one; 16 in four (72) in 0.42
-        return [tk.TileConfig(2, 1), tk.TileConfig(2, 2), tk.TileConfig(4, 2), tk.TileConfig(8, 4),
-                tk.TileConfig(8, 8), tk.TileConfig(16, 4), tk.TileConfig(4, 4, maxnreg=48),
+        # at its 64 registers 4 rows on 4 warps fit 8 programs an SM, so one token's Qwen3 gate/up
+        # (1,536 programs) ran in 1.45 waves (Nsight Compute, H200). Register caps: 40 fit them in
+        # one, at the cost of a stack (sm_90: 112 bytes for Q4_K, 208 for Q6_K). Turns: 8 rows a
+        # program in two turns of 4 (sm_90: 64 registers, Q4_K and Q6_K; no stack) fit them in 0.73
+        # of one; 16 in four (72) in 0.42
+        return [tk.TileConfig(2, 1), tk.TileConfig(2, 2), tk.TileConfig(4, 2), tk.TileConfig(4, 4),
+                tk.TileConfig(8, 4), tk.TileConfig(8, 8), tk.TileConfig(16, 4), tk.TileConfig(4, 4, maxnreg=48),
                 tk.TileConfig(4, 4, maxnreg=40), tk.TileConfig(8, 4, passes=2), tk.TileConfig(16, 4, passes=4)]
     return _sweep_tiles()
 

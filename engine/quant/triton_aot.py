@@ -173,40 +173,40 @@ def decode_variants(gate: QT, up: QT, down: QT, n_embd: int, n_ff: int, activati
     out.append(("gate_up s1", tk._gate_up_kernel, {**gate_up, "BLOCK_N": many.block_n, "UNROLL": many.unroll,
                                                    "PASSES": 1, "split": 1}, many))
     tile = tk.expert_tile(qg, qu, 1)
-    one = tk.GATE_UP_CONFIG[tile]
+    one = tk.gate_up_config(tile, qg, qu, n_ff)
     split = tk.SplitK.choose(ONE_TOKEN_PAIRS * -(-n_ff // one.block_n) * one.block_n, n_embd, H200_SMS, one)
     if tile == "row":
-        out.append((f"gate_up row s{split.split}", tk._gate_up_k4_kernel,
-                    {**gate_up, "BLOCK_N": one.block_n, "UNROLL": False, "PASSES": one.passes,
+        turns = f" t{one.passes}" if one.passes > 1 else ""  # a K loop a turn
+        out.append((f"gate_up row{turns} s{split.split}", tk._gate_up_k4_kernel,
+                    {**gate_up, "BLOCK_N": one.block_n, "UNROLL": False, "PASSES": one.passes, "GROUP": 1,
                      **({"split": 1} if split.split == 1 else {})}, one))
+        # over 8 tokens, where asked: a program a run of pairs of one slot
+        row = tk.GATE_UP_CONFIG["row"]
+        out.append((f"gate_up row g{tk.RUN_MAX_TOKENS}", tk._gate_up_k4_kernel,
+                    {**gate_up, "BLOCK_N": row.block_n, "UNROLL": False, "PASSES": 1, "GROUP": tk.RUN_MAX_TOKENS,
+                     "split": 1}, row))
     elif split.split > 1 and not one.unroll:
         out.append((f"gate_up s{split.split}", tk._gate_up_kernel,
                     {**gate_up, "BLOCK_N": one.block_n, "UNROLL": one.unroll, "PASSES": 1}, one))
-    if tile != "row" and qg in tk.ROW_TILE_TYPES and qu in tk.ROW_TILE_TYPES:  # the row tile where asked
-        row = tk.GATE_UP_CONFIG["row"]
-        out.append(("gate_up row asked", tk._gate_up_k4_kernel,
-                    {**gate_up, "BLOCK_N": row.block_n, "UNROLL": False, "PASSES": row.passes, "split": 1}, row))
-    dn = tk.DOWN_CONFIG["tile"]
-    out.append(("down", tk._down_kernel,
-                {"K": n_ff, "QD": slot_type(down), "HAS_BIAS": bias, "WEIGHTED": True, "BLOCK_N": dn.block_n,
-                 "UNROLL": dn.unroll, "INTERP": False, "REV": rev, "PDL": pdl}, dn))
-    if slot_type(down) in tk.ROW_TILE_TYPES:  # down in the lanes-along-K tile (timed beside the default)
-        row = tk.DOWN_CONFIG["row"]
-        out.append(("down row", tk._down_k4_kernel,
-                    {"K": n_ff, "QD": slot_type(down), "HAS_BIAS": bias, "WEIGHTED": True, "BLOCK_N": row.block_n,
-                     "UNROLL": False, "INTERP": False, "REV": rev, "PDL": pdl}, row))
-    # the one-launch step (experts_forward(one_launch=True)) of one token: as the engine takes it (down
-    # in the quantized tile) and, where it differs, with the down tile that keeps gate/up's registers
-    for down_tile in dict.fromkeys(("tile", tk.step_down_tile(tile, slot_type(down)))):
-        step_down = tk.step_down_config(down_tile, one.num_warps)
-        out.append((f"step {tile} down {down_tile}", tk._expert_step_kernel,
-                    {"N": n_ff, "K": n_embd, "QG": qg, "QU": qu, "QD": slot_type(down),
-                     "SAME_X": vt(gate) == vt(up), "VT_G": vt(gate), "VT_U": vt(up), "VT_DOWN": vt(down),
-                     "ACT": activation, "HAS_BIAS": bias, "HAS_DOWN_BIAS": bias, "WEIGHTED": True,
-                     "ROW": tile == "row", "DOWN_ROW": down_tile == "row", "BLOCK_G": one.block_n,
-                     "BLOCK_D": step_down.block_n, "PASSES_G": one.passes, "UNROLL": one.unroll,
-                     "UNROLL_DOWN": step_down.unroll,
-                     "ROUND_X": True, "INTERP": False, "REV": rev}, one))
+    # down in the quantized tile (over several tokens) and in the row tile (one token's, where it reads the type)
+    qd = slot_type(down)
+    down_tiles = list(dict.fromkeys(("tile", tk.expert_down_tile(qd, 1))))
+    for down_tile, group in [(t, g) for t in down_tiles for g in ((1, tk.RUN_MAX_TOKENS) if t == "row" else (0,))]:
+        dn = tk.DOWN_CONFIG[down_tile]
+        out.append(("down" if down_tile == "tile" else f"down {down_tile}" + (f" g{group}" if group > 1 else ""),
+                    tk._down_k4_kernel if down_tile == "row" else tk._down_kernel,
+                    {"K": n_ff, "QD": qd, "HAS_BIAS": bias, "WEIGHTED": True, "BLOCK_N": dn.block_n,
+                     "UNROLL": dn.unroll, "INTERP": False, "REV": rev, "PDL": pdl,
+                     **({"GROUP": group} if group else {})}, dn))
+    # the one-launch step (experts_forward(one_launch=True)) of one token, with one token's down tile
+    step_down = tk.step_down_config(down_tiles[-1], one.num_warps)
+    out.append((f"step {tile} down {down_tiles[-1]}", tk._expert_step_kernel,
+                {"N": n_ff, "K": n_embd, "QG": qg, "QU": qu, "QD": qd,
+                 "SAME_X": vt(gate) == vt(up), "VT_G": vt(gate), "VT_U": vt(up), "VT_DOWN": vt(down),
+                 "ACT": activation, "HAS_BIAS": bias, "HAS_DOWN_BIAS": bias, "WEIGHTED": True,
+                 "ROW": tile == "row", "DOWN_ROW": down_tiles[-1] == "row", "BLOCK_G": one.block_n,
+                 "BLOCK_D": step_down.block_n, "PASSES_G": one.passes, "UNROLL": one.unroll,
+                 "UNROLL_DOWN": step_down.unroll, "ROUND_X": True, "INTERP": False, "REV": rev}, one))
     return out
 
 

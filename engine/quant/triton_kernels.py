@@ -1518,6 +1518,149 @@ if triton is not None:
                         ub_ptr, h_ptr, hr_ptr, hq_ptr, hd_ptr, part_ptr, count_ptr, pair_exp, h_flags, epoch, N,
                         VT_DOWN, ACT, HAS_BIAS, BLOCK_N, INTERP, STEP)
 
+    # Over several tokens (GROUP of them, 2-8) the row tiles let one program serve every pair of
+    # a slot: pairs come sorted by slot, a slot at most once a token, so a slot's pairs are a run
+    # of up to GROUP; its first pair's programs lead (so does every GROUP-th pair, which bounds a
+    # run whatever the order) and load each weight once for the run's tokens, as llama.cpp's mmvq
+    # loads a dense weight once for up to 8 rows; the run's other programs end at once. Each
+    # pair's sums are the ungrouped tile's, in the same order: the same bits.
+
+    @triton.jit
+    def _run_member(pair_slot, q, n_pairs, slot, before, GROUP: tl.constexpr):
+        """Whether pair q, the pair after a member (`before`), belongs to the run `slot` leads."""
+        same = tl.load(pair_slot + tl.minimum(q, n_pairs - 1)) == slot
+        return before & (q < n_pairs) & (q % GROUP != 0) & same
+
+    @triton.jit
+    def _run_tok(pair_tok, q, n_pairs):
+        return tl.load(pair_tok + tl.minimum(q, n_pairs - 1)).to(tl.int64)
+
+    @triton.jit
+    def _k4_member(acc_g, acc_u, m: tl.constexpr, GROUP: tl.constexpr, member, tok, gw, gh, gq, gd, uw, uh, uq,
+                   ud, xgq_ptr, xgd_ptr, xuq_ptr, xud_ptr, kq, k1, g, n, wd, K: tl.constexpr, QG: tl.constexpr,
+                   QU: tl.constexpr, SAME_X: tl.constexpr, INTERP: tl.constexpr, REV: tl.constexpr):
+        """Run member m's gate and up sums += these four K steps, where it is one."""
+        if m < GROUP:
+            if member:
+                NS: tl.constexpr = (K + 255) // 256
+                xgq_row = xgq_ptr + tok * (NS * 256)
+                xgd_row = xgd_ptr + tok * (NS * 8)
+                acc_g += _k4_dot(gw, gh, gq, gd, xgq_row, xgd_row, kq, k1, g, n, wd, K, QG, INTERP, REV, 4)
+                if SAME_X:
+                    acc_u += _k4_dot(uw, uh, uq, ud, xgq_row, xgd_row, kq, k1, g, n, wd, K, QU, INTERP, REV, 4)
+                else:
+                    acc_u += _k4_dot(uw, uh, uq, ud, xuq_ptr + tok * (NS * 256), xud_ptr + tok * (NS * 8), kq, k1,
+                                     g, n, wd, K, QU, INTERP, REV, 4)
+        return acc_g, acc_u
+
+    @triton.jit
+    def _gate_up_member_end(acc_g, acc_u, m: tl.constexpr, GROUP: tl.constexpr, member, rows, p, nb, s, split,
+                            n_pairs, gb_ptr, ub_ptr, h_ptr, hr_ptr, hq_ptr, hd_ptr, part_ptr, count_ptr, pair_exp,
+                            N: tl.constexpr, VT_DOWN: tl.constexpr, ACT: tl.constexpr, HAS_BIAS: tl.constexpr,
+                            BLOCK_N: tl.constexpr, INTERP: tl.constexpr):
+        """_gate_up_finish for run member m (pair p + m), where it is one."""
+        if m < GROUP:
+            if member:
+                _gate_up_finish(tl.sum(acc_g, axis=0), tl.sum(acc_u, axis=0), rows, p + m, nb, s, split, n_pairs,
+                                gb_ptr, ub_ptr, h_ptr, hr_ptr, hq_ptr, hd_ptr, part_ptr, count_ptr, pair_exp,
+                                count_ptr, 0, N, VT_DOWN, ACT, HAS_BIAS, BLOCK_N, INTERP, False)
+
+    @triton.jit
+    def _gate_up_run_program(p, nb, s, xgq_ptr, xgd_ptr, xuq_ptr, xud_ptr,
+                             g_ptr, g_slot_bytes, g_row_bytes, u_ptr, u_slot_bytes, u_row_bytes,
+                             gb_ptr, ub_ptr, h_ptr, hr_ptr, hq_ptr, hd_ptr, part_ptr, count_ptr,
+                             pair_tok, pair_slot, pair_exp, n_pairs, split, steps,
+                             N: tl.constexpr, K: tl.constexpr, QG: tl.constexpr, QU: tl.constexpr,
+                             SAME_X: tl.constexpr, VT_DOWN: tl.constexpr, ACT: tl.constexpr, HAS_BIAS: tl.constexpr,
+                             BLOCK_N: tl.constexpr, GROUP: tl.constexpr, INTERP: tl.constexpr, REV: tl.constexpr,
+                             PDL: tl.constexpr):
+        """Program (p, nb, s) of _gate_up_k4_kernel over GROUP tokens: _gate_up_row_program's
+        (rows at once) for the run of pairs pair p leads."""
+        if PDL:
+            gdc_launch_dependents()
+        slot = tl.load(pair_slot + p)
+        if slot < 0:  # no slot here (see _gate_up_tile_program)
+            return
+        if (p % GROUP != 0) & (tl.load(pair_slot + tl.maximum(p - 1, 0)) == slot):
+            return  # a member of the run before: its leader takes it
+        g, n, wd, g_words = _row_tile(g_ptr + slot.to(tl.int64) * g_slot_bytes, g_row_bytes, nb, N, BLOCK_N)
+        _, _, _, u_words = _row_tile(u_ptr + slot.to(tl.int64) * u_slot_bytes, u_row_bytes, nb, N, BLOCK_N)
+        k0 = s * steps
+        k1 = tl.minimum(k0 + steps, (K + 255) // 256)
+        gw, gh, gq, gd = _k4_load(g_words, k0, k1, g, wd, K, QG, REV, 4)
+        uw, uh, uq, ud = _k4_load(u_words, k0, k1, g, wd, K, QU, REV, 4)
+        m1 = _run_member(pair_slot, p + 1, n_pairs, slot, slot >= 0, GROUP)
+        m2 = _run_member(pair_slot, p + 2, n_pairs, slot, m1, GROUP)
+        m3 = _run_member(pair_slot, p + 3, n_pairs, slot, m2, GROUP)
+        m4 = _run_member(pair_slot, p + 4, n_pairs, slot, m3, GROUP)
+        m5 = _run_member(pair_slot, p + 5, n_pairs, slot, m4, GROUP)
+        m6 = _run_member(pair_slot, p + 6, n_pairs, slot, m5, GROUP)
+        m7 = _run_member(pair_slot, p + 7, n_pairs, slot, m6, GROUP)
+        t0 = _run_tok(pair_tok, p, n_pairs)
+        t1 = _run_tok(pair_tok, p + 1, n_pairs)
+        t2 = _run_tok(pair_tok, p + 2, n_pairs)
+        t3 = _run_tok(pair_tok, p + 3, n_pairs)
+        t4 = _run_tok(pair_tok, p + 4, n_pairs)
+        t5 = _run_tok(pair_tok, p + 5, n_pairs)
+        t6 = _run_tok(pair_tok, p + 6, n_pairs)
+        t7 = _run_tok(pair_tok, p + 7, n_pairs)
+        if PDL:  # the first steps' weights are on their way while the launch before ends
+            gdc_wait()
+        g0 = tl.zeros((32, BLOCK_N), tl.float32)
+        u0 = g0
+        g1 = g0
+        u1 = g0
+        g2 = g0
+        u2 = g0
+        g3 = g0
+        u3 = g0
+        g4 = g0
+        u4 = g0
+        g5 = g0
+        u5 = g0
+        g6 = g0
+        u6 = g0
+        g7 = g0
+        u7 = g0
+        for kq in range(k0, k1, 4):
+            ngw, ngh, ngq, ngd = _k4_load(g_words, kq + 4, k1, g, wd, K, QG, REV, 4)
+            nuw, nuh, nuq, nud = _k4_load(u_words, kq + 4, k1, g, wd, K, QU, REV, 4)
+            g0, u0 = _k4_member(g0, u0, 0, GROUP, True, t0, gw, gh, gq, gd, uw, uh, uq, ud, xgq_ptr, xgd_ptr, xuq_ptr,
+                                xud_ptr, kq, k1, g, n, wd, K, QG, QU, SAME_X, INTERP, REV)
+            g1, u1 = _k4_member(g1, u1, 1, GROUP, m1, t1, gw, gh, gq, gd, uw, uh, uq, ud, xgq_ptr, xgd_ptr, xuq_ptr,
+                                xud_ptr, kq, k1, g, n, wd, K, QG, QU, SAME_X, INTERP, REV)
+            g2, u2 = _k4_member(g2, u2, 2, GROUP, m2, t2, gw, gh, gq, gd, uw, uh, uq, ud, xgq_ptr, xgd_ptr, xuq_ptr,
+                                xud_ptr, kq, k1, g, n, wd, K, QG, QU, SAME_X, INTERP, REV)
+            g3, u3 = _k4_member(g3, u3, 3, GROUP, m3, t3, gw, gh, gq, gd, uw, uh, uq, ud, xgq_ptr, xgd_ptr, xuq_ptr,
+                                xud_ptr, kq, k1, g, n, wd, K, QG, QU, SAME_X, INTERP, REV)
+            g4, u4 = _k4_member(g4, u4, 4, GROUP, m4, t4, gw, gh, gq, gd, uw, uh, uq, ud, xgq_ptr, xgd_ptr, xuq_ptr,
+                                xud_ptr, kq, k1, g, n, wd, K, QG, QU, SAME_X, INTERP, REV)
+            g5, u5 = _k4_member(g5, u5, 5, GROUP, m5, t5, gw, gh, gq, gd, uw, uh, uq, ud, xgq_ptr, xgd_ptr, xuq_ptr,
+                                xud_ptr, kq, k1, g, n, wd, K, QG, QU, SAME_X, INTERP, REV)
+            g6, u6 = _k4_member(g6, u6, 6, GROUP, m6, t6, gw, gh, gq, gd, uw, uh, uq, ud, xgq_ptr, xgd_ptr, xuq_ptr,
+                                xud_ptr, kq, k1, g, n, wd, K, QG, QU, SAME_X, INTERP, REV)
+            g7, u7 = _k4_member(g7, u7, 7, GROUP, m7, t7, gw, gh, gq, gd, uw, uh, uq, ud, xgq_ptr, xgd_ptr, xuq_ptr,
+                                xud_ptr, kq, k1, g, n, wd, K, QG, QU, SAME_X, INTERP, REV)
+            gw, gh, gq, gd = ngw, ngh, ngq, ngd
+            uw, uh, uq, ud = nuw, nuh, nuq, nud
+        rows = nb * BLOCK_N + tl.arange(0, BLOCK_N)
+        _gate_up_member_end(g0, u0, 0, GROUP, True, rows, p, nb, s, split, n_pairs, gb_ptr, ub_ptr, h_ptr, hr_ptr,
+                            hq_ptr, hd_ptr, part_ptr, count_ptr, pair_exp, N, VT_DOWN, ACT, HAS_BIAS, BLOCK_N, INTERP)
+        _gate_up_member_end(g1, u1, 1, GROUP, m1, rows, p, nb, s, split, n_pairs, gb_ptr, ub_ptr, h_ptr, hr_ptr,
+                            hq_ptr, hd_ptr, part_ptr, count_ptr, pair_exp, N, VT_DOWN, ACT, HAS_BIAS, BLOCK_N, INTERP)
+        _gate_up_member_end(g2, u2, 2, GROUP, m2, rows, p, nb, s, split, n_pairs, gb_ptr, ub_ptr, h_ptr, hr_ptr,
+                            hq_ptr, hd_ptr, part_ptr, count_ptr, pair_exp, N, VT_DOWN, ACT, HAS_BIAS, BLOCK_N, INTERP)
+        _gate_up_member_end(g3, u3, 3, GROUP, m3, rows, p, nb, s, split, n_pairs, gb_ptr, ub_ptr, h_ptr, hr_ptr,
+                            hq_ptr, hd_ptr, part_ptr, count_ptr, pair_exp, N, VT_DOWN, ACT, HAS_BIAS, BLOCK_N, INTERP)
+        _gate_up_member_end(g4, u4, 4, GROUP, m4, rows, p, nb, s, split, n_pairs, gb_ptr, ub_ptr, h_ptr, hr_ptr,
+                            hq_ptr, hd_ptr, part_ptr, count_ptr, pair_exp, N, VT_DOWN, ACT, HAS_BIAS, BLOCK_N, INTERP)
+        _gate_up_member_end(g5, u5, 5, GROUP, m5, rows, p, nb, s, split, n_pairs, gb_ptr, ub_ptr, h_ptr, hr_ptr,
+                            hq_ptr, hd_ptr, part_ptr, count_ptr, pair_exp, N, VT_DOWN, ACT, HAS_BIAS, BLOCK_N, INTERP)
+        _gate_up_member_end(g6, u6, 6, GROUP, m6, rows, p, nb, s, split, n_pairs, gb_ptr, ub_ptr, h_ptr, hr_ptr,
+                            hq_ptr, hd_ptr, part_ptr, count_ptr, pair_exp, N, VT_DOWN, ACT, HAS_BIAS, BLOCK_N, INTERP)
+        _gate_up_member_end(g7, u7, 7, GROUP, m7, rows, p, nb, s, split, n_pairs, gb_ptr, ub_ptr, h_ptr, hr_ptr,
+                            hq_ptr, hd_ptr, part_ptr, count_ptr, pair_exp, N, VT_DOWN, ACT, HAS_BIAS, BLOCK_N, INTERP)
+
     @triton.jit(do_not_specialize=["n_pairs", "steps"])
     def _gate_up_k4_kernel(xg_ptr, xgq_ptr, xgd_ptr, xu_ptr, xuq_ptr, xud_ptr,
                            g_ptr, g_slot_bytes, g_row_bytes, u_ptr, u_slot_bytes, u_row_bytes,
@@ -1526,23 +1669,42 @@ if triton is not None:
                            N: tl.constexpr, K: tl.constexpr, QG: tl.constexpr, QU: tl.constexpr,
                            SAME_X: tl.constexpr, VT_DOWN: tl.constexpr, ACT: tl.constexpr, HAS_BIAS: tl.constexpr,
                            BLOCK_N: tl.constexpr, UNROLL: tl.constexpr, PASSES: tl.constexpr,
-                           INTERP: tl.constexpr, REV: tl.constexpr, PDL: tl.constexpr):
+                           GROUP: tl.constexpr, INTERP: tl.constexpr, REV: tl.constexpr, PDL: tl.constexpr):
         """_gate_up_kernel for Q4_K, Q5_K, padded Q6_K, planar MXFP4 or Q8_0 gate and up weights (QG, QU),
-        lanes along K, a program's BLOCK_N rows in PASSES turns (UNROLL unused)."""
-        _gate_up_row_program(tl.program_id(0), tl.program_id(1), tl.program_id(2), xg_ptr, xgq_ptr, xgd_ptr,
-                             xu_ptr, xuq_ptr, xud_ptr, g_ptr, g_slot_bytes, g_row_bytes, u_ptr, u_slot_bytes,
-                             u_row_bytes, gb_ptr, ub_ptr, h_ptr, hr_ptr, hq_ptr, hd_ptr, part_ptr, count_ptr,
-                             pair_tok, pair_slot, pair_exp, n_pairs, split, steps, count_ptr, count_ptr, 0,
-                             count_ptr, 0, N, K, QG, QU, SAME_X, VT_DOWN, ACT, HAS_BIAS, BLOCK_N, PASSES, INTERP,
-                             REV, False, False, PDL)
+        lanes along K, a program's BLOCK_N rows in PASSES turns, or over GROUP > 1 tokens a run of
+        pairs of one slot at once (UNROLL unused)."""
+        if GROUP > 1:
+            _gate_up_run_program(tl.program_id(0), tl.program_id(1), tl.program_id(2), xgq_ptr, xgd_ptr, xuq_ptr,
+                                 xud_ptr, g_ptr, g_slot_bytes, g_row_bytes, u_ptr, u_slot_bytes, u_row_bytes, gb_ptr,
+                                 ub_ptr, h_ptr, hr_ptr, hq_ptr, hd_ptr, part_ptr, count_ptr, pair_tok, pair_slot,
+                                 pair_exp, n_pairs, split, steps, N, K, QG, QU, SAME_X, VT_DOWN, ACT, HAS_BIAS,
+                                 BLOCK_N, GROUP, INTERP, REV, PDL)
+        else:
+            _gate_up_row_program(tl.program_id(0), tl.program_id(1), tl.program_id(2), xg_ptr, xgq_ptr, xgd_ptr,
+                                 xu_ptr, xuq_ptr, xud_ptr, g_ptr, g_slot_bytes, g_row_bytes, u_ptr, u_slot_bytes,
+                                 u_row_bytes, gb_ptr, ub_ptr, h_ptr, hr_ptr, hq_ptr, hd_ptr, part_ptr, count_ptr,
+                                 pair_tok, pair_slot, pair_exp, n_pairs, split, steps, count_ptr, count_ptr, 0,
+                                 count_ptr, 0, N, K, QG, QU, SAME_X, VT_DOWN, ACT, HAS_BIAS, BLOCK_N, PASSES, INTERP,
+                                 REV, False, False, PDL)
 
     # down in the same tile (_down_kernel's grid, arguments and results; hr and UNROLL unused): a
-    # pair's BLOCK_N rows a program over all K steps of h. The one-launch step takes it after a
-    # "row" gate/up (step_down_tile); alone it is timed beside the quantized tile ("down row" in
-    # `moestudio bench kernels`): session 27 found it slower at Qwen3's K = 768, where three K steps
-    # left a quarter of the lanes idle, so the three launches keep the quantized tile. Under four K
-    # steps each eight lanes now take a row of their own instead (session 31; not yet timed: the
-    # H200 found the quantized tile's down at 8 warps an SM, 20% of DRAM bandwidth, at one token).
+    # pair's BLOCK_N rows a program over all K steps of h, one token's default (expert_down_tile).
+    # Under four K steps (Qwen3's K = 768: three, which left a quarter of the lanes idle) each eight
+    # lanes take a row of their own.
+
+    @triton.jit
+    def _down_row_tile(w_ptr, w_row_bytes, nb, N, BLOCK_N: tl.constexpr, SPAN: tl.constexpr):
+        """_row_tile for down's row tile: under four K steps (SPAN 1) lane g of column c takes row
+        4c + g // 8 of the program's 4 * BLOCK_N."""
+        if SPAN == 4:
+            g, n, wd, words = _row_tile(w_ptr, w_row_bytes, nb, N, BLOCK_N)
+        else:
+            g = tl.arange(0, 32)[:, None, None]
+            n = tl.arange(0, BLOCK_N)[None, :, None]
+            wd = tl.arange(0, 4)[None, None, :]
+            row = tl.minimum(nb * BLOCK_N * 4 + n * 4 + g // 8, N - 1).to(tl.int64)
+            words = w_ptr.to(tl.pointer_type(tl.int32)) + row * (w_row_bytes // 4)
+        return g, n, wd, words
 
     @triton.jit
     def _down_row_program(p, nb, hq_ptr, hd_ptr, d_ptr, d_slot_bytes, d_row_bytes, db_ptr, wt_ptr, wt_stride_tok,
@@ -1556,18 +1718,11 @@ if triton is not None:
         slot_or_none = tl.load(pair_slot + p)
         if slot_or_none < 0:  # no slot here (see _gate_up_tile_program)
             return
-        slot = slot_or_none.to(tl.int64)
         NS: tl.constexpr = (K + 255) // 256
         SPAN: tl.constexpr = 1 if NS < 4 else 4
         ROWS: tl.constexpr = BLOCK_N * 4 // SPAN
-        if SPAN == 4:
-            g, n, wd, d_words = _row_tile(d_ptr + slot * d_slot_bytes, d_row_bytes, nb, N, BLOCK_N)
-        else:  # lane g of column c: row 4c + g // 8 of the program's
-            g = tl.arange(0, 32)[:, None, None]
-            n = tl.arange(0, BLOCK_N)[None, :, None]
-            wd = tl.arange(0, 4)[None, None, :]
-            row = tl.minimum(nb * ROWS + n * 4 + g // 8, N - 1).to(tl.int64)
-            d_words = (d_ptr + slot * d_slot_bytes).to(tl.pointer_type(tl.int32)) + row * (d_row_bytes // 4)
+        g, n, wd, d_words = _down_row_tile(d_ptr + slot_or_none.to(tl.int64) * d_slot_bytes, d_row_bytes, nb, N,
+                                           BLOCK_N, SPAN)
         p64 = p.to(tl.int64)
         xq_row = hq_ptr + p64 * (NS * 256)
         xd_row = hd_ptr + p64 * (NS * 8)
@@ -1596,16 +1751,118 @@ if triton is not None:
                     out_ptr, out_stride_pos, out_stride_tok, pair_tok, pair_pos, pair_exp, N, HAS_BIAS, WEIGHTED)
 
     @triton.jit
+    def _k4_down_member(acc, m: tl.constexpr, GROUP: tl.constexpr, member, p, w, hdr, qh, dd, hq_ptr, hd_ptr, kq,
+                        g, n, wd, K: tl.constexpr, QD: tl.constexpr, INTERP: tl.constexpr, REV: tl.constexpr,
+                        SPAN: tl.constexpr):
+        """Run member m's (pair p + m's) down sums += these SPAN K steps, where it is one."""
+        if m < GROUP:
+            if member:
+                NS: tl.constexpr = (K + 255) // 256
+                q = (p + m).to(tl.int64)
+                acc += _k4_dot(w, hdr, qh, dd, hq_ptr + q * (NS * 256), hd_ptr + q * (NS * 8), kq, NS, g, n, wd, K,
+                               QD, INTERP, REV, SPAN)
+        return acc
+
+    @triton.jit
+    def _down_member_end(acc, m: tl.constexpr, GROUP: tl.constexpr, member, rows, p, db_ptr, wt_ptr, wt_stride_tok,
+                         out_ptr, out_stride_pos, out_stride_tok, pair_tok, pair_pos, pair_exp, N,
+                         HAS_BIAS: tl.constexpr, WEIGHTED: tl.constexpr, BLOCK_N: tl.constexpr, SPAN: tl.constexpr):
+        """_down_store for run member m (pair p + m), where it is one."""
+        if m < GROUP:
+            if member:
+                _down_store(_k4_rows(acc, BLOCK_N, SPAN), rows, p + m, db_ptr, wt_ptr, wt_stride_tok, out_ptr,
+                            out_stride_pos, out_stride_tok, pair_tok, pair_pos, pair_exp, N, HAS_BIAS, WEIGHTED)
+
+    @triton.jit
+    def _down_run_program(p, nb, n_pairs, hq_ptr, hd_ptr, d_ptr, d_slot_bytes, d_row_bytes, db_ptr, wt_ptr,
+                          wt_stride_tok, out_ptr, out_stride_pos, out_stride_tok, pair_tok, pair_pos, pair_slot,
+                          pair_exp, N, K: tl.constexpr, QD: tl.constexpr, HAS_BIAS: tl.constexpr,
+                          WEIGHTED: tl.constexpr, BLOCK_N: tl.constexpr, GROUP: tl.constexpr, INTERP: tl.constexpr,
+                          REV: tl.constexpr, PDL: tl.constexpr):
+        """Program (p, nb) of _down_k4_kernel over GROUP tokens: _down_row_program's (its rows, its
+        sums' order) for the run of pairs pair p leads."""
+        slot = tl.load(pair_slot + p)
+        if slot < 0:  # no slot here (see _gate_up_tile_program)
+            return
+        if (p % GROUP != 0) & (tl.load(pair_slot + tl.maximum(p - 1, 0)) == slot):
+            return  # a member of the run before: its leader takes it
+        NS: tl.constexpr = (K + 255) // 256
+        SPAN: tl.constexpr = 1 if NS < 4 else 4
+        g, n, wd, d_words = _down_row_tile(d_ptr + slot.to(tl.int64) * d_slot_bytes, d_row_bytes, nb, N, BLOCK_N,
+                                           SPAN)
+        w, hdr, qh, dd = _k4_load(d_words, 0, NS, g, wd, K, QD, REV, SPAN)
+        m1 = _run_member(pair_slot, p + 1, n_pairs, slot, slot >= 0, GROUP)
+        m2 = _run_member(pair_slot, p + 2, n_pairs, slot, m1, GROUP)
+        m3 = _run_member(pair_slot, p + 3, n_pairs, slot, m2, GROUP)
+        m4 = _run_member(pair_slot, p + 4, n_pairs, slot, m3, GROUP)
+        m5 = _run_member(pair_slot, p + 5, n_pairs, slot, m4, GROUP)
+        m6 = _run_member(pair_slot, p + 6, n_pairs, slot, m5, GROUP)
+        m7 = _run_member(pair_slot, p + 7, n_pairs, slot, m6, GROUP)
+        if PDL:  # the first steps' weights are on their way while the launch before ends
+            gdc_wait()
+        a0 = tl.zeros((32, BLOCK_N), tl.float32)
+        a1 = a0
+        a2 = a0
+        a3 = a0
+        a4 = a0
+        a5 = a0
+        a6 = a0
+        a7 = a0
+        for kq in range(0, NS, SPAN):
+            nw, nhdr, nqh, ndd = _k4_load(d_words, kq + SPAN, NS, g, wd, K, QD, REV, SPAN)
+            a0 = _k4_down_member(a0, 0, GROUP, True, p, w, hdr, qh, dd, hq_ptr, hd_ptr, kq, g, n, wd, K, QD, INTERP,
+                                 REV, SPAN)
+            a1 = _k4_down_member(a1, 1, GROUP, m1, p, w, hdr, qh, dd, hq_ptr, hd_ptr, kq, g, n, wd, K, QD, INTERP,
+                                 REV, SPAN)
+            a2 = _k4_down_member(a2, 2, GROUP, m2, p, w, hdr, qh, dd, hq_ptr, hd_ptr, kq, g, n, wd, K, QD, INTERP,
+                                 REV, SPAN)
+            a3 = _k4_down_member(a3, 3, GROUP, m3, p, w, hdr, qh, dd, hq_ptr, hd_ptr, kq, g, n, wd, K, QD, INTERP,
+                                 REV, SPAN)
+            a4 = _k4_down_member(a4, 4, GROUP, m4, p, w, hdr, qh, dd, hq_ptr, hd_ptr, kq, g, n, wd, K, QD, INTERP,
+                                 REV, SPAN)
+            a5 = _k4_down_member(a5, 5, GROUP, m5, p, w, hdr, qh, dd, hq_ptr, hd_ptr, kq, g, n, wd, K, QD, INTERP,
+                                 REV, SPAN)
+            a6 = _k4_down_member(a6, 6, GROUP, m6, p, w, hdr, qh, dd, hq_ptr, hd_ptr, kq, g, n, wd, K, QD, INTERP,
+                                 REV, SPAN)
+            a7 = _k4_down_member(a7, 7, GROUP, m7, p, w, hdr, qh, dd, hq_ptr, hd_ptr, kq, g, n, wd, K, QD, INTERP,
+                                 REV, SPAN)
+            w, hdr, qh, dd = nw, nhdr, nqh, ndd
+        rows = nb * (BLOCK_N * 4 // SPAN) + tl.arange(0, BLOCK_N * 4 // SPAN)
+        _down_member_end(a0, 0, GROUP, True, rows, p, db_ptr, wt_ptr, wt_stride_tok, out_ptr, out_stride_pos,
+                         out_stride_tok, pair_tok, pair_pos, pair_exp, N, HAS_BIAS, WEIGHTED, BLOCK_N, SPAN)
+        _down_member_end(a1, 1, GROUP, m1, rows, p, db_ptr, wt_ptr, wt_stride_tok, out_ptr, out_stride_pos,
+                         out_stride_tok, pair_tok, pair_pos, pair_exp, N, HAS_BIAS, WEIGHTED, BLOCK_N, SPAN)
+        _down_member_end(a2, 2, GROUP, m2, rows, p, db_ptr, wt_ptr, wt_stride_tok, out_ptr, out_stride_pos,
+                         out_stride_tok, pair_tok, pair_pos, pair_exp, N, HAS_BIAS, WEIGHTED, BLOCK_N, SPAN)
+        _down_member_end(a3, 3, GROUP, m3, rows, p, db_ptr, wt_ptr, wt_stride_tok, out_ptr, out_stride_pos,
+                         out_stride_tok, pair_tok, pair_pos, pair_exp, N, HAS_BIAS, WEIGHTED, BLOCK_N, SPAN)
+        _down_member_end(a4, 4, GROUP, m4, rows, p, db_ptr, wt_ptr, wt_stride_tok, out_ptr, out_stride_pos,
+                         out_stride_tok, pair_tok, pair_pos, pair_exp, N, HAS_BIAS, WEIGHTED, BLOCK_N, SPAN)
+        _down_member_end(a5, 5, GROUP, m5, rows, p, db_ptr, wt_ptr, wt_stride_tok, out_ptr, out_stride_pos,
+                         out_stride_tok, pair_tok, pair_pos, pair_exp, N, HAS_BIAS, WEIGHTED, BLOCK_N, SPAN)
+        _down_member_end(a6, 6, GROUP, m6, rows, p, db_ptr, wt_ptr, wt_stride_tok, out_ptr, out_stride_pos,
+                         out_stride_tok, pair_tok, pair_pos, pair_exp, N, HAS_BIAS, WEIGHTED, BLOCK_N, SPAN)
+        _down_member_end(a7, 7, GROUP, m7, rows, p, db_ptr, wt_ptr, wt_stride_tok, out_ptr, out_stride_pos,
+                         out_stride_tok, pair_tok, pair_pos, pair_exp, N, HAS_BIAS, WEIGHTED, BLOCK_N, SPAN)
+
+    @triton.jit
     def _down_k4_kernel(hr_ptr, hq_ptr, hd_ptr, d_ptr, d_slot_bytes, d_row_bytes, db_ptr, wt_ptr, wt_stride_tok,
                         out_ptr, out_stride_pos, out_stride_tok, pair_tok, pair_pos, pair_slot, pair_exp, N,
                         K: tl.constexpr, QD: tl.constexpr, HAS_BIAS: tl.constexpr, WEIGHTED: tl.constexpr,
-                        BLOCK_N: tl.constexpr, UNROLL: tl.constexpr, INTERP: tl.constexpr, REV: tl.constexpr,
-                        PDL: tl.constexpr):
-        """_down_kernel for Q4_K, Q5_K, padded Q6_K, planar MXFP4 or Q8_0 down weights (QD), lanes along K."""
-        _down_row_program(tl.program_id(0), tl.program_id(1), hq_ptr, hd_ptr, d_ptr, d_slot_bytes, d_row_bytes,
-                          db_ptr, wt_ptr, wt_stride_tok, out_ptr, out_stride_pos, out_stride_tok, pair_tok, pair_pos,
-                          pair_slot, pair_exp, N, pair_slot, 0, pair_slot, 0, K, QD, HAS_BIAS, WEIGHTED, BLOCK_N,
-                          INTERP, REV, False, PDL)
+                        BLOCK_N: tl.constexpr, UNROLL: tl.constexpr, GROUP: tl.constexpr, INTERP: tl.constexpr,
+                        REV: tl.constexpr, PDL: tl.constexpr):
+        """_down_kernel for Q4_K, Q5_K, padded Q6_K, planar MXFP4 or Q8_0 down weights (QD), lanes along
+        K; over GROUP > 1 tokens a run of pairs of one slot at once."""
+        if GROUP > 1:
+            _down_run_program(tl.program_id(0), tl.program_id(1), tl.num_programs(0), hq_ptr, hd_ptr, d_ptr,
+                              d_slot_bytes, d_row_bytes, db_ptr, wt_ptr, wt_stride_tok, out_ptr, out_stride_pos,
+                              out_stride_tok, pair_tok, pair_pos, pair_slot, pair_exp, N, K, QD, HAS_BIAS, WEIGHTED,
+                              BLOCK_N, GROUP, INTERP, REV, PDL)
+        else:
+            _down_row_program(tl.program_id(0), tl.program_id(1), hq_ptr, hd_ptr, d_ptr, d_slot_bytes, d_row_bytes,
+                              db_ptr, wt_ptr, wt_stride_tok, out_ptr, out_stride_pos, out_stride_tok, pair_tok,
+                              pair_pos, pair_slot, pair_exp, N, pair_slot, 0, pair_slot, 0, K, QD, HAS_BIAS, WEIGHTED,
+                              BLOCK_N, INTERP, REV, False, PDL)
 
     @triton.jit
     def _round_x_program(r, x_ptr, x_stride, xg_ptr, xgq_ptr, xgd_ptr, xu_ptr, xuq_ptr, xud_ptr, x_flags, epoch,
@@ -1739,32 +1996,59 @@ class TileConfig:
     passes: int = 1
 
 
-# The expert kernels' tiles and their defaults. gate/up takes one of two (expert_tile picks):
-#   "tile"  the quantized tile ("weight tiles" above), every type and token count (_gate_up_kernel)
-#   "row"   Q4_K / Q5_K / padded Q6_K / planar MXFP4 gate and up at one token: a warp's lanes
-#           along each weight row, four K steps an access (_gate_up_k4_kernel; BLOCK_N rows on
-#           num_warps warps). At 2 and 8 tokens the tile was faster (H200: 17.4 / 44.6 against
-#           17.9 / 51.4 us, Qwen3 Q4_K). It reads planar Q8_0 too, taken where asked (ROW_GATE_UP_TYPES).
-# The down kernel takes the quantized tile. That tile puts two lanes on a row and 16 rows on a
-# warp, so BLOCK_N = 16 x num_warps gives each lane pair one row; 2 warps and 32 rows keep enough
-# programs for decode (Qwen3-30B: 8 pairs x 24 of them for gate/up); BLOCK_N = 32 x num_warps
-# gives a lane two rows. `moestudio bench kernels --sweep` times alternatives on the device.
+# The expert kernels' tiles and their defaults (expert_tile, expert_down_tile and gate_up_config pick):
+#   "tile"  the quantized tile ("weight tiles" above), every type and token count (_gate_up_kernel,
+#           _down_kernel). It puts two lanes on a row and 16 rows on a warp, so BLOCK_N = 16 x
+#           num_warps gives each lane pair one row; 2 warps and 32 rows keep enough programs for
+#           decode (Qwen3-30B: 8 pairs x 24 of them for gate/up); 32 x num_warps gives a lane two.
+#   "row"   ROW_TILE_TYPES at one token: a warp's lanes along each weight row, four K steps an
+#           access (_gate_up_k4_kernel, _down_k4_kernel; BLOCK_N rows on num_warps warps). H100,
+#           one token's step of Qwen3-30B (gpt-oss-120b for MXFP4), down in it against the
+#           quantized tile: 16.86 / 18.61 us Q4_K, 19.01 / 22.08 Q6_K, 23.19 / 27.60 Q8_0, 40.14 /
+#           43.03 MXFP4; planar Q8_0's gate/up in it too: 21.00. Over 2 and 8 tokens the quantized
+#           tile was faster for gate/up (H200: 17.4 / 44.6 against 17.9 / 51.4 us, Qwen3 Q4_K).
+# `moestudio bench kernels --sweep` times the alternatives on the device.
 GATE_UP_CONFIG: dict[str, TileConfig] = {"tile": TileConfig(32, 2), "row": TileConfig(4, 4)}
-# down takes the quantized tile, or "row" (_down_k4_kernel: the same four types as gate/up's "row",
-# a warp's lanes along each row) where asked (down's `tile`, experts_forward's `down_tile`) and in
-# the one-launch step after a "row" gate/up (step_down_tile)
+# gate/up's row tile over K-quants: 8 rows a program in two turns of 4 (TileConfig.passes), which
+# fit Qwen3's one-token gate/up in 0.73 of a wave where 4 rows at once took 1.45 (H100: Q4_K 17.58
+# against 18.61 us, Q6_K 20.60 against 22.08; MXFP4 slower, 44.83 against 43.03)
+GATE_UP_ROW_IN_TURNS = TileConfig(8, 4, passes=2)
 DOWN_CONFIG: dict[str, TileConfig] = {"tile": TileConfig(32, 2), "row": TileConfig(4, 4)}
 # the types the lanes-along-K kernels read (_dense_k4_kernel, _gate_up_k4_kernel, _down_k4_kernel)
 ROW_TILE_TYPES = (int(QT.Q4_K), int(QT.Q5_K), Q6_K_PADDED, MXFP4_PLANAR, Q8_0_PLANAR)
-# those whose gate/up takes the row tile at one token by default (expert_tile); planar Q8_0's row
-# tile is not yet timed against its quantized one (experts_forward(gate_up_tile="row") asks for it)
-ROW_GATE_UP_TYPES = (int(QT.Q4_K), int(QT.Q5_K), Q6_K_PADDED, MXFP4_PLANAR)
+_K_QUANT_ROWS = (int(QT.Q4_K), int(QT.Q5_K), Q6_K_PADDED)
 
 
 def expert_tile(qg: int, qu: int, tokens: int) -> str:
     """The tile (a GATE_UP_CONFIG key) of a gate/up launch over `tokens` tokens' pairs and
     weights of kernel types `qg`, `qu` (kernel_type)."""
-    return "row" if tokens == 1 and qg in ROW_GATE_UP_TYPES and qu in ROW_GATE_UP_TYPES else "tile"
+    return "row" if tokens == 1 and qg in ROW_TILE_TYPES and qu in ROW_TILE_TYPES else "tile"
+
+
+def expert_down_tile(qd: int, tokens: int) -> str:
+    """The tile (a DOWN_CONFIG key) of a down launch over `tokens` tokens' pairs and weights of
+    kernel type `qd`: one default for the three launches and the one-launch step, whose results
+    are then the same bits."""
+    return "row" if tokens == 1 and qd in ROW_TILE_TYPES else "tile"
+
+
+RUN_MAX_TOKENS = 8  # the row tiles' run programs keep one accumulator a token
+
+
+def run_group(tile: str, cfg: TileConfig, tokens: int) -> int:
+    """The GROUP constexpr of a row-tile launch over `tokens` tokens' pairs in `cfg`: at 2-8
+    tokens each program serves the run of pairs of its slot (1: a pair a program; also for rows
+    in turns, which runs do not take)."""
+    return tokens if tile == "row" and 1 < tokens <= RUN_MAX_TOKENS and cfg.passes == 1 else 1
+
+
+def gate_up_config(tile: str, qg: int, qu: int, n_ff: int) -> TileConfig:
+    """The default config of gate/up's tile `tile` over weights of kernel types `qg`, `qu` and
+    `n_ff` rows."""
+    turns = GATE_UP_ROW_IN_TURNS
+    if tile == "row" and qg in _K_QUANT_ROWS and qu in _K_QUANT_ROWS and n_ff % turns.passes == 0:
+        return turns
+    return GATE_UP_CONFIG[tile]
 
 _ACT = {"silu": 0, "swiglu_oai": 1}
 
@@ -1947,7 +2231,7 @@ class _GateUpPlan:
         if tile == "row" and not (qg in ROW_TILE_TYPES and qu in ROW_TILE_TYPES):
             raise ValueError(f"the row tile of gate/up reads Q4_K, Q5_K, padded Q6_K, planar MXFP4 and planar Q8_0, "
                              f"not {w.gate.qtype.name} / {w.up.qtype.name} in the layout given")
-        cfg = cfg or GATE_UP_CONFIG[tile]
+        cfg = cfg or gate_up_config(tile, qg, qu, n_ff)
         if KSTEP % cfg.block_n:
             raise ValueError(f"gate/up tiles of {cfg.block_n} rows: a tile's rows must divide a K step's {KSTEP}")
         if cfg.passes > 1 and (tile != "row" or cfg.block_n % cfg.passes or n_ff % cfg.passes):
@@ -2002,7 +2286,8 @@ def gate_up(xg: Rounded, xu: Rounded, gate_buf: torch.Tensor, up_buf: torch.Tens
         *plan.tensors(w, h, hr), pair_tok, pair_slot, pair_exp, P, plan.split.split, plan.split.steps,
         N=n_ff, K=d_in, QG=plan.qg, QU=plan.qu, SAME_X=xg is xu, VT_DOWN=_vt(w.down.qtype), ACT=_ACT[w.activation],
         HAS_BIAS=w.gate.bias is not None, BLOCK_N=plan.cfg.block_n, UNROLL=plan.cfg.unroll, PASSES=plan.cfg.passes,
-        INTERP=INTERPRETED, REV=reversed_ties(), PDL=pdl, **_launch_opts(plan.cfg, dependent and pdl))
+        INTERP=INTERPRETED, REV=reversed_ties(), PDL=pdl, **_launch_opts(plan.cfg, dependent and pdl),
+        **({"GROUP": run_group(plan.tile, plan.cfg, xg.padded.shape[0])} if plan.tile == "row" else {}))
     return h, hr
 
 
@@ -2024,12 +2309,12 @@ def _down_type(w, down_buf: torch.Tensor, tile: str) -> int:
 
 def down(hr: Rounded, down_buf: torch.Tensor, w, pair_tok: torch.Tensor, pair_pos: torch.Tensor,
          pair_slot: torch.Tensor, pair_exp: torch.Tensor, weights: torch.Tensor | None, out: torch.Tensor,
-         cfg: TileConfig | None = None, tile: str = "tile", dependent: bool = False) -> None:
+         cfg: TileConfig | None = None, tile: str | None = None, dependent: bool = False) -> None:
     """out[pos, tok, :] = (hr[p] . down[slot] (+bias)) * weights[tok, pos] for each pair p.
 
     hr: h rounded for the down type (gate_up's second result); `out` [k, T, D] (the
     executor's per_slot, last axis contiguous); with weights None the result is unweighted.
-    `tile`: a DOWN_CONFIG key ("row" takes ROW_TILE_TYPES only).
+    `tile`: a DOWN_CONFIG key, by default expert_down_tile's ("row" takes ROW_TILE_TYPES only).
     `dependent`: launched as a programmatic dependent where the device has them, only right
     after the gate_up launch that made hr (dependent_launches says why)."""
     d_out, n_ff = w.down.shape[1], w.down.shape[2]
@@ -2037,6 +2322,7 @@ def down(hr: Rounded, down_buf: torch.Tensor, w, pair_tok: torch.Tensor, pair_po
     if P == 0:
         return
     assert out.stride(2) == 1
+    tile = tile or expert_down_tile(kernel_type(w.down.qtype, down_buf, n_ff), out.shape[1])
     cfg = cfg or DOWN_CONFIG[tile]
     qd = _down_type(w, down_buf, tile)
     has_bias = w.down.bias is not None
@@ -2049,7 +2335,8 @@ def down(hr: Rounded, down_buf: torch.Tensor, w, pair_tok: torch.Tensor, pair_po
         out, out.stride(0), out.stride(1), pair_tok, pair_pos, pair_slot, pair_exp, d_out,
         K=n_ff, QD=qd, HAS_BIAS=has_bias, WEIGHTED=weights is not None,
         BLOCK_N=cfg.block_n, UNROLL=cfg.unroll, INTERP=INTERPRETED, REV=reversed_ties(), PDL=pdl,
-        **_launch_opts(cfg, dependent and pdl))
+        **_launch_opts(cfg, dependent and pdl),
+        **({"GROUP": run_group(tile, cfg, out.shape[1])} if tile == "row" else {}))
 
 
 def _rounds_alike(w) -> bool:
@@ -2075,9 +2362,8 @@ def experts_forward(x: torch.Tensor, buffers, w, pair_tok: torch.Tensor, pair_po
     down), or with `one_launch` the same programs in one grid (_expert_step_kernel; bit for bit
     the three launches' result with the same down tile, so the form changes how, not what).
     `gate_up_tile`: a GATE_UP_CONFIG key, by default expert_tile's pick for the launch.
-    `down_tile`: a DOWN_CONFIG key, by default the quantized tile ("tile"); in one launch at
-    gate/up's num_warps (down_cfg must take those; step_down_tile names the tile that keeps the
-    grid at gate/up's registers). A pair whose slot is negative does nothing. Where the device
+    `down_tile`: a DOWN_CONFIG key, by default expert_down_tile's; in one launch at gate/up's
+    num_warps (down_cfg must take those). A pair whose slot is negative does nothing. Where the device
     has programmatic dependent launch (dependent_launches), down, and gate/up after its own
     rounding of x, start while the launch before them ends.
 
@@ -2094,7 +2380,7 @@ def experts_forward(x: torch.Tensor, buffers, w, pair_tok: torch.Tensor, pair_po
     xg, xu = rounded or round_inputs(x, w)
     _, hr = gate_up(xg, xu, buffers[0], buffers[1], w, pair_tok, pair_slot, pair_exp, gate_up_cfg, gate_up_split,
                     dependent=rounded is None, tile=gate_up_tile)
-    down(hr, buffers[2], w, pair_tok, pair_pos, pair_slot, pair_exp, weights, out, down_cfg, down_tile or "tile",
+    down(hr, buffers[2], w, pair_tok, pair_pos, pair_slot, pair_exp, weights, out, down_cfg, down_tile,
          dependent=True)
 
 
@@ -2140,14 +2426,6 @@ def step_timed_out(device: torch.device) -> bool:
     return late
 
 
-def step_down_tile(gate_up_tile: str, qd: int) -> str:
-    """The down tile (a DOWN_CONFIG key) that keeps a one-launch step's grid at the registers of
-    gate/up's tile `gate_up_tile` (expert_tile) over down weights of kernel type `qd`: the row
-    tile after gate/up's (sm_90: 32-42 for it, 76-100 for the quantized one), whose sums differ
-    from the quantized tile's in order, so the engine's step keeps the quantized one."""
-    return "row" if gate_up_tile == "row" and qd in ROW_TILE_TYPES else "tile"
-
-
 def step_down_config(down_tile: str, num_warps: int) -> TileConfig:
     """A one-launch step's default down tile: DOWN_CONFIG's, its rows scaled to gate/up's warps."""
     base = DOWN_CONFIG[down_tile]
@@ -2169,7 +2447,7 @@ def _expert_step(x: torch.Tensor, buffers, w, pair_tok: torch.Tensor, pair_pos: 
         xg, xu = rounded
     plan = _GateUpPlan.make(w, buffers[0], buffers[1], T, P, dev, gate_up_cfg, split, gate_up_tile)
     gd, ud, dd = buffers
-    down_tile = down_tile or "tile"
+    down_tile = down_tile or expert_down_tile(kernel_type(w.down.qtype, dd, n_ff), T)
     qd = _down_type(w, dd, down_tile)
     down_cfg = down_cfg or step_down_config(down_tile, plan.cfg.num_warps)
     if down_cfg.num_warps != plan.cfg.num_warps:

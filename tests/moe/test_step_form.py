@@ -28,9 +28,10 @@ def fresh_choices(monkeypatch):
     monkeypatch.setattr(step_form, "_chosen", {})
     monkeypatch.setenv("MOESTUDIO_ONE_LAUNCH_STEP", "auto")
     if tk.INTERPRETED:  # one program per pair (the interpreter's fastest); its timings only need to exist
-        for tile in tk.GATE_UP_CONFIG:
-            monkeypatch.setitem(tk.GATE_UP_CONFIG, tile, tk.TileConfig(256, 4))
-        monkeypatch.setitem(tk.DOWN_CONFIG, "tile", tk.TileConfig(256, 4))
+        for configs in (tk.GATE_UP_CONFIG, tk.DOWN_CONFIG):
+            for tile in configs:
+                monkeypatch.setitem(configs, tile, tk.TileConfig(256, 4))
+        monkeypatch.setattr(tk, "GATE_UP_ROW_IN_TURNS", tk.TileConfig(256, 4))
         monkeypatch.setattr(step_form, "REPLAYS", 1)
 
 

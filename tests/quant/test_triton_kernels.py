@@ -133,7 +133,7 @@ def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
 
 
 def check_case(case: Case, gate_up_cfg=None, down_cfg=None, tol: float = REL_TOL, whole: bool = True,
-               split: tk.SplitK | None = None, down_tile: str = "tile", gate_up_tile: str | None = None) -> dict:
+               split: tk.SplitK | None = None, down_tile: str | None = None, gate_up_tile: str | None = None) -> dict:
     w = case.w
     h_ref, out_ref = case.reference()
     xg = tk.round_rows(case.x, w.gate.qtype)
@@ -155,11 +155,11 @@ def check_case(case: Case, gate_up_cfg=None, down_cfg=None, tol: float = REL_TOL
     # so the whole path is held to a looser bound than each kernel on identical inputs.
     err_all = rel_err(out, out_ref)
     assert err_all < 1e-3, f"end to end: relative error {err_all:.2e}"
-    if not whole or down_tile != "tile":  # experts_forward's down takes the quantized tile
+    if not whole:
         return {"h": err_h, "down": err_d, "all": err_all}
     out2 = torch.zeros_like(out_ref)
     tk.experts_forward(case.x, case.buffers, w, case.tok, case.pos, case.slot, case.exp, case.weights, out2,
-                       gate_up_cfg, down_cfg, split, gate_up_tile=gate_up_tile)
+                       gate_up_cfg, down_cfg, split, down_tile=down_tile, gate_up_tile=gate_up_tile)
     assert torch.equal(out, out2), "experts_forward differs from its parts"
     return {"h": err_h, "down": err_d, "all": err_all}
 
@@ -288,13 +288,13 @@ def test_interpreter_one_token_gpt_oss_gate_up_with_lanes_along_k(split: tk.Spli
 @interp
 @pytest.mark.parametrize("n_embd,split", [(1280, None), (1440, tk.SplitK(2, 3))], ids=["unsplit", "partial-split"])
 def test_interpreter_planar_q8_0_gate_up_with_lanes_along_k(n_embd: int, split: tk.SplitK | None) -> None:
-    """Planar Q8_0 gate/up in the lanes-along-K tile where asked (gate_up_tile="row"; a lane a
-    32-byte block, eight a K step): five K steps (a group of four and one), and 1440 (a partial
-    last step of 5 blocks) split in slices of 3 and 2 steps; the quantized tile stays the default."""
-    assert tk.expert_tile(tk.Q8_0_PLANAR, tk.Q8_0_PLANAR, 1) == "tile"
+    """One token's planar Q8_0 gate/up in the lanes-along-K tile (a lane a 32-byte block, eight a
+    K step): five K steps (a group of four and one), and 1440 (a partial last step of 5 blocks)
+    split in slices of 3 and 2 steps."""
+    assert tk.expert_tile(tk.Q8_0_PLANAR, tk.Q8_0_PLANAR, 1) == "row"
+    assert tk.expert_tile(tk.Q8_0_PLANAR, tk.Q8_0_PLANAR, 2) == "tile"
     w = make_weights((QT.Q8_0,) * 3, n_expert=5, n_embd=n_embd, n_ff=192, seed=18)
-    check_case(Case(w, n_tok=1, k=3, device="cpu", seed=12), tk.TileConfig(64, 4), SMALL, split=split,
-               gate_up_tile="row")
+    check_case(Case(w, n_tok=1, k=3, device="cpu", seed=12), tk.TileConfig(64, 4), SMALL, split=split)
 
 
 def test_row_tiles_take_their_types_in_their_layout() -> None:
@@ -376,6 +376,76 @@ def test_interpreter_one_token_down_with_lanes_along_k(qtypes, n_embd: int, n_ff
     check_case(Case(w, n_tok=1, k=3, device="cpu", seed=10), SMALL, tk.TileConfig(64, 4), down_tile="row")
 
 
+def row_tiles(case: Case, gate_up_cfg: tk.TileConfig, down_cfg: tk.TileConfig,
+              split: tk.SplitK | None = None) -> tuple[torch.Tensor, ...]:
+    """h, its rounding and down's output of the case in both row tiles."""
+    w = case.w
+    xg, xu = tk.round_inputs(case.x, w)
+    h, hr = tk.gate_up(xg, xu, case.buffers[0], case.buffers[1], w, case.tok, case.slot, case.exp, gate_up_cfg,
+                       split, tile="row")
+    out = torch.zeros(case.ids.shape[1], *case.x.shape, device=case.device)
+    tk.down(hr, case.buffers[2], w, case.tok, case.pos, case.slot, case.exp, case.weights, out, down_cfg, "row")
+    return h, hr.values, out
+
+
+def check_runs(case: Case, monkeypatch, gate_up_cfg: tk.TileConfig, down_cfg: tk.TileConfig,
+               split: tk.SplitK | None = None) -> None:
+    """The row tiles over several tokens, a program a run of pairs of one slot, give the bits of a
+    program a pair (RUN_MAX_TOKENS 1)."""
+    runs = row_tiles(case, gate_up_cfg, down_cfg, split)
+    with monkeypatch.context() as m:
+        m.setattr(tk, "RUN_MAX_TOKENS", 1)
+        pairs = row_tiles(case, gate_up_cfg, down_cfg, split)
+    for got, want in zip(runs, pairs):
+        assert torch.equal(got, want), f"a run program differs: {(got.float() - want.float()).abs().max():.3e}"
+
+
+@interp
+@pytest.mark.parametrize("qtypes,n_embd,n_ff,n_tok,split", [
+    ((QT.Q4_K,) * 3, 512, 256, 8, None), ((QT.Q6_K, QT.Q6_K, QT.Q4_K), 512, 512, 2, tk.SplitK(2, 1)),
+    ((QT.MXFP4,) * 3, 1440, 192, 3, None), ((QT.Q8_0, QT.Q8_0, QT.Q5_K), 256, 1024, 4, None)],
+    ids=["Q4_K-8", "Q6_K-2-split", "gpt-oss-3", "Q8_0-4"])
+def test_interpreter_row_tiles_over_several_tokens_take_a_slot_run_a_program(monkeypatch, qtypes, n_embd: int,
+                                                                            n_ff: int, n_tok: int, split) -> None:
+    """Over 2-8 tokens the row tiles' programs each serve a run of pairs of one slot (6 experts,
+    top-3: runs of up to n_tok pairs), against the reference and bit for bit against a program
+    a pair: gate/up's K in one, two (split 1 + 1) and six steps (gpt-oss's: the last partial,
+    biases), down's in one, two and four."""
+    gpt_oss = qtypes[0] == QT.MXFP4
+    w = make_weights(qtypes, n_expert=6, n_embd=n_embd, n_ff=n_ff, activation=SWIGLU_OAI if gpt_oss else SILU,
+                     bias=gpt_oss, seed=19)
+    case = Case(w, n_tok=n_tok, k=3, device="cpu", seed=13)
+    assert tk.run_group("row", SMALL, n_tok) == n_tok
+    check_case(case, SMALL, SMALL, split=split, gate_up_tile="row", down_tile="row")
+    check_runs(case, monkeypatch, SMALL, SMALL, split)
+
+
+@interp
+def test_interpreter_a_run_longer_than_its_tokens_is_cut_every_group(monkeypatch) -> None:
+    """Five pairs of one slot over two tokens (no routing makes them; the kernels must still take
+    every pair): programs lead at pairs 0, 2 and 4, each with what follows up to the next; and
+    pairs out of slot order, whose runs are shorter."""
+    w = make_weights((QT.Q4_K,) * 3, n_expert=3, n_embd=512, n_ff=256, seed=20)
+    case = Case(w, n_tok=2, k=3, device="cpu", seed=14)
+    keep = torch.arange(5)
+    case.tok, case.pos = case.tok[keep].contiguous(), case.pos[keep].contiguous()
+    case.slot, case.exp = case.slot[:1].repeat(5), case.exp[:1].repeat(5)
+    check_runs(case, monkeypatch, SMALL, SMALL)
+    # and against the reference, pair by pair
+    h = row_tiles(case, SMALL, SMALL)[0]
+    gate, up, _ = case.mats(int(case.exp[0]))
+    for p, t in enumerate(case.tok.tolist()):
+        xr = case.x[t:t + 1]
+        g = round_activation(xr, QT.Q4_K) @ gate.T
+        u = round_activation(xr, QT.Q4_K) @ up.T
+        assert rel_err(h[p], torch.nn.functional.silu(g[0]) * u[0]) < REL_TOL
+    shuffled = Case(w, n_tok=2, k=3, device="cpu", seed=15)
+    order = torch.tensor([3, 0, 5, 1, 4, 2])
+    shuffled.tok, shuffled.pos, shuffled.slot, shuffled.exp = (
+        t[order].contiguous() for t in (shuffled.tok, shuffled.pos, shuffled.slot, shuffled.exp))
+    check_runs(shuffled, monkeypatch, SMALL, SMALL)
+
+
 def test_gate_up_tiles_must_divide_a_k_step() -> None:
     w = make_weights((QT.Q8_0,) * 3, n_expert=2, n_embd=256, n_ff=96, seed=1)
     case = Case(w, n_tok=1, k=1, device="cpu")
@@ -449,7 +519,7 @@ ONE_LAUNCH_CASES = {
     # h of two K steps; down in the quantized tile
     "row Q6_K-MXFP4-Q4_K": ((QT.Q6_K, QT.MXFP4, QT.Q4_K), 1280, 512, 1, tk.TileConfig(64, 4, passes=2),
                             tk.SplitK(2, 3), "tile", SMALL),
-    # gpt-oss: a partial last K step, biases, SWIGLU_OAI; down in the row tile (step_down_tile's here)
+    # gpt-oss: a partial last K step, biases, SWIGLU_OAI; down in the row tile (one token's default)
     "row gpt-oss": ((QT.MXFP4,) * 3, 1440, 192, 1, tk.TileConfig(64, 4), None, "row", tk.TileConfig(64, 4)),
     # two tokens in the quantized tile, split; the MXFP4 down's h a partial third K step
     "tile Q8_0-Q6_K-MXFP4": ((QT.Q8_0, QT.Q6_K, QT.MXFP4), 256, 640, 2, SMALL, tk.SplitK(2, 1), "tile", SMALL),
@@ -457,11 +527,10 @@ ONE_LAUNCH_CASES = {
 }
 
 
-def step_down_tile(case: Case) -> str:
-    """The down tile that keeps a one-launch step of this case at gate/up's registers."""
+def default_down_tile(case: Case) -> str:
+    """The down tile experts_forward takes for this case by default."""
     w = case.w
-    qg, qu, qd = (tk.kernel_type(t.qtype, b, t.shape[2]) for t, b in zip((w.gate, w.up, w.down), case.buffers))
-    return tk.step_down_tile(tk.expert_tile(qg, qu, case.x.shape[0]), qd)
+    return tk.expert_down_tile(tk.kernel_type(w.down.qtype, case.buffers[2], w.down.shape[2]), case.x.shape[0])
 
 
 def check_one_launch(case: Case, gate_up_cfg: tk.TileConfig | None, down_cfg: tk.TileConfig | None,
@@ -548,11 +617,12 @@ def test_kernels_compile_for_hopper_without_spills(aot_report) -> None:
             # threads may run apart, so none of them may hold a barrier
             assert r["loop_smem_or_barrier"] == 0, f"{where}: shared memory or barriers in a loop: {r}"
             continue
-        # one K loop; a split over K (label "s2" and up) also loops over the slices' partial sums
-        # once, at the end, in a few instructions
+        # one K loop, one a turn for rows in turns (label "t2" and up); a split over K (label "s2"
+        # and up) also loops over the slices' partial sums once, at the end, in a few instructions
         split = r["kernel"].startswith("gate_up s") and r["kernel"] != "gate_up s1"
+        turns = next((int(w[1:]) for w in r["kernel"].split() if w[0] == "t" and w[1:].isdigit()), 1)
         loops = [n for n in r["loop_instructions"] if not split or n >= 64]
-        assert len(loops) <= 1, f"{where}: one K loop expected, {r['loop_instructions']}"
+        assert len(loops) <= turns, f"{where}: {turns} K loops expected, {r['loop_instructions']}"
         assert r["loop_smem_or_barrier"] == 0, f"{where}: shared memory or barriers in the K loop: {r}"
         if not r["loop_instructions"]:  # a short loop the compiler unrolled: barriers only at the end
             assert r["bar_sync"] <= 2, f"{where}: {r['bar_sync']} barriers"
@@ -686,7 +756,7 @@ def test_gpu_one_launch_step_equals_three_launches_and_replays(name: str, n_tok:
     w = make_weights(qtypes, n_expert=n_expert, n_embd=n_embd, n_ff=n_ff, activation=act, bias=bias, seed=n_tok)
     case = Case(w, n_tok=n_tok, k=k, device="cuda", seed=n_tok)
     case.slot[1] = -1
-    for down_tile in dict.fromkeys(("tile", step_down_tile(case))):
+    for down_tile in dict.fromkeys(("tile", default_down_tile(case))):
         check_one_launch(case, None, None, None, down_tile)
     xs = [case.x.clone(), -0.5 * case.x]
     wants = []
@@ -805,11 +875,27 @@ def test_gpu_other_row_tiles(cfg: tk.TileConfig, qtype: QT) -> None:
 @gpu
 @pytest.mark.parametrize("K", [2048, 2880])
 def test_gpu_planar_q8_0_in_the_row_tiles(K: int) -> None:
-    """Planar Q8_0's gate/up and down in the lanes-along-K tiles, as `bench kernels --sweep` times
-    them (2880: a partial last K step)."""
+    """Planar Q8_0's gate/up and down in the lanes-along-K tiles, one token's default (2880: a
+    partial last K step)."""
     _needs_compiled()
     w = make_weights((QT.Q8_0,) * 3, n_expert=16, n_embd=K, n_ff=768, seed=8)
-    check_case(Case(w, n_tok=1, k=8, device="cuda", seed=8), down_tile="row", gate_up_tile="row")
+    case = Case(w, n_tok=1, k=8, device="cuda", seed=8)
+    assert default_down_tile(case) == "row"
+    check_case(case)
+
+
+@gpu
+@pytest.mark.parametrize("n_tok", [2, 8])
+@pytest.mark.parametrize("qtype", [QT.Q4_K, QT.Q6_K, QT.Q8_0, QT.MXFP4], ids=lambda t: t.name)
+def test_gpu_row_tiles_take_a_slot_run_a_program(monkeypatch, qtype: QT, n_tok: int) -> None:
+    """The row tiles over several tokens at Qwen3's shape (gpt-oss's K for MXFP4), 16 experts top-8
+    (runs of up to n_tok pairs): the reference's results, a program a pair's bits."""
+    _needs_compiled()
+    K = 2880 if qtype == QT.MXFP4 else 2048
+    w = make_weights((qtype,) * 3, n_expert=16, n_embd=K, n_ff=768, seed=8)
+    case = Case(w, n_tok=n_tok, k=8, device="cuda", seed=8)
+    check_case(case, gate_up_tile="row", down_tile="row")
+    check_runs(case, monkeypatch, tk.GATE_UP_CONFIG["row"], tk.DOWN_CONFIG["row"])
 
 
 @gpu
@@ -862,9 +948,9 @@ def _hook_outputs(make_model, arch: str, qtype: QT, device: str, monkeypatch, mo
 @interp
 @pytest.mark.parametrize("arch,qtype", [("qwen3moe", QT.Q4_K), ("gpt-oss", QT.MXFP4), ("llama", QT.Q6_K)])
 def test_interpreter_hybrid_hook_matches_torch_path(make_model, monkeypatch, arch, qtype) -> None:
-    for tile in tk.GATE_UP_CONFIG:  # one program per pair: the interpreter's fastest
-        monkeypatch.setitem(tk.GATE_UP_CONFIG, tile, tk.TileConfig(256, 4))
-    monkeypatch.setitem(tk.DOWN_CONFIG, "tile", tk.TileConfig(256, 4))
+    for configs in (tk.GATE_UP_CONFIG, tk.DOWN_CONFIG):  # one program per pair: the interpreter's fastest
+        for tile in configs:
+            monkeypatch.setitem(configs, tile, tk.TileConfig(256, 4))
     got, want = _hook_outputs(make_model, arch, qtype, "cpu", monkeypatch, "force")
     assert rel_err(got, want) < 1e-3, rel_err(got, want)
 
