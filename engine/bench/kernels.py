@@ -351,12 +351,18 @@ def bench_experts(name: str, sc: ExpertScenario, rows: list[int], dev: torch.dev
     return out
 
 
+def _tiles(default: str, *types: int) -> list[str]:
+    """The expert tiles that read weights of kernel types `types`, `default` first."""
+    from engine.quant import triton_kernels as tk
+
+    return list(dict.fromkeys((default, "tile", *(("row",) if set(types) <= set(tk.ROW_TILE_TYPES) else ()))))
+
+
 def _down_tiles(qd: int, tokens: int) -> list[str]:
     """down's tiles over weights of kernel type `qd` at `tokens` tokens: the default first."""
     from engine.quant import triton_kernels as tk
 
-    return list(dict.fromkeys((tk.expert_down_tile(qd, tokens), *(("tile", "row") if qd in tk.ROW_TILE_TYPES
-                                                                   else ("tile",)))))
+    return _tiles(tk.expert_down_tile(qd, tokens), qd)
 
 
 def _other_step_tiles(qg: int, qu: int, qd: int, tokens: int) -> dict[str, dict]:
@@ -365,8 +371,7 @@ def _other_step_tiles(qg: int, qu: int, qd: int, tokens: int) -> dict[str, dict]
     from engine.quant import triton_kernels as tk
 
     default = tk.expert_tile(qg, qu, tokens)
-    gate_ups = list(dict.fromkeys((default, *(("tile", "row") if qg in tk.ROW_TILE_TYPES and qu in tk.ROW_TILE_TYPES
-                                              else ("tile",)))))
+    gate_ups = _tiles(default, qg, qu)
     downs = _down_tiles(qd, tokens)
     return {f"gate/up {g}, down {d}": {"gate_up_tile": g, "down_tile": d}
             for g in gate_ups for d in downs if (g, d) != (default, downs[0])}

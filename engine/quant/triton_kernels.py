@@ -2298,13 +2298,15 @@ def down_rows_per_program(tile: str, cfg: TileConfig, K: int) -> int:
     return cfg.block_n * 4 if tile == "row" and -(-K // KSTEP) < 4 else cfg.block_n
 
 
-def _down_type(w, down_buf: torch.Tensor, tile: str) -> int:
-    """The kernel type of down's weights, which down's `tile` must read."""
+def _down_tile_type(w, down_buf: torch.Tensor, tile: str | None, tokens: int) -> tuple[str, int]:
+    """down's tile over `tokens` tokens' pairs (`tile`, by default expert_down_tile's) and the
+    kernel type of its weights, which that tile must read."""
     qd = kernel_type(w.down.qtype, down_buf, w.down.shape[2])
+    tile = tile or expert_down_tile(qd, tokens)
     if tile == "row" and qd not in ROW_TILE_TYPES:
         raise ValueError(f"the row tile of down reads Q4_K, Q5_K, padded Q6_K, planar MXFP4 and planar Q8_0, "
                          f"not {w.down.qtype.name} in the layout given")
-    return qd
+    return tile, qd
 
 
 def down(hr: Rounded, down_buf: torch.Tensor, w, pair_tok: torch.Tensor, pair_pos: torch.Tensor,
@@ -2322,9 +2324,8 @@ def down(hr: Rounded, down_buf: torch.Tensor, w, pair_tok: torch.Tensor, pair_po
     if P == 0:
         return
     assert out.stride(2) == 1
-    tile = tile or expert_down_tile(kernel_type(w.down.qtype, down_buf, n_ff), out.shape[1])
+    tile, qd = _down_tile_type(w, down_buf, tile, out.shape[1])
     cfg = cfg or DOWN_CONFIG[tile]
-    qd = _down_type(w, down_buf, tile)
     has_bias = w.down.bias is not None
     db = w.down.bias if has_bias else hr.padded
     wt = weights if weights is not None else hr.padded
@@ -2447,8 +2448,7 @@ def _expert_step(x: torch.Tensor, buffers, w, pair_tok: torch.Tensor, pair_pos: 
         xg, xu = rounded
     plan = _GateUpPlan.make(w, buffers[0], buffers[1], T, P, dev, gate_up_cfg, split, gate_up_tile)
     gd, ud, dd = buffers
-    down_tile = down_tile or expert_down_tile(kernel_type(w.down.qtype, dd, n_ff), T)
-    qd = _down_type(w, dd, down_tile)
+    down_tile, qd = _down_tile_type(w, dd, down_tile, T)
     down_cfg = down_cfg or step_down_config(down_tile, plan.cfg.num_warps)
     if down_cfg.num_warps != plan.cfg.num_warps:
         raise ValueError(f"one launch runs gate/up and down on one num_warps: {plan.cfg.num_warps} and "

@@ -392,9 +392,12 @@ def check_runs(case: Case, monkeypatch, gate_up_cfg: tk.TileConfig, down_cfg: tk
                split: tk.SplitK | None = None) -> None:
     """The row tiles over several tokens, a program a run of pairs of one slot, give the bits of a
     program a pair (RUN_MAX_TOKENS 1)."""
+    tokens = case.x.shape[0]
+    assert tk.run_group("row", gate_up_cfg, tokens) == tk.run_group("row", down_cfg, tokens) == tokens > 1
     runs = row_tiles(case, gate_up_cfg, down_cfg, split)
     with monkeypatch.context() as m:
         m.setattr(tk, "RUN_MAX_TOKENS", 1)
+        assert tk.run_group("row", gate_up_cfg, tokens) == 1
         pairs = row_tiles(case, gate_up_cfg, down_cfg, split)
     for got, want in zip(runs, pairs):
         assert torch.equal(got, want), f"a run program differs: {(got.float() - want.float()).abs().max():.3e}"
@@ -415,7 +418,6 @@ def test_interpreter_row_tiles_over_several_tokens_take_a_slot_run_a_program(mon
     w = make_weights(qtypes, n_expert=6, n_embd=n_embd, n_ff=n_ff, activation=SWIGLU_OAI if gpt_oss else SILU,
                      bias=gpt_oss, seed=19)
     case = Case(w, n_tok=n_tok, k=3, device="cpu", seed=13)
-    assert tk.run_group("row", SMALL, n_tok) == n_tok
     check_case(case, SMALL, SMALL, split=split, gate_up_tile="row", down_tile="row")
     check_runs(case, monkeypatch, SMALL, SMALL, split)
 
