@@ -774,14 +774,15 @@ def _dense_sweep(qw: int, rows: int) -> list[tuple[str, object]]:
     (triton_kernels.kernel_type) at `rows` activation rows: configs of the tile it takes
     (triton_kernels.dense_tile: lanes along K take BLOCK_N rows on num_warps warps; tensor
     cores a BLOCK_N of at least 16), the default at several programs per SM (its split); and
-    where that is not the lanes-along-K tile of four K steps an access but it reads the type
-    (2-8 rows; planar Q8_0), that tile's."""
+    where the type is laid out for the lanes-along-K tile of four K steps an access, the configs of
+    whichever of that tile and the quantized one it does not take."""
     from engine.quant import triton_kernels as tk
 
     tile = tk.dense_tile(qw, rows)
     pairs = [(tile, cfg) for cfg in _dense_tile_sweep(tile, qw)]
-    if tile != "row_kquant" and qw in tk.ROW_TILE_TYPES:
-        pairs += [("row_kquant", cfg) for cfg in _dense_tile_sweep("row_kquant", qw)]
+    if qw in tk.ROW_TILE_TYPES:
+        other = "tile" if tile == "row_kquant" else "row_kquant"
+        pairs += [(other, cfg) for cfg in _dense_tile_sweep(other, qw)]
     return pairs
 
 

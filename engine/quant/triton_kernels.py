@@ -26,8 +26,8 @@ launches (dependent_launches): each starts while the launch before it ends, load
 tables and its first weights, and waits for that launch's results (gdc_wait) before it reads them.
 
 A dense product (attention projections, output head, shared experts at decode) is two
-launches: `_round_rows_kernel`, then `_dense_kernel` (or, for one row, a kernel with lanes along
-K: `dense_tile`), grid (n_out / BLOCK_N, split): each program a block of weight rows times a
+launches: `_round_rows_kernel`, then `_dense_kernel` (or, for 16-bit and laid-out weights, a
+kernel with lanes along K: `dense_tile`), grid (n_out / BLOCK_N, split): each program a block of weight rows times a
 slice of the K steps against every activation row, the slices' partial sums added by the last
 program of each row block (SplitK); the product is a dependent launch as gate/up is.
 
@@ -2489,14 +2489,16 @@ def dense_supported(qtype: QT) -> bool:
 #           row (_dense16_kernel, _dense_q8p_kernel; BLOCK_N rows on num_warps warps)
 #   "row_bf16"  the same for BF16, its K loop unrolled four times by Triton (sm_90 unrolls F16's
 #           loop by itself, BF16's not; H200, Mixtral's 4096 x 14336: 33.33 against 34.64 us)
-#   "row_kquant"  the same for one row of Q4_K, Q5_K, padded Q6_K or planar MXFP4 weights, four K
-#           steps an access (_dense_k4_kernel; where asked, also 2-8 rows and planar Q8_0)
+#   "row_kquant"  the same for 1-8 rows of Q4_K, Q5_K, padded Q6_K or planar MXFP4 weights and 2-8
+#           of planar Q8_0, four K steps an access (_dense_k4_kernel; one row of planar Q8_0 where asked)
 #   "mma"   2-8 rows of 16-bit weights on tensor cores (_dense16_mma_kernel; BLOCK_N rows a
 #           program, Triton's pipeliner keeping num_stages steps in flight)
 DENSE_MAX_ROWS = 8  # activation rows one launch multiplies (the kernel's accumulators)
 # (A "row_kquant" program is one warp over 2 rows, unsplit wherever there are 132 of them: on the
-# H200 within 8% of the best tile and split at each decode shape, the split's reduction costing
-# more than the SMs it fills.)
+# H200 within 8% of the best tile and split at each one-row decode shape, the split's reduction
+# costing more than the SMs it fills; on the H100 at 2 and 8 rows of Mixtral's 4096 x 14336, 1.07-1.84x
+# faster than the quantized tile and within 5% of the best config of either, but Q4_K's 2 rows
+# (bn4w4: 19.63 against 22.82 us) and Q5_K's 8 (the quantized tile bn64w2: 39.41 against 44.09).)
 DENSE_CONFIG: dict[str, TileConfig] = {"tile": TileConfig(32, 2), "row": TileConfig(8, 4),
                                        "row_bf16": TileConfig(8, 4, unroll=True),
                                        "row_kquant": TileConfig(2, 1, programs_per_sm=1),
@@ -2511,7 +2513,7 @@ def dense_tile(qw: int, rows: int) -> str:
         return "mma" if rows > 1 else "row_bf16" if qw == int(QT.BF16) else "row"
     if rows == 1 and qw == Q8_0_PLANAR:
         return "row"
-    return "row_kquant" if rows == 1 and qw in ROW_TILE_TYPES else "tile"
+    return "row_kquant" if qw in ROW_TILE_TYPES else "tile"
 
 
 def dense_config(qw: int, rows: int) -> TileConfig:
@@ -2525,15 +2527,15 @@ DENSE16_UNROLLED = 4  # K loop unrolling of the one-row 16-bit tile with `unroll
 
 def dense_kernel(qw: int, rows: int, cfg: TileConfig, target=None, tile: str | None = None) -> tuple[Callable, dict]:
     """The kernel of a dense product of `rows` activation rows and weights of kernel type `qw`
-    (kernel_type) in `tile` (a DENSE_CONFIG key, by default dense_tile's; "row_kquant" takes 1-8
-    rows of ROW_TILE_TYPES) of config `cfg`, and the constexprs it takes beyond the ones all take
-    (K, QW, ROWS, SPLIT, STEPS, BLOCK_N, INTERP, PDL), for compile target `target` (default: the
-    current GPU)."""
+    (kernel_type) in `tile` (a DENSE_CONFIG key, by default dense_tile's; ROW_TILE_TYPES read in
+    "tile" and "row_kquant" alike) of config `cfg`, and the constexprs it takes beyond the ones all
+    take (K, QW, ROWS, SPLIT, STEPS, BLOCK_N, INTERP, PDL), for compile target `target` (default:
+    the current GPU)."""
     default = dense_tile(qw, rows)
     tile = tile or default
-    if tile != default and not (tile == "row_kquant" and qw in ROW_TILE_TYPES):
-        raise ValueError(f"a dense product of {rows} rows of kernel type {qw} takes the {default} tile, or "
-                         f"row_kquant where that reads the type, not {tile}")
+    if tile != default and not (tile in ("tile", "row_kquant") and qw in ROW_TILE_TYPES):
+        raise ValueError(f"a dense product of {rows} rows of kernel type {qw} takes the {default} tile (or, where "
+                         f"the type is laid out for row_kquant, that tile or the quantized one), not {tile}")
     if tile == "row_kquant":
         return _dense_k4_kernel, {"REV": reversed_ties(target)}
     if qw in _SIXTEEN_BIT:

@@ -1018,9 +1018,11 @@ def test_interpreter_dense_matches_reference(qtype: QT, rows: int) -> None:
 @pytest.mark.parametrize("rows", [1, 3])
 def test_interpreter_dense_kernel_layouts(qtype: QT, K: int, rows: int) -> None:
     """Q6_K padded, MXFP4 and Q8_0 planar (a partial last step; whole steps, the scales' padding a
-    full 16)."""
-    for split in dense_splits(K):
-        check_dense(qtype, n_out=160, K=K, rows=rows, device="cpu", cfg=SMALL, split=split, laid_out=True)
+    full 16), in the tile they take and in the quantized tile (which --sweep times beside it)."""
+    for tile in sorted({tk.dense_tile(laid_out_type(qtype), rows), "tile"}):
+        for split in dense_splits(K):
+            check_dense(qtype, n_out=160, K=K, rows=rows, device="cpu", cfg=SMALL, split=split, laid_out=True,
+                        tile=tile)
 
 
 @interp
@@ -1031,7 +1033,7 @@ def test_interpreter_one_row_k4_kernel_over_several_step_groups(qtype: QT, K: in
     6 steps are a whole group and a partial one (unsplit), or groups cut by the split (3 and 2
     steps a slice, 1 step a slice); MXFP4 at K = 1440 ends in a partial step (5 of its 8 blocks)."""
     qw = laid_out_type(qtype)
-    assert tk.dense_tile(qw, 1) == "row_kquant" and tk.dense_tile(qw, 2) == "tile"
+    assert tk.dense_tile(qw, 1) == tk.dense_tile(qw, tk.DENSE_MAX_ROWS) == "row_kquant"
     assert tk.dense_tile(int(qtype), 1) == ("row_kquant" if qw == int(qtype) else "tile")  # GGUF rows: the tile
     for split in (tk.SplitK(1, 6), tk.SplitK(2, 3), tk.SplitK(3, 2), tk.SplitK(6, 1)):
         check_dense(qtype, n_out=40, K=K, rows=1, device="cpu", cfg=tk.TileConfig(16, 4), split=split, laid_out=True)
@@ -1043,8 +1045,8 @@ def test_interpreter_one_row_k4_kernel_over_several_step_groups(qtype: QT, K: in
     (QT.MXFP4, 1440, 8, None), (QT.Q8_0, 1440, 3, tk.SplitK(3, 2)), (QT.Q8_0, 768, 1, None)],
     ids=lambda v: getattr(v, "name", str(v)))
 def test_interpreter_k4_dense_over_several_rows(qtype: QT, K: int, rows: int, split: tk.SplitK | None) -> None:
-    """The lanes-along-K dense tile ("row_kquant") where asked: 2-8 activation rows on each weight
-    load, planar Q8_0 (one row too), partial last steps (1440) and splits over K."""
+    """The lanes-along-K dense tile ("row_kquant"): 2-8 activation rows on each weight load, planar
+    Q8_0 (one row too, where asked), partial last steps (1440) and splits over K."""
     check_dense(qtype, n_out=40, K=K, rows=rows, device="cpu", cfg=tk.TileConfig(16, 4), split=split,
                 laid_out=True, tile="row_kquant")
 
@@ -1169,9 +1171,10 @@ def test_gpu_linear_uses_the_kernel_layout(qtype: QT, monkeypatch) -> None:
                          ids=lambda c: f"bn{c.block_n}w{c.num_warps}")
 @pytest.mark.parametrize("qtype", [QT.Q4_K, QT.Q8_0, QT.F16], ids=lambda t: t.name)
 def test_gpu_dense_other_tile_configs(cfg: tk.TileConfig, qtype: QT) -> None:
-    """Any tile the kernel benchmark sweeps computes the same thing."""
+    """Any tile the kernel benchmark sweeps computes the same thing (Q4_K in the quantized tile, which
+    the sweep times beside the lanes-along-K tile it takes)."""
     _needs_compiled()
-    check_dense(qtype, n_out=4096, K=2048, rows=4, device="cuda", cfg=cfg)
+    check_dense(qtype, n_out=4096, K=2048, rows=4, device="cuda", cfg=cfg, tile="tile" if qtype == QT.Q4_K else None)
 
 
 @gpu
@@ -1194,8 +1197,8 @@ def test_gpu_one_row_16_bit_unrolled_gives_the_loop_s_bits(qtype: QT) -> None:
 @pytest.mark.parametrize("qtype", [QT.Q4_K, QT.Q5_K, QT.Q6_K, QT.MXFP4, QT.Q8_0], ids=lambda t: t.name)
 @pytest.mark.parametrize("rows", [1, 2, 8])
 def test_gpu_k4_dense_over_several_rows(qtype: QT, rows: int) -> None:
-    """The lanes-along-K dense tile where `bench kernels --sweep` times it beside the default: 2-8
-    rows, and planar Q8_0 (MXFP4 and Q8_0 at K = 2880: a partial last step)."""
+    """The lanes-along-K dense tile at 1-8 rows, planar Q8_0's one row too (MXFP4 and Q8_0 at K = 2880:
+    a partial last step)."""
     _needs_compiled()
     K = 2880 if qtype in (QT.MXFP4, QT.Q8_0) else 2048
     check_dense(qtype, n_out=4096, K=K, rows=rows, device="cuda", laid_out=True, tile="row_kquant")
