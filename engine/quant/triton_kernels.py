@@ -27,9 +27,9 @@ tables and its first weights, and waits for that launch's results (gdc_wait) bef
 
 A dense product (attention projections, output head, shared experts at decode) is two
 launches: `_round_rows_kernel`, then `_dense_kernel` (or, for 16-bit and laid-out weights, a
-kernel with lanes along K: `dense_tile`), grid (n_out / BLOCK_N, split): each program a block of weight rows times a
-slice of the K steps against every activation row, the slices' partial sums added by the last
-program of each row block (SplitK); the product is a dependent launch as gate/up is.
+kernel with lanes along K: `dense_tile`), grid (n_out / BLOCK_N, split): each program a block of
+weight rows times a slice of the K steps against every activation row, the slices' partial sums
+added by the last program of each row block (SplitK); the product is a dependent launch as gate/up is.
 
 Exactness: the rounding is bit-exact with round_activation (correctly rounded divisions,
 half-to-even); weights decode with dequant.py's arithmetic; products are summed in float32
@@ -2496,9 +2496,9 @@ def dense_supported(qtype: QT) -> bool:
 DENSE_MAX_ROWS = 8  # activation rows one launch multiplies (the kernel's accumulators)
 # (A "row_kquant" program is one warp over 2 rows, unsplit wherever there are 132 of them: on the
 # H200 within 8% of the best tile and split at each one-row decode shape, the split's reduction
-# costing more than the SMs it fills; on the H100 at 2 and 8 rows of Mixtral's 4096 x 14336, 1.07-1.84x
-# faster than the quantized tile and within 5% of the best config of either, but Q4_K's 2 rows
-# (bn4w4: 19.63 against 22.82 us) and Q5_K's 8 (the quantized tile bn64w2: 39.41 against 44.09).)
+# costing more than the SMs it fills; on the H100 at 2 and 8 rows of Mixtral's 4096 x 14336,
+# 1.07-1.84x faster than the quantized tile and within 5% of the best config of either, but Q4_K's
+# 2 rows (bn4w4: 19.63 against 22.82 us) and Q5_K's 8 (the quantized tile bn64w2: 39.41 against 44.09).)
 DENSE_CONFIG: dict[str, TileConfig] = {"tile": TileConfig(32, 2), "row": TileConfig(8, 4),
                                        "row_bf16": TileConfig(8, 4, unroll=True),
                                        "row_kquant": TileConfig(2, 1, programs_per_sm=1),

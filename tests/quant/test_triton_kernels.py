@@ -1004,9 +1004,12 @@ def dense_splits(K: int) -> list[tk.SplitK]:
 def test_interpreter_dense_matches_reference(qtype: QT, rows: int) -> None:
     # 160 output rows in tiles of 128 (a partial tile); K-quants 3 K steps, the others 2,
     # the last one partial (352 = 256 + 96).
+    # Q4_K and Q5_K in the tile they take and in the quantized tile, which --sweep times beside it
     K = 768 if qtype in (QT.Q4_K, QT.Q5_K, QT.Q6_K) else 352
-    for split in dense_splits(K):
-        check_dense(qtype, n_out=160, K=K, rows=rows, device="cpu", cfg=SMALL, split=split)
+    tiles = dict.fromkeys((tk.dense_tile(int(qtype), rows), "tile")) if int(qtype) in tk.ROW_TILE_TYPES else [None]
+    for tile in tiles:
+        for split in dense_splits(K):
+            check_dense(qtype, n_out=160, K=K, rows=rows, device="cpu", cfg=SMALL, split=split, tile=tile)
     if rows == 1 and qtype in (QT.F16, QT.BF16):  # the one-row 16-bit tile's K loop unrolled by Triton
         check_dense(qtype, n_out=160, K=1440, rows=1, device="cpu", cfg=replace(SMALL, unroll=True),
                     split=tk.SplitK(2, 3))
@@ -1019,7 +1022,7 @@ def test_interpreter_dense_matches_reference(qtype: QT, rows: int) -> None:
 def test_interpreter_dense_kernel_layouts(qtype: QT, K: int, rows: int) -> None:
     """Q6_K padded, MXFP4 and Q8_0 planar (a partial last step; whole steps, the scales' padding a
     full 16), in the tile they take and in the quantized tile (which --sweep times beside it)."""
-    for tile in sorted({tk.dense_tile(laid_out_type(qtype), rows), "tile"}):
+    for tile in dict.fromkeys((tk.dense_tile(laid_out_type(qtype), rows), "tile")):
         for split in dense_splits(K):
             check_dense(qtype, n_out=160, K=K, rows=rows, device="cpu", cfg=SMALL, split=split, laid_out=True,
                         tile=tile)
