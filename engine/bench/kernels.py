@@ -338,6 +338,12 @@ def bench_experts(name: str, sc: ExpertScenario, rows: list[int], dev: torch.dev
                 for name, kw in _other_step_tiles(qg, qu, qd, t).items()}
             print("       the step in other tiles: " + ", ".join(f"{k} {r['us']} us"
                                                                  for k, r in row["step_tiles"].items()), flush=True)
+            row["down_sweep"] = [{"config": name, **rate(nbytes, graph_us(
+                [lambda s=s, c=c: tk.experts_forward(s.x, layer.buffers, w, s.tok, s.pos, s.slot, s.exp, s.weights,
+                                                     s.out, down_cfg=c) for s in steps], replays), copy)}
+                for name, c in _down_sweep(qd, t).items()]
+            best = min(row["down_sweep"], key=lambda r: r["us"])
+            print(f"       down sweep best {best['config']}: {best['us']} us {best['GBps']} GB/s", flush=True)
             variants = [(replace(default, maxnreg=n), d) for d in down_tiles for n in ONE_LAUNCH_MAXNREG]
             row["one_launch_sweep"] = [
                 {"config": f"{cfg_name(cfg)} down {d}",
@@ -367,14 +373,22 @@ def _down_tiles(qd: int, tokens: int) -> list[str]:
 
 def _other_step_tiles(qg: int, qu: int, qd: int, tokens: int) -> dict[str, dict]:
     """experts_forward's tile arguments for the step in every other pair of gate/up and down tiles
-    that read its weights (the row tiles over several tokens; the quantized ones at one), by name."""
+    that read its weights (the row tiles over several tokens; the quantized ones at one), by name;
+    over several tokens also both row tiles in runs of 2, 4 and `tokens` pairs of a slot a program
+    (gate/up's rows at once, which runs take, where its default takes K-quants' rows in turns)."""
     from engine.quant import triton_kernels as tk
 
     default = tk.expert_tile(qg, qu, tokens)
     gate_ups = _tiles(default, qg, qu)
     downs = _down_tiles(qd, tokens)
-    return {f"gate/up {g}, down {d}": {"gate_up_tile": g, "down_tile": d}
-            for g in gate_ups for d in downs if (g, d) != (default, downs[0])}
+    out = {f"gate/up {g}, down {d}": {"gate_up_tile": g, "down_tile": d}
+           for g in gate_ups for d in downs if (g, d) != (default, downs[0])}
+    if tokens > 1 and "row" in gate_ups and "row" in downs:
+        for group in sorted({n for n in (2, 4, tokens) if n <= tokens}):
+            out[f"gate/up row, down row, runs of {group}"] = {
+                "gate_up_tile": "row", "down_tile": "row", "down_cfg": replace(tk.DOWN_CONFIG["row"], group=group),
+                "gate_up_cfg": replace(tk.GATE_UP_CONFIG["row"], group=group)}
+    return out
 
 
 # --sweep's register caps for the one-launch step (occupancy against spills; sm_90 compiles, one token: 48-72
@@ -761,6 +775,21 @@ def _expert_sweep(tile: str) -> list:
     return _sweep_tiles()
 
 
+# --sweep's configs of down's row tile (BLOCK_N rows on num_warps warps; under four K steps a warp
+# takes four times BLOCK_N / num_warps rows, eight lanes a row)
+DOWN_ROW_SWEEP = [(2, 1), (2, 2), (4, 2), (8, 4), (8, 8), (16, 4)]
+
+
+def _down_sweep(qd: int, tokens: int) -> dict:
+    """down's configs --sweep times in the tile it takes over weights of kernel type `qd` at
+    `tokens` tokens (gate/up in its default), by name, the default left out."""
+    from engine.quant import triton_kernels as tk
+
+    tile = tk.expert_down_tile(qd, tokens)
+    cfgs = [tk.TileConfig(*c) for c in DOWN_ROW_SWEEP] if tile == "row" else _sweep_tiles()
+    return {f"{tile} {cfg_name(c)}": c for c in cfgs if c != tk.DOWN_CONFIG[tile]}
+
+
 def _sweep_tiles() -> list:
     """Tiles --sweep times: a row per lane pair (BLOCK_N = 16 x warps) or two (32 x warps)."""
     from engine.quant import triton_kernels as tk
@@ -812,7 +841,8 @@ def _dense_tile_sweep(tile: str, qw: int) -> list:
 def cfg_name(cfg) -> str:
     return (f"bn{cfg.block_n}w{cfg.num_warps}" + (f"s{cfg.num_stages}" if cfg.num_stages > 1 else "")
             + ("u" if cfg.unroll else "") + (f"r{cfg.maxnreg}" if cfg.maxnreg else "")
-            + (f"t{cfg.passes}" if cfg.passes > 1 else ""))
+            + (f"t{cfg.passes}" if cfg.passes > 1 else "")
+            + (f"g{cfg.group}" if cfg.group != type(cfg).group else ""))
 
 
 def dense_line(r: dict) -> str:

@@ -140,6 +140,7 @@ def _target(arch: int = 90):
 
 H200_SMS = 132  # the variants are compiled with the splits they take on an H200
 ONE_TOKEN_PAIRS = 8  # a decode token's expert pairs (Qwen3-30B's top-8)
+RUN_GROUPS = (4, tk.RUN_MAX_TOKENS)  # the run programs compiled: runs cut at 4 pairs a program, and whole
 
 
 def _dependent_launches(arch: int) -> bool:
@@ -180,18 +181,18 @@ def decode_variants(gate: QT, up: QT, down: QT, n_embd: int, n_ff: int, activati
         out.append((f"gate_up row{turns} s{split.split}", tk._gate_up_k4_kernel,
                     {**gate_up, "BLOCK_N": one.block_n, "UNROLL": False, "PASSES": one.passes, "GROUP": 1,
                      **({"split": 1} if split.split == 1 else {})}, one))
-        # over 8 tokens, where asked: a program a run of pairs of one slot
+        # over 8 tokens, where asked: a program a run of pairs of one slot, or of at most 4 (--sweep's runs of 4)
         row = tk.GATE_UP_CONFIG["row"]
-        out.append((f"gate_up row g{tk.RUN_MAX_TOKENS}", tk._gate_up_k4_kernel,
-                    {**gate_up, "BLOCK_N": row.block_n, "UNROLL": False, "PASSES": 1, "GROUP": tk.RUN_MAX_TOKENS,
-                     "split": 1}, row))
+        out += [(f"gate_up row g{group}", tk._gate_up_k4_kernel,
+                 {**gate_up, "BLOCK_N": row.block_n, "UNROLL": False, "PASSES": 1, "GROUP": group, "split": 1}, row)
+                for group in RUN_GROUPS]
     elif split.split > 1 and not one.unroll:
         out.append((f"gate_up s{split.split}", tk._gate_up_kernel,
                     {**gate_up, "BLOCK_N": one.block_n, "UNROLL": one.unroll, "PASSES": 1}, one))
     # down in the quantized tile (over several tokens) and in the row tile (one token's, where it reads the type)
     qd = slot_type(down)
     down_tiles = list(dict.fromkeys(("tile", tk.expert_down_tile(qd, 1))))
-    for down_tile, group in [(t, g) for t in down_tiles for g in ((1, tk.RUN_MAX_TOKENS) if t == "row" else (0,))]:
+    for down_tile, group in [(t, g) for t in down_tiles for g in ((1, *RUN_GROUPS) if t == "row" else (0,))]:
         dn = tk.DOWN_CONFIG[down_tile]
         out.append(("down" if down_tile == "tile" else f"down {down_tile}" + (f" g{group}" if group > 1 else ""),
                     tk._down_k4_kernel if down_tile == "row" else tk._down_kernel,

@@ -1978,6 +1978,7 @@ def reversed_ties(target=None) -> bool:
 
 
 PROGRAMS_PER_SM = 4  # programs wanted per SM (split-K's target): enough loads in flight to cover HBM latency
+RUN_MAX_TOKENS = 8  # the row tiles' run programs keep one accumulator a token
 
 
 @dataclass(frozen=True)
@@ -1994,6 +1995,9 @@ class TileConfig:
     # gate/up's row tile: a program takes its block_n rows in this many turns of block_n / passes
     # (rows per program against registers: the turns share them)
     passes: int = 1
+    # the row tiles over several tokens: a program serves at most this many pairs of a slot's run
+    # (run_group; fewer pairs, fewer live accumulators and registers, more programs that lead)
+    group: int = RUN_MAX_TOKENS
 
 
 # The expert kernels' tiles and their defaults (expert_tile, expert_down_tile and gate_up_config pick):
@@ -2032,14 +2036,11 @@ def expert_down_tile(qd: int, tokens: int) -> str:
     return "row" if tokens == 1 and qd in ROW_TILE_TYPES else "tile"
 
 
-RUN_MAX_TOKENS = 8  # the row tiles' run programs keep one accumulator a token
-
-
 def run_group(tile: str, cfg: TileConfig, tokens: int) -> int:
     """The GROUP constexpr of a row-tile launch over `tokens` tokens' pairs in `cfg`: at 2-8
-    tokens each program serves the run of pairs of its slot (1: a pair a program; also for rows
-    in turns, which runs do not take)."""
-    return tokens if tile == "row" and 1 < tokens <= RUN_MAX_TOKENS and cfg.passes == 1 else 1
+    tokens each program serves the run of pairs of its slot, up to cfg.group of them (1: a pair
+    a program; also for rows in turns, which runs do not take)."""
+    return min(tokens, cfg.group) if tile == "row" and 1 < tokens <= RUN_MAX_TOKENS and cfg.passes == 1 else 1
 
 
 def gate_up_config(tile: str, qg: int, qu: int, n_ff: int) -> TileConfig:

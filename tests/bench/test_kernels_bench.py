@@ -130,8 +130,13 @@ def test_gpu_bench_kernels_runs_and_reports(tmp_path) -> None:
         # the step in every other pair of tiles that read its types
         assert list(r["step_tiles"]) == (
             ["gate/up row, down tile", "gate/up tile, down row", "gate/up tile, down tile"] if r["rows"] == 1 else
-            ["gate/up tile, down row", "gate/up row, down tile", "gate/up row, down row"])
+            ["gate/up tile, down row", "gate/up row, down tile", "gate/up row, down row"]
+            + [f"gate/up row, down row, runs of {n}" for n in (2, 4, 8)])
         assert all(v["GBps"] > 0 for v in r["step_tiles"].values())
+        # down's other configs in its default tile (the row tile's default is not among the swept ones)
+        assert [d["config"].split()[0] for d in r["down_sweep"]] == ["row" if r["rows"] == 1 else "tile"] * (
+            len(kb.DOWN_ROW_SWEEP) if r["rows"] == 1 else len(kb._sweep_tiles()) - 1)
+        assert all(d["GBps"] > 0 for d in r["down_sweep"])
     for r in dense:
         assert r["max_rel_diff_new_old"] < 1e-4
         assert 0 < r["new"]["GBps"] and 0 < r["old"]["GBps"] and r["sweep"]

@@ -21,6 +21,7 @@ from gguf import GGMLQuantizationType as QT
 
 triton = pytest.importorskip("triton")
 
+from engine.bench import kernels as kb  # noqa: E402
 from engine.layers.moe import SILU, SWIGLU_OAI, ExpertTensor, ExpertWeights, expert_ffn  # noqa: E402
 from engine.quant import triton_kernels as tk  # noqa: E402
 from engine.quant.activation import round_activation  # noqa: E402
@@ -388,12 +389,39 @@ def row_tiles(case: Case, gate_up_cfg: tk.TileConfig, down_cfg: tk.TileConfig,
     return h, hr.values, out
 
 
+def check_down_configs(case: Case, cfgs: list[tk.TileConfig]) -> None:
+    """down's row tile in each of `cfgs` (h from one gate/up launch) against the reference, and bit
+    for bit against its default config: a row's sum does not depend on the rows a program takes."""
+    w = case.w
+    xg, xu = tk.round_inputs(case.x, w)
+    h, hr = tk.gate_up(xg, xu, case.buffers[0], case.buffers[1], w, case.tok, case.slot, case.exp)
+    want = case.down_reference(h)
+    outs = []
+    for cfg in [None, *cfgs]:
+        outs.append(torch.zeros(case.ids.shape[1], *case.x.shape, device=case.device))
+        tk.down(hr, case.buffers[2], w, case.tok, case.pos, case.slot, case.exp, case.weights, outs[-1], cfg, "row")
+        assert rel_err(outs[-1], want) < REL_TOL, cfg
+        assert torch.equal(outs[-1], outs[0]), f"down in {cfg} differs from its default config"
+
+
+@interp
+def test_interpreter_down_row_tile_in_the_configs_the_sweep_times() -> None:
+    """down's row tile in every BLOCK_N `bench kernels --sweep` times (the interpreter runs no warps),
+    one token: 256 values a row (eight lanes a row) and gpt-oss's 1440 (a warp a row, a partial step)."""
+    block_ns = sorted({block_n for block_n, _ in kb.DOWN_ROW_SWEEP})
+    for qtype, n_embd, n_ff in ((QT.Q4_K, 256, 256), (QT.MXFP4, 64, 1440)):
+        w = make_weights((qtype,) * 3, n_expert=2, n_embd=n_embd, n_ff=n_ff, seed=22,
+                         activation=SWIGLU_OAI if qtype == QT.MXFP4 else SILU, bias=qtype == QT.MXFP4)
+        check_down_configs(Case(w, n_tok=1, k=1, device="cpu", seed=22), [tk.TileConfig(b, 1) for b in block_ns])
+
+
 def check_runs(case: Case, monkeypatch, gate_up_cfg: tk.TileConfig, down_cfg: tk.TileConfig,
                split: tk.SplitK | None = None) -> None:
-    """The row tiles over several tokens, a program a run of pairs of one slot, give the bits of a
-    program a pair (RUN_MAX_TOKENS 1)."""
+    """The row tiles over several tokens, a program a run of pairs of one slot (at most the
+    configs' `group`), give the bits of a program a pair (RUN_MAX_TOKENS 1)."""
     tokens = case.x.shape[0]
-    assert tk.run_group("row", gate_up_cfg, tokens) == tk.run_group("row", down_cfg, tokens) == tokens > 1
+    for cfg in (gate_up_cfg, down_cfg):
+        assert tk.run_group("row", cfg, tokens) == min(tokens, cfg.group) > 1
     runs = row_tiles(case, gate_up_cfg, down_cfg, split)
     with monkeypatch.context() as m:
         m.setattr(tk, "RUN_MAX_TOKENS", 1)
@@ -420,6 +448,17 @@ def test_interpreter_row_tiles_over_several_tokens_take_a_slot_run_a_program(mon
     case = Case(w, n_tok=n_tok, k=3, device="cpu", seed=13)
     check_case(case, SMALL, SMALL, split=split, gate_up_tile="row", down_tile="row")
     check_runs(case, monkeypatch, SMALL, SMALL, split)
+
+
+@interp
+def test_interpreter_runs_of_at_most_a_config_s_group(monkeypatch) -> None:
+    """Runs cut at the configs' `group` pairs a program (fewer accumulators live; --sweep's "runs
+    of N"): 8 tokens' pairs in programs of at most 3, cuts inside runs, give a program a pair's bits."""
+    w = make_weights((QT.Q4_K,) * 3, n_expert=6, n_embd=512, n_ff=256, seed=19)
+    case = Case(w, n_tok=8, k=3, device="cpu", seed=13)
+    assert max(torch.unique_consecutive(case.slot, return_counts=True)[1].tolist()) > 3  # a run to cut
+    cfg = replace(SMALL, group=3)
+    check_runs(case, monkeypatch, cfg, cfg)
 
 
 @interp
@@ -887,17 +926,19 @@ def test_gpu_planar_q8_0_in_the_row_tiles(K: int) -> None:
 
 
 @gpu
-@pytest.mark.parametrize("n_tok", [2, 8])
+@pytest.mark.parametrize("n_tok,group", [(2, tk.RUN_MAX_TOKENS), (8, tk.RUN_MAX_TOKENS), (8, 3)])
 @pytest.mark.parametrize("qtype", [QT.Q4_K, QT.Q6_K, QT.Q8_0, QT.MXFP4], ids=lambda t: t.name)
-def test_gpu_row_tiles_take_a_slot_run_a_program(monkeypatch, qtype: QT, n_tok: int) -> None:
+def test_gpu_row_tiles_take_a_slot_run_a_program(monkeypatch, qtype: QT, n_tok: int, group: int) -> None:
     """The row tiles over several tokens at Qwen3's shape (gpt-oss's K for MXFP4), 16 experts top-8
-    (runs of up to n_tok pairs): the reference's results, a program a pair's bits."""
+    (runs of up to n_tok pairs, or cut at `group`): the reference's results, a program a pair's bits."""
     _needs_compiled()
     K = 2880 if qtype == QT.MXFP4 else 2048
     w = make_weights((qtype,) * 3, n_expert=16, n_embd=K, n_ff=768, seed=8)
     case = Case(w, n_tok=n_tok, k=8, device="cuda", seed=8)
-    check_case(case, gate_up_tile="row", down_tile="row")
-    check_runs(case, monkeypatch, tk.GATE_UP_CONFIG["row"], tk.DOWN_CONFIG["row"])
+    gate_up_cfg = replace(tk.GATE_UP_CONFIG["row"], group=group)
+    down_cfg = replace(tk.DOWN_CONFIG["row"], group=group)
+    check_case(case, gate_up_cfg, down_cfg, gate_up_tile="row", down_tile="row")
+    check_runs(case, monkeypatch, gate_up_cfg, down_cfg)
 
 
 @gpu
@@ -1178,6 +1219,20 @@ def test_gpu_dense_other_tile_configs(cfg: tk.TileConfig, qtype: QT) -> None:
     the sweep times beside the lanes-along-K tile it takes)."""
     _needs_compiled()
     check_dense(qtype, n_out=4096, K=2048, rows=4, device="cuda", cfg=cfg, tile="tile" if qtype == QT.Q4_K else None)
+
+
+@gpu
+@pytest.mark.parametrize("block_n,num_warps", kb.DOWN_ROW_SWEEP, ids=lambda v: str(v))
+@pytest.mark.parametrize("qtype", [QT.Q4_K, QT.MXFP4], ids=lambda t: t.name)
+def test_gpu_down_row_tile_in_the_configs_the_sweep_times(qtype: QT, block_n: int, num_warps: int) -> None:
+    """down's row tile in every config `bench kernels --sweep` times: one token at Qwen3's shape (768
+    values a row: eight lanes a row) and gpt-oss's (2880: a warp a row), against the reference, and
+    the default config's bits (a row's sum does not depend on the rows a program takes)."""
+    _needs_compiled()
+    n_embd, n_ff = (2880, 2880) if qtype == QT.MXFP4 else (2048, 768)
+    w = make_weights((qtype,) * 3, n_expert=16, n_embd=n_embd, n_ff=n_ff, activation=SWIGLU_OAI if qtype == QT.MXFP4
+                     else SILU, bias=qtype == QT.MXFP4, seed=21)
+    check_down_configs(Case(w, n_tok=1, k=8, device="cuda", seed=21), [tk.TileConfig(block_n, num_warps)])
 
 
 @gpu
