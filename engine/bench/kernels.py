@@ -324,7 +324,7 @@ def bench_experts(name: str, sc: ExpertScenario, rows: list[int], dev: torch.dev
             row["one_launch_other_down"] = others[0]
         if sweep:
             row["sweep"] = []
-            default = tk.gate_up_config(tile, qg, qu, sc.n_ff)
+            default = tk.gate_up_config(tile, qg, qu, sc.n_ff, t)
             for cfg in [c for c in _expert_sweep(tile) if c != default]:
                 run(steps[0], cfg)
                 row["sweep"].append({"config": cfg_name(cfg),
@@ -386,7 +386,7 @@ def _other_step_tiles(qg: int, qu: int, qd: int, tokens: int) -> dict[str, dict]
     if tokens > 1 and "row" in gate_ups and "row" in downs:
         for group in sorted({n for n in (2, 4, tokens) if n <= tokens}):
             out[f"gate/up row, down row, runs of {group}"] = {
-                "gate_up_tile": "row", "down_tile": "row", "down_cfg": replace(tk.DOWN_CONFIG["row"], group=group),
+                "gate_up_tile": "row", "down_tile": "row", "down_cfg": replace(tk.down_config("row", qd), group=group),
                 "gate_up_cfg": replace(tk.GATE_UP_CONFIG["row"], group=group)}
     return out
 
@@ -787,7 +787,7 @@ def _down_sweep(qd: int, tokens: int) -> dict:
 
     tile = tk.expert_down_tile(qd, tokens)
     cfgs = [tk.TileConfig(*c) for c in DOWN_ROW_SWEEP] if tile == "row" else _sweep_tiles()
-    return {f"{tile} {cfg_name(c)}": c for c in cfgs if c != tk.DOWN_CONFIG[tile]}
+    return {f"{tile} {cfg_name(c)}": c for c in cfgs if c != tk.down_config(tile, qd)}
 
 
 def _sweep_tiles() -> list:

@@ -140,7 +140,8 @@ def _target(arch: int = 90):
 
 H200_SMS = 132  # the variants are compiled with the splits they take on an H200
 ONE_TOKEN_PAIRS = 8  # a decode token's expert pairs (Qwen3-30B's top-8)
-RUN_GROUPS = (4, tk.RUN_MAX_TOKENS)  # the run programs compiled: runs cut at 4 pairs a program, and whole
+# the run programs compiled: runs of RUN_GROUP pairs a program (the default), of 4 and whole
+RUN_GROUPS = (tk.RUN_GROUP, 4, tk.RUN_MAX_TOKENS)
 
 
 def _dependent_launches(arch: int) -> bool:
@@ -174,14 +175,14 @@ def decode_variants(gate: QT, up: QT, down: QT, n_embd: int, n_ff: int, activati
     out.append(("gate_up s1", tk._gate_up_kernel, {**gate_up, "BLOCK_N": many.block_n, "UNROLL": many.unroll,
                                                    "PASSES": 1, "split": 1}, many))
     tile = tk.expert_tile(qg, qu, 1)
-    one = tk.gate_up_config(tile, qg, qu, n_ff)
+    one = tk.gate_up_config(tile, qg, qu, n_ff, 1)
     split = tk.SplitK.choose(ONE_TOKEN_PAIRS * -(-n_ff // one.block_n) * one.block_n, n_embd, H200_SMS, one)
     if tile == "row":
         turns = f" t{one.passes}" if one.passes > 1 else ""  # a K loop a turn
         out.append((f"gate_up row{turns} s{split.split}", tk._gate_up_k4_kernel,
                     {**gate_up, "BLOCK_N": one.block_n, "UNROLL": False, "PASSES": one.passes, "GROUP": 1,
                      **({"split": 1} if split.split == 1 else {})}, one))
-        # over 8 tokens, where asked: a program a run of pairs of one slot, or of at most 4 (--sweep's runs of 4)
+        # over 8 tokens (planar Q8_0's default, elsewhere where asked): a program a run of pairs of one slot
         row = tk.GATE_UP_CONFIG["row"]
         out += [(f"gate_up row g{group}", tk._gate_up_k4_kernel,
                  {**gate_up, "BLOCK_N": row.block_n, "UNROLL": False, "PASSES": 1, "GROUP": group, "split": 1}, row)
@@ -193,7 +194,7 @@ def decode_variants(gate: QT, up: QT, down: QT, n_embd: int, n_ff: int, activati
     qd = slot_type(down)
     down_tiles = list(dict.fromkeys(("tile", tk.expert_down_tile(qd, 1))))
     for down_tile, group in [(t, g) for t in down_tiles for g in ((1, *RUN_GROUPS) if t == "row" else (0,))]:
-        dn = tk.DOWN_CONFIG[down_tile]
+        dn = tk.down_config(down_tile, qd)
         out.append(("down" if down_tile == "tile" else f"down {down_tile}" + (f" g{group}" if group > 1 else ""),
                     tk._down_k4_kernel if down_tile == "row" else tk._down_kernel,
                     {"K": n_ff, "QD": qd, "HAS_BIAS": bias, "WEIGHTED": True, "BLOCK_N": dn.block_n,

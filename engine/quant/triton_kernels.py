@@ -1979,6 +1979,10 @@ def reversed_ties(target=None) -> bool:
 
 PROGRAMS_PER_SM = 4  # programs wanted per SM (split-K's target): enough loads in flight to cover HBM latency
 RUN_MAX_TOKENS = 8  # the row tiles' run programs keep one accumulator a token
+# pairs a run program serves by default (TileConfig.group): H100, 8 tokens, both row tiles in runs of
+# 2 / 4 / 8: Qwen3 Q8_0 87.16 / 96.29 / 111.87 us, Q6_K 97.53 / 109.58 / 124.03, gpt-oss MXFP4 213.12 /
+# 214.11 / 237.66 (fewer live accumulators, more programs that lead)
+RUN_GROUP = 2
 
 
 @dataclass(frozen=True)
@@ -1997,7 +2001,7 @@ class TileConfig:
     passes: int = 1
     # the row tiles over several tokens: a program serves at most this many pairs of a slot's run
     # (run_group; fewer pairs, fewer live accumulators and registers, more programs that lead)
-    group: int = RUN_MAX_TOKENS
+    group: int = RUN_GROUP
 
 
 # The expert kernels' tiles and their defaults (expert_tile, expert_down_tile and gate_up_config pick):
@@ -2005,12 +2009,13 @@ class TileConfig:
 #           _down_kernel). It puts two lanes on a row and 16 rows on a warp, so BLOCK_N = 16 x
 #           num_warps gives each lane pair one row; 2 warps and 32 rows keep enough programs for
 #           decode (Qwen3-30B: 8 pairs x 24 of them for gate/up); 32 x num_warps gives a lane two.
-#   "row"   ROW_TILE_TYPES at one token: a warp's lanes along each weight row, four K steps an
-#           access (_gate_up_k4_kernel, _down_k4_kernel; BLOCK_N rows on num_warps warps). H100,
-#           one token's step of Qwen3-30B (gpt-oss-120b for MXFP4), down in it against the
-#           quantized tile: 16.86 / 18.61 us Q4_K, 19.01 / 22.08 Q6_K, 23.19 / 27.60 Q8_0, 40.14 /
-#           43.03 MXFP4; planar Q8_0's gate/up in it too: 21.00. Over 2 and 8 tokens the quantized
-#           tile was faster for gate/up (H200: 17.4 / 44.6 against 17.9 / 51.4 us, Qwen3 Q4_K).
+#   "row"   ROW_TILE_TYPES at one token, planar Q8_0 at 2-8 (_RUN_TYPES): a warp's lanes along each
+#           weight row, four K steps an access (_gate_up_k4_kernel, _down_k4_kernel; BLOCK_N rows on
+#           num_warps warps). H100, one token's step of Qwen3-30B (gpt-oss-120b for MXFP4), down in
+#           it against the quantized tile: 16.86 / 18.61 us Q4_K, 19.01 / 22.08 Q6_K, 23.19 / 27.60
+#           Q8_0, 40.14 / 43.03 MXFP4; planar Q8_0's gate/up in it too: 21.00. Over 2 and 8 tokens
+#           the quantized tile was faster for K-quant gate/up (H200: 17.4 / 44.6 against 17.9 / 51.4
+#           us, Qwen3 Q4_K).
 # `moestudio bench kernels --sweep` times the alternatives on the device.
 GATE_UP_CONFIG: dict[str, TileConfig] = {"tile": TileConfig(32, 2), "row": TileConfig(4, 4)}
 # gate/up's row tile over K-quants: 8 rows a program in two turns of 4 (TileConfig.passes), which
@@ -2018,22 +2023,37 @@ GATE_UP_CONFIG: dict[str, TileConfig] = {"tile": TileConfig(32, 2), "row": TileC
 # against 18.61 us, Q6_K 20.60 against 22.08; MXFP4 slower, 44.83 against 43.03)
 GATE_UP_ROW_IN_TURNS = TileConfig(8, 4, passes=2)
 DOWN_CONFIG: dict[str, TileConfig] = {"tile": TileConfig(32, 2), "row": TileConfig(4, 4)}
+# planar MXFP4's down row on 2 warps (H100, gpt-oss-120b's one-token step 38.67 against 40.63 us on 4)
+DOWN_ROW_MXFP4 = TileConfig(4, 2)
 # the types the lanes-along-K kernels read (_dense_k4_kernel, _gate_up_k4_kernel, _down_k4_kernel)
 ROW_TILE_TYPES = (int(QT.Q4_K), int(QT.Q5_K), Q6_K_PADDED, MXFP4_PLANAR, Q8_0_PLANAR)
-_K_QUANT_ROWS = (int(QT.Q4_K), int(QT.Q5_K), Q6_K_PADDED)
+# one token's gate/up in turns (GATE_UP_ROW_IN_TURNS): the K-quants, and planar Q8_0 (H100, Qwen3's
+# step 18.82 against 21.11 us with 4 rows at once; MXFP4 stays: 44.83 against 43.03)
+_TURN_TYPES = (int(QT.Q4_K), int(QT.Q5_K), Q6_K_PADDED, Q8_0_PLANAR)
+# steps of 2-8 tokens in both row tiles, in runs of RUN_GROUP pairs: planar Q8_0 (H100, Qwen3's 8 tokens
+# 87.16 against 101.38 us in the quantized tiles; 2 tokens 37.11 against 40.35); the quantized tiles
+# stay for the others (8 tokens in runs of 2: Q6_K 97.53 against 91.91, MXFP4 213.12 against 208.63; in
+# runs of 8, Q4_K 79.73 against 71.23)
+_RUN_TYPES = (Q8_0_PLANAR,)
+
+
+def _row_tokens(types: tuple[int, ...], tokens: int) -> bool:
+    """Whether a launch over `tokens` tokens' pairs and weights of kernel types `types` takes the row tile."""
+    return set(types) <= set(ROW_TILE_TYPES) and (
+        tokens == 1 or (tokens <= RUN_MAX_TOKENS and set(types) <= set(_RUN_TYPES)))
 
 
 def expert_tile(qg: int, qu: int, tokens: int) -> str:
     """The tile (a GATE_UP_CONFIG key) of a gate/up launch over `tokens` tokens' pairs and
     weights of kernel types `qg`, `qu` (kernel_type)."""
-    return "row" if tokens == 1 and qg in ROW_TILE_TYPES and qu in ROW_TILE_TYPES else "tile"
+    return "row" if _row_tokens((qg, qu), tokens) else "tile"
 
 
 def expert_down_tile(qd: int, tokens: int) -> str:
     """The tile (a DOWN_CONFIG key) of a down launch over `tokens` tokens' pairs and weights of
     kernel type `qd`: one default for the three launches and the one-launch step, whose results
     are then the same bits."""
-    return "row" if tokens == 1 and qd in ROW_TILE_TYPES else "tile"
+    return "row" if _row_tokens((qd,), tokens) else "tile"
 
 
 def run_group(tile: str, cfg: TileConfig, tokens: int) -> int:
@@ -2043,13 +2063,18 @@ def run_group(tile: str, cfg: TileConfig, tokens: int) -> int:
     return min(tokens, cfg.group) if tile == "row" and 1 < tokens <= RUN_MAX_TOKENS and cfg.passes == 1 else 1
 
 
-def gate_up_config(tile: str, qg: int, qu: int, n_ff: int) -> TileConfig:
-    """The default config of gate/up's tile `tile` over weights of kernel types `qg`, `qu` and
-    `n_ff` rows."""
+def gate_up_config(tile: str, qg: int, qu: int, n_ff: int, tokens: int) -> TileConfig:
+    """The default config of gate/up's tile `tile` over `tokens` tokens' pairs, weights of kernel
+    types `qg`, `qu` and `n_ff` rows (over several tokens the row tile's rows at once: runs take no turns)."""
     turns = GATE_UP_ROW_IN_TURNS
-    if tile == "row" and qg in _K_QUANT_ROWS and qu in _K_QUANT_ROWS and n_ff % turns.passes == 0:
+    if tile == "row" and tokens == 1 and {qg, qu} <= set(_TURN_TYPES) and n_ff % turns.passes == 0:
         return turns
     return GATE_UP_CONFIG[tile]
+
+def down_config(tile: str, qd: int) -> TileConfig:
+    """The default config of down's tile `tile` over weights of kernel type `qd`."""
+    return DOWN_ROW_MXFP4 if tile == "row" and qd == MXFP4_PLANAR else DOWN_CONFIG[tile]
+
 
 _ACT = {"silu": 0, "swiglu_oai": 1}
 
@@ -2232,7 +2257,7 @@ class _GateUpPlan:
         if tile == "row" and not (qg in ROW_TILE_TYPES and qu in ROW_TILE_TYPES):
             raise ValueError(f"the row tile of gate/up reads Q4_K, Q5_K, padded Q6_K, planar MXFP4 and planar Q8_0, "
                              f"not {w.gate.qtype.name} / {w.up.qtype.name} in the layout given")
-        cfg = cfg or gate_up_config(tile, qg, qu, n_ff)
+        cfg = cfg or gate_up_config(tile, qg, qu, n_ff, tokens)
         if KSTEP % cfg.block_n:
             raise ValueError(f"gate/up tiles of {cfg.block_n} rows: a tile's rows must divide a K step's {KSTEP}")
         if cfg.passes > 1 and (tile != "row" or cfg.block_n % cfg.passes or n_ff % cfg.passes):
@@ -2326,7 +2351,7 @@ def down(hr: Rounded, down_buf: torch.Tensor, w, pair_tok: torch.Tensor, pair_po
         return
     assert out.stride(2) == 1
     tile, qd = _down_tile_type(w, down_buf, tile, out.shape[1])
-    cfg = cfg or DOWN_CONFIG[tile]
+    cfg = cfg or down_config(tile, qd)
     has_bias = w.down.bias is not None
     db = w.down.bias if has_bias else hr.padded
     wt = weights if weights is not None else hr.padded

@@ -293,9 +293,28 @@ def test_interpreter_planar_q8_0_gate_up_with_lanes_along_k(n_embd: int, split: 
     K step): five K steps (a group of four and one), and 1440 (a partial last step of 5 blocks)
     split in slices of 3 and 2 steps."""
     assert tk.expert_tile(tk.Q8_0_PLANAR, tk.Q8_0_PLANAR, 1) == "row"
-    assert tk.expert_tile(tk.Q8_0_PLANAR, tk.Q8_0_PLANAR, 2) == "tile"
     w = make_weights((QT.Q8_0,) * 3, n_expert=5, n_embd=n_embd, n_ff=192, seed=18)
     check_case(Case(w, n_tok=1, k=3, device="cpu", seed=12), tk.TileConfig(64, 4), SMALL, split=split)
+
+
+def test_expert_step_defaults_by_type_and_tokens() -> None:
+    """One token: every type the row tiles read takes them, gate/up in turns but MXFP4's; 2-8 tokens:
+    planar Q8_0 takes both row tiles in runs of RUN_GROUP pairs (its gate/up rows at once), the
+    others the quantized tiles; past RUN_MAX_TOKENS every type the quantized tiles."""
+    q8, k4, mx = tk.Q8_0_PLANAR, int(QT.Q4_K), tk.MXFP4_PLANAR
+    for q in (q8, k4, tk.Q6_K_PADDED):
+        assert tk.gate_up_config(tk.expert_tile(q, q, 1), q, q, 768, 1) == tk.GATE_UP_ROW_IN_TURNS
+    assert tk.gate_up_config(tk.expert_tile(mx, mx, 1), mx, mx, 2880, 1) == tk.GATE_UP_CONFIG["row"]
+    assert tk.down_config(tk.expert_down_tile(mx, 1), mx) == tk.DOWN_ROW_MXFP4
+    assert tk.down_config(tk.expert_down_tile(q8, 1), q8) == tk.DOWN_CONFIG["row"]
+    for tokens in (2, 4, tk.RUN_MAX_TOKENS):
+        assert (tk.expert_tile(q8, q8, tokens), tk.expert_down_tile(q8, tokens)) == ("row", "row")
+        cfg = tk.gate_up_config("row", q8, q8, 768, tokens)
+        assert cfg.passes == 1 and tk.run_group("row", cfg, tokens) == tk.RUN_GROUP == 2
+        for q in (k4, tk.Q6_K_PADDED, mx):
+            assert (tk.expert_tile(q, q, tokens), tk.expert_down_tile(q, tokens)) == ("tile", "tile")
+    assert tk.expert_tile(q8, q8, tk.RUN_MAX_TOKENS + 1) == tk.expert_down_tile(q8, tk.RUN_MAX_TOKENS + 1) == "tile"
+    assert tk.expert_tile(q8, k4, 2) == "tile"  # runs where both gate and up are planar Q8_0 only
 
 
 def test_row_tiles_take_their_types_in_their_layout() -> None:
