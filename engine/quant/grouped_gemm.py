@@ -28,7 +28,7 @@ per 32 values, exact in int32, the scales applied outside the products:
 - Q6_K: q - 32 in [-32, 31]; its scales change every 16 values, so each 32-value product is
   taken twice with the activation's other half zeroed; acc += dx * d * sum(sc * dot);
 - Q8_0, MXFP4: per block of 32, acc += dx * dw * dot(qx, q) (MXFP4's q: the doubled e2m1
-  values, triton_kernels._e2m1_words; dw its halved e8m0 scale); the blocks as the file holds
+  values, triton_kernels._e2m1_low; dw its halved e8m0 scale); the blocks as the file holds
   them or planar (layout.planar);
 - F16, BF16: the rounded activation and the weights in their own 16-bit type (fp32 accumulate).
 The integer sums are ggml's; the result equals the torch path (round_activation(x) @
@@ -57,7 +57,7 @@ if triton is not None:
     # The decode kernels' type ids, block decoders and activation (jit helpers), shared, not copied.
     from engine.quant.triton_kernels import (  # noqa: F401 (constexpr globals the kernels read)
         _BF16, _F16, _MXFP4, _MXFP4_PLANAR, _Q4_K, _Q5_K, _Q6_K, _Q6_K_PADDED, _Q8_0, _Q8_0_PLANAR, _activate,
-        _e2m1_words, _f16_bits)
+        _e2m1_low, _f16_bits)
 
 # Weight types the grouped kernels decode: every type the decode kernels take.
 GROUPED_TYPES: frozenset[QT] = tk.KERNEL_TYPES
@@ -202,7 +202,7 @@ if triton is not None:
                     else:  # planar (layout.planar_mxfp4): the nibble bytes, then the scales
                         byte = tl.load(w + bi * 16 + i % 16)
                         e = tl.load(w + NB * 16 + bi).to(tl.int32)
-                    q = _e2m1_words(byte.to(tl.int32) >> (4 * (i // 16)), INTERP) & 255  # byte 0: the value, int8
+                    q = _e2m1_low(byte.to(tl.int32) >> (4 * (i // 16)), INTERP) & 255  # byte 0: the value, int8
                     q = q - ((q & 128) << 1)
                     # ggml_e8m0_to_fp32_half: 2^(e - 128), subnormal for e < 2
                     dw = tl.where(e < 2, 0x00200000 << e, (e - 1) << 23).to(tl.float32, bitcast=True)

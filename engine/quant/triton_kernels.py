@@ -356,10 +356,10 @@ if triton is not None:
         return tl.sum(parts, axis=4)
 
     @triton.jit
-    def _e2m1_words(w, INTERP: tl.constexpr):
-        """The low nibbles of the 4 bytes of w as MXFP4's doubled e2m1 values (0, 1, 2, 3, 4,
-        6, 8, 12; bit 3 negates), packed int8: magnitudes and negatives by prmt table lookups
-        on the nibbles' low 3 bits, chosen per byte by bit 3."""
+    def _e2m1_low(w, INTERP: tl.constexpr):
+        """The low nibbles of the 4 bytes of w as MXFP4's doubled e2m1 values, packed int8: magnitudes
+        and negatives by prmt table lookups on the nibbles' low 3 bits, chosen per byte by bit 3 (the
+        grouped GEMM's decode, a value per element; the decode kernels take _e2m1_words)."""
         x3 = w & 0x07070707
         y = (x3 | (x3 >> 4)) & 0x00FF00FF
         sel = (y | (y >> 8)) & 0xFFFF
@@ -368,6 +368,23 @@ if triton is not None:
         neg = _prmt(z - 33620224, z - 185009412, sel, INTERP)  # 0xFDFEFF00, 0xF4F8FAFC: -0 .. -12
         m = ((w >> 3) & 0x01010101) * 255
         return (pos & ~m) | (neg & m)
+
+    @triton.jit
+    def _e2m1_words(w, INTERP: tl.constexpr):
+        """The low and the high nibbles of the 4 bytes of w as MXFP4's doubled e2m1 values (0, 1,
+        2, 3, 4, 6, 8, 12; bit 3 negates), two words of packed int8 (as ggml's
+        get_int_from_table_16): each half's 4 nibbles looked up by prmt in the magnitudes and in
+        the negatives, a third prmt per half picking by bit 3, two more splitting low from high.
+        Selectors keep their nibbles' msb clear: prmt would replicate a byte's sign there."""
+        z = w * 0
+        q = w & 0x77777777
+        pick = 0x32103210 | ((w >> 1) & 0x44444444)  # nibble k of a half: its position, + 4 if negative
+        lo = _prmt(_prmt(z + 0x03020100, z + 0x0C080604, q, INTERP),
+                   _prmt(z - 33620224, z - 185009412, q, INTERP), pick, INTERP)  # 0xFDFEFF00, 0xF4F8FAFC: -0 .. -12
+        q16, pick16 = q >> 16, pick >> 16
+        hi = _prmt(_prmt(z + 0x03020100, z + 0x0C080604, q16, INTERP),
+                   _prmt(z - 33620224, z - 185009412, q16, INTERP), pick16, INTERP)
+        return _prmt(lo, hi, z + 0x6420, INTERP), _prmt(lo, hi, z + 0x7531, INTERP)
 
     @triton.jit
     def _k4_scale_min(hdr, l, j, low):
@@ -549,8 +566,9 @@ if triton is not None:
             else:
                 xq = xq_row.to(tl.pointer_type(tl.uint8)) + ks * 256 + blk * 32 + l + r * 0
                 w = _words(a, 4)
-                sw = tl.sum(_dp4a(_e2m1_words(w, INTERP), _words(_ld(xq, REV), 4), INTERP, True)
-                            + _dp4a(_e2m1_words(w >> 4, INTERP), _words(_ld(xq + 16, REV), 4), INTERP, True), axis=3)
+                low, high = _e2m1_words(w, INTERP)
+                sw = tl.sum(_dp4a(low, _words(_ld(xq, REV), 4), INTERP, True)
+                            + _dp4a(high, _words(_ld(xq + 16, REV), 4), INTERP, True), axis=3)
                 e = _pick(b.to(tl.int32), l, 0) & 255
                 # ggml_e8m0_to_fp32_half: 2^(e - 128), subnormal for e < 2 (the table is doubled).
                 dw = tl.where(e < 2, 0x00200000 << e, (e - 1) << 23).to(tl.float32, bitcast=True)
@@ -567,8 +585,8 @@ if triton is not None:
             # 16 + 4l .. (high), dotted with the activation's words l and 4 + l of the block.
             blk = c * 2 + p
             xw = xq_row.to(tl.pointer_type(tl.int32)) + ks * 64 + blk * 8 + l + r * 0
-            sw = _runsum(_dp4a(_e2m1_words(a, INTERP), _ld(xw, REV), INTERP, True)
-                         + _dp4a(_e2m1_words(a >> 4, INTERP), _ld(xw + 4, REV), INTERP, True))
+            low, high = _e2m1_words(a, INTERP)
+            sw = _runsum(_dp4a(low, _ld(xw, REV), INTERP, True) + _dp4a(high, _ld(xw + 4, REV), INTERP, True))
             e = _word_byte(b, l, (ks % 2) * 8 + blk)
             dw = tl.where(e < 2, 0x00200000 << e, (e - 1) << 23).to(tl.float32, bitcast=True)
             # the step's 8 activation scales as two runs of 4 words
@@ -1288,8 +1306,9 @@ if triton is not None:
             blk = kq * 8 + lane + n * 0 + wd * 0
             live = (blk < k1 * 8) & (blk < NB)
             xw = xq_ptr.to(tl.pointer_type(tl.int32)) + blk * 8 + wd
-            sw = tl.sum(_dp4a(_e2m1_words(w, INTERP), _ld3(xw, REV, live), INTERP, True)
-                        + _dp4a(_e2m1_words(w >> 4, INTERP), _ld3(xw + 4, REV, live), INTERP, True), axis=2)
+            low, high = _e2m1_words(w, INTERP)
+            sw = tl.sum(_dp4a(low, _ld3(xw, REV, live), INTERP, True)
+                        + _dp4a(high, _ld3(xw + 4, REV, live), INTERP, True), axis=2)
             b2 = kq * 8 + lane2
             e = _run_byte(hdr, wd, (kq * 8 + lane) % 16, b2 % 16)
             dw = tl.where(e < 2, 0x00200000 << e, (e - 1) << 23).to(tl.float32, bitcast=True)
