@@ -331,13 +331,15 @@ if triton is not None:
 
     @triton.jit
     def _prmt(a, b, sel, INTERP: tl.constexpr):
-        """PTX prmt.b32 (default mode, selector nibbles < 8): byte k of the result is byte
-        sel[k] of the 8 bytes b:a (a = bytes 0..3)."""
+        """PTX prmt.b32 (default mode): byte k of the result is byte sel[k] & 7 of the 8 bytes b:a
+        (a = bytes 0..3), or where sel[k]'s msb is set that byte's sign replicated (0 or 255)."""
         if INTERP:
             out = sel * 0
             for k in tl.static_range(4):
-                i = (sel >> (4 * k)) & 7
+                s = (sel >> (4 * k)) & 15
+                i = s & 7
                 src = tl.where(i < 4, a >> ((i & 3) * 8), b >> ((i & 3) * 8)) & 255
+                src = tl.where(s > 7, ((src >> 7) & 1) * 255, src)
                 out = out | (src << (8 * k))
         else:
             out = tl.inline_asm_elementwise("prmt.b32 $0, $1, $2, $3;", "=r,r,r,r", [a, b, sel], dtype=tl.int32,
