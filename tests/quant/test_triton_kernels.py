@@ -467,8 +467,9 @@ def test_interpreter_row_tiles_over_several_tokens_take_a_slot_run_a_program(mon
     w = make_weights(qtypes, n_expert=6, n_embd=n_embd, n_ff=n_ff, activation=SWIGLU_OAI if gpt_oss else SILU,
                      bias=gpt_oss, seed=19)
     case = Case(w, n_tok=n_tok, k=3, device="cpu", seed=13)
-    check_case(case, SMALL, SMALL, split=split, gate_up_tile="row", down_tile="row")
-    check_runs(case, monkeypatch, SMALL, SMALL, split)
+    whole = replace(SMALL, group=tk.RUN_MAX_TOKENS)  # runs uncut (the default cuts them at RUN_GROUP)
+    check_case(case, whole, whole, split=split, gate_up_tile="row", down_tile="row")
+    check_runs(case, monkeypatch, whole, whole, split)
 
 
 @interp
