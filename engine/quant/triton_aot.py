@@ -171,7 +171,7 @@ def decode_variants(gate: QT, up: QT, down: QT, n_embd: int, n_ff: int, activati
     # gate/up unsplit (many tokens' pairs: Triton specializes the split of 1 as a constant), and for
     # one token's top-8 on an H200 in its own tile, split over K where that tile takes a split (the
     # split a runtime argument)
-    many = tk.GATE_UP_CONFIG["tile"]
+    many = tk.gate_up_config("tile", qg, qu, n_ff, tk.RUN_MAX_TOKENS)
     out.append(("gate_up s1", tk._gate_up_kernel, {**gate_up, "BLOCK_N": many.block_n, "UNROLL": many.unroll,
                                                    "PASSES": 1, "split": 1}, many))
     tile = tk.expert_tile(qg, qu, 1)
@@ -201,7 +201,7 @@ def decode_variants(gate: QT, up: QT, down: QT, n_embd: int, n_ff: int, activati
                      "UNROLL": dn.unroll, "INTERP": False, "REV": rev, "PDL": pdl,
                      **({"GROUP": group} if group else {})}, dn))
     # the one-launch step (experts_forward(one_launch=True)) of one token, with one token's down tile
-    step_down = tk.step_down_config(down_tiles[-1], one.num_warps)
+    step_down = tk.step_down_config(down_tiles[-1], qd, one.num_warps)
     out.append((f"step {tile} down {down_tiles[-1]}", tk._expert_step_kernel,
                 {"N": n_ff, "K": n_embd, "QG": qg, "QU": qu, "QD": qd,
                  "SAME_X": vt(gate) == vt(up), "VT_G": vt(gate), "VT_U": vt(up), "VT_DOWN": vt(down),

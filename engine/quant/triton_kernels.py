@@ -2044,8 +2044,13 @@ GATE_UP_CONFIG: dict[str, TileConfig] = {"tile": TileConfig(32, 2), "row": TileC
 # against 18.61 us, Q6_K 20.60 against 22.08; MXFP4 slower, 44.83 against 43.03)
 GATE_UP_ROW_IN_TURNS = TileConfig(8, 4, passes=2)
 DOWN_CONFIG: dict[str, TileConfig] = {"tile": TileConfig(32, 2), "row": TileConfig(4, 4)}
-# planar MXFP4's down row on 2 warps (H100, gpt-oss-120b's one-token step 38.67 against 40.63 us on 4)
-DOWN_ROW_MXFP4 = TileConfig(4, 2)
+# Exceptions by (tile, kernel type) to GATE_UP_CONFIG (gate and up of that one type) and DOWN_CONFIG.
+# Planar MXFP4's quantized tiles under a cap of 128 registers (H100, gpt-oss-120b's 8-token step
+# 155.30 against 164.92 us; its gate/up took 136 on sm_90); its down row on 2 warps (one token's step
+# 38.67 against 40.63 us on 4). The cap slows Q6_K's gate/up tile (168 registers: 105.79 against 92.25).
+GATE_UP_BY_TYPE: dict[tuple[str, int], TileConfig] = {("tile", MXFP4_PLANAR): TileConfig(32, 2, maxnreg=128)}
+DOWN_BY_TYPE: dict[tuple[str, int], TileConfig] = {("tile", MXFP4_PLANAR): TileConfig(32, 2, maxnreg=128),
+                                                   ("row", MXFP4_PLANAR): TileConfig(4, 2)}
 # the types the lanes-along-K kernels read (_dense_k4_kernel, _gate_up_k4_kernel, _down_k4_kernel)
 ROW_TILE_TYPES = (int(QT.Q4_K), int(QT.Q5_K), Q6_K_PADDED, MXFP4_PLANAR, Q8_0_PLANAR)
 # one token's gate/up in turns (GATE_UP_ROW_IN_TURNS): the K-quants, and planar Q8_0 (H100, Qwen3's
@@ -2056,12 +2061,17 @@ _TURN_TYPES = (int(QT.Q4_K), int(QT.Q5_K), Q6_K_PADDED, Q8_0_PLANAR)
 # stay for the others (8 tokens in runs of 2: Q6_K 97.53 against 91.91, MXFP4 213.12 against 208.63; in
 # runs of 8, Q4_K 79.73 against 71.23)
 _RUN_TYPES = (Q8_0_PLANAR,)
+# down alone in the row tile's runs over 2-8 tokens: padded Q6_K too (H100, Qwen3's 8-token step with
+# gate/up in the quantized tile 86.11 against 92.25 us; Q4_K_M's, down Q6_K, 74.24 against 79.16;
+# Q4_K 71.50 against 69.52, MXFP4 169.21 against 164.92)
+_DOWN_RUN_TYPES = (*_RUN_TYPES, Q6_K_PADDED)
 
 
-def _row_tokens(types: tuple[int, ...], tokens: int) -> bool:
-    """Whether a launch over `tokens` tokens' pairs and weights of kernel types `types` takes the row tile."""
+def _row_tokens(types: tuple[int, ...], tokens: int, runs: tuple[int, ...] = _RUN_TYPES) -> bool:
+    """Whether a launch over `tokens` tokens' pairs and weights of kernel types `types` takes the row
+    tile: at one token every type it reads, at 2-RUN_MAX_TOKENS the types of `runs`."""
     return set(types) <= set(ROW_TILE_TYPES) and (
-        tokens == 1 or (tokens <= RUN_MAX_TOKENS and set(types) <= set(_RUN_TYPES)))
+        tokens == 1 or (tokens <= RUN_MAX_TOKENS and set(types) <= set(runs)))
 
 
 def expert_tile(qg: int, qu: int, tokens: int) -> str:
@@ -2074,7 +2084,7 @@ def expert_down_tile(qd: int, tokens: int) -> str:
     """The tile (a DOWN_CONFIG key) of a down launch over `tokens` tokens' pairs and weights of
     kernel type `qd`: one default for the three launches and the one-launch step, whose results
     are then the same bits."""
-    return "row" if _row_tokens((qd,), tokens) else "tile"
+    return "row" if _row_tokens((qd,), tokens, _DOWN_RUN_TYPES) else "tile"
 
 
 def run_group(tile: str, cfg: TileConfig, tokens: int) -> int:
@@ -2090,11 +2100,12 @@ def gate_up_config(tile: str, qg: int, qu: int, n_ff: int, tokens: int) -> TileC
     turns = GATE_UP_ROW_IN_TURNS
     if tile == "row" and tokens == 1 and {qg, qu} <= set(_TURN_TYPES) and n_ff % turns.passes == 0:
         return turns
-    return GATE_UP_CONFIG[tile]
+    return GATE_UP_BY_TYPE.get((tile, qg), GATE_UP_CONFIG[tile]) if qg == qu else GATE_UP_CONFIG[tile]
+
 
 def down_config(tile: str, qd: int) -> TileConfig:
     """The default config of down's tile `tile` over weights of kernel type `qd`."""
-    return DOWN_ROW_MXFP4 if tile == "row" and qd == MXFP4_PLANAR else DOWN_CONFIG[tile]
+    return DOWN_BY_TYPE.get((tile, qd), DOWN_CONFIG[tile])
 
 
 _ACT = {"silu": 0, "swiglu_oai": 1}
@@ -2474,9 +2485,10 @@ def step_timed_out(device: torch.device) -> bool:
     return late
 
 
-def step_down_config(down_tile: str, num_warps: int) -> TileConfig:
-    """A one-launch step's default down tile: DOWN_CONFIG's, its rows scaled to gate/up's warps."""
-    base = DOWN_CONFIG[down_tile]
+def step_down_config(down_tile: str, qd: int, num_warps: int) -> TileConfig:
+    """A one-launch step's default down tile over weights of kernel type `qd`: down_config's, its
+    rows a warp kept on gate/up's warps (the launch's register cap is gate/up's)."""
+    base = down_config(down_tile, qd)
     return TileConfig(base.block_n * num_warps // base.num_warps, num_warps, base.unroll)
 
 
@@ -2496,7 +2508,7 @@ def _expert_step(x: torch.Tensor, buffers, w, pair_tok: torch.Tensor, pair_pos: 
     plan = _GateUpPlan.make(w, buffers[0], buffers[1], T, P, dev, gate_up_cfg, split, gate_up_tile)
     gd, ud, dd = buffers
     down_tile, qd = _down_tile_type(w, dd, down_tile, T)
-    down_cfg = down_cfg or step_down_config(down_tile, plan.cfg.num_warps)
+    down_cfg = down_cfg or step_down_config(down_tile, qd, plan.cfg.num_warps)
     if down_cfg.num_warps != plan.cfg.num_warps:
         raise ValueError(f"one launch runs gate/up and down on one num_warps: {plan.cfg.num_warps} and "
                          f"{down_cfg.num_warps} asked")

@@ -299,22 +299,31 @@ def test_interpreter_planar_q8_0_gate_up_with_lanes_along_k(n_embd: int, split: 
 
 def test_expert_step_defaults_by_type_and_tokens() -> None:
     """One token: every type the row tiles read takes them, gate/up in turns but MXFP4's; 2-8 tokens:
-    planar Q8_0 takes both row tiles in runs of RUN_GROUP pairs (its gate/up rows at once), the
-    others the quantized tiles; past RUN_MAX_TOKENS every type the quantized tiles."""
-    q8, k4, mx = tk.Q8_0_PLANAR, int(QT.Q4_K), tk.MXFP4_PLANAR
-    for q in (q8, k4, tk.Q6_K_PADDED):
+    planar Q8_0 takes both row tiles in runs of RUN_GROUP pairs (its gate/up rows at once), padded
+    Q6_K down's row tile alone, the others the quantized tiles (MXFP4's under a register cap); past
+    RUN_MAX_TOKENS every type the quantized tiles."""
+    q8, k4, q6, mx = tk.Q8_0_PLANAR, int(QT.Q4_K), tk.Q6_K_PADDED, tk.MXFP4_PLANAR
+    for q in (q8, k4, q6):
         assert tk.gate_up_config(tk.expert_tile(q, q, 1), q, q, 768, 1) == tk.GATE_UP_ROW_IN_TURNS
     assert tk.gate_up_config(tk.expert_tile(mx, mx, 1), mx, mx, 2880, 1) == tk.GATE_UP_CONFIG["row"]
-    assert tk.down_config(tk.expert_down_tile(mx, 1), mx) == tk.DOWN_ROW_MXFP4
+    assert tk.down_config(tk.expert_down_tile(mx, 1), mx) == tk.DOWN_BY_TYPE[("row", mx)] == tk.TileConfig(4, 2)
     assert tk.down_config(tk.expert_down_tile(q8, 1), q8) == tk.DOWN_CONFIG["row"]
     for tokens in (2, 4, tk.RUN_MAX_TOKENS):
         assert (tk.expert_tile(q8, q8, tokens), tk.expert_down_tile(q8, tokens)) == ("row", "row")
         cfg = tk.gate_up_config("row", q8, q8, 768, tokens)
         assert cfg.passes == 1 and tk.run_group("row", cfg, tokens) == tk.RUN_GROUP == 2
-        for q in (k4, tk.Q6_K_PADDED, mx):
+        assert (tk.expert_tile(q6, q6, tokens), tk.expert_down_tile(q6, tokens)) == ("tile", "row")
+        for q in (k4, mx):
             assert (tk.expert_tile(q, q, tokens), tk.expert_down_tile(q, tokens)) == ("tile", "tile")
-    assert tk.expert_tile(q8, q8, tk.RUN_MAX_TOKENS + 1) == tk.expert_down_tile(q8, tk.RUN_MAX_TOKENS + 1) == "tile"
+        assert tk.gate_up_config("tile", mx, mx, 2880, tokens).maxnreg == tk.down_config("tile", mx).maxnreg == 128
+        assert tk.gate_up_config("tile", k4, k4, 768, tokens) == tk.GATE_UP_CONFIG["tile"]
+        assert tk.gate_up_config("tile", mx, k4, 768, tokens) == tk.GATE_UP_CONFIG["tile"]  # one type for both
+    for q in (q8, q6):
+        assert tk.expert_tile(q, q, tk.RUN_MAX_TOKENS + 1) == tk.expert_down_tile(q, tk.RUN_MAX_TOKENS + 1) == "tile"
     assert tk.expert_tile(q8, k4, 2) == "tile"  # runs where both gate and up are planar Q8_0 only
+    # the one-launch step keeps down's rows a warp on gate/up's warps: MXFP4's down row, 2 a warp, 8 on 4
+    assert tk.step_down_config("row", mx, 4) == tk.TileConfig(8, 4)
+    assert tk.step_down_config("row", q8, 4) == tk.TileConfig(4, 4)
 
 
 def test_row_tiles_take_their_types_in_their_layout() -> None:
