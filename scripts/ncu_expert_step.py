@@ -15,14 +15,14 @@ import sys
 
 import torch
 
-from engine.bench.kernels import ExpertLayer, ExpertStep, _expert_scenarios
+from engine.bench.kernels import ExpertLayer, ExpertStep, expert_scenarios
 from engine.quant import triton_kernels as tk
 
 L2_BYTES = 50 << 20  # the H100's and the H200's
 
 
 def profile(name: str, tokens: int, dev: torch.device) -> None:
-    sc = _expert_scenarios()[name]
+    sc = expert_scenarios()[name]
     layer = ExpertLayer(sc, dev, L2_BYTES)
     s = ExpertStep(layer, tokens, sc.top_k, torch.Generator().manual_seed(tokens), dev)
 

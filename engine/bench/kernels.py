@@ -89,7 +89,8 @@ class ExpertScenario:
     bias: bool
 
 
-def _expert_scenarios() -> dict[str, ExpertScenario]:
+def expert_scenarios() -> dict[str, ExpertScenario]:
+    """The expert steps `bench kernels` times, by name (scripts/ncu_expert_step.py profiles them too)."""
     from engine.layers.moe import SILU, SWIGLU_OAI
 
     out = {f"qwen3-30b-a3b {t.name}": ExpertScenario((t,) * 3, 2048, 768, 8, SILU, False)
@@ -990,11 +991,11 @@ def run(args: argparse.Namespace) -> int:
             for qtype in types:
                 add(bench_dense(name, n_out, K, qtype, args.rows, dev, copy, l2_bytes, args.replays, args.sweep))
     if "experts" in args.only:
-        for name, sc in _expert_scenarios().items():
+        for name, sc in expert_scenarios().items():
             if set(sc.qtypes) <= set(types):
                 add(bench_experts(name, sc, args.rows, dev, copy, l2_bytes, args.replays, args.steps, args.sweep))
     if "grouped" in args.only:
-        for name, sc in _expert_scenarios().items():
+        for name, sc in expert_scenarios().items():
             if set(sc.qtypes) <= set(types):
                 add(bench_grouped(name, sc, args.tokens, dev, args.replays, _grouped_sweep() if args.sweep else None))
     if "prompt" in args.only:

@@ -141,7 +141,7 @@ def _target(arch: int = 90):
 H200_SMS = 132  # the variants are compiled with the splits they take on an H200
 ONE_TOKEN_PAIRS = 8  # a decode token's expert pairs (Qwen3-30B's top-8)
 # the run programs compiled: runs of RUN_GROUP pairs a program (the default), of 4 and whole
-RUN_GROUPS = (tk.RUN_GROUP, 4, tk.RUN_MAX_TOKENS)
+RUN_GROUPS = tuple(dict.fromkeys((tk.RUN_GROUP, 4, tk.RUN_MAX_TOKENS)))
 
 
 def _dependent_launches(arch: int) -> bool:

@@ -41,7 +41,7 @@ def _dense_row(shape: str, qtype: str, rows: int, us: float, gbps: float, mb: fl
 
 
 def _expert_row(shape: str, rows: int) -> dict:
-    sc = kb._expert_scenarios()[shape]
+    sc = kb.expert_scenarios()[shape]
     rate = {"us": 24.5, "GBps": 868.0, "of_copy_bw": 0.21}  # the Q4_K step's one-token figures (measured-h200)
     return {"kind": "experts", "shape": shape, "types": [q.name for q in sc.qtypes], "n_embd": sc.n_embd,
             "n_ff": sc.n_ff, "top_k": sc.top_k, "rows": rows, "MB": 21.2, "slots": 40, "new": rate,
