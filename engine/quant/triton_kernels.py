@@ -358,34 +358,38 @@ if triton is not None:
         return tl.sum(parts, axis=4)
 
     @triton.jit
+    def _e2m1_lookup(sel, INTERP: tl.constexpr):
+        """MXFP4's doubled e2m1 values (0, 1, 2, 3, 4, 6, 8, 12) and their negatives at the 4 nibbles of
+        prmt selector `sel`, each a magnitude's 3 bits (msb clear: prmt would replicate a byte's sign
+        there): two words of packed int8."""
+        z = sel * 0
+        return (_prmt(z + 0x03020100, z + 0x0C080604, sel, INTERP),
+                _prmt(z - 33620224, z - 185009412, sel, INTERP))  # 0xFDFEFF00, 0xF4F8FAFC: -0 .. -12
+
+    @triton.jit
     def _e2m1_low(w, INTERP: tl.constexpr):
-        """The low nibbles of the 4 bytes of w as MXFP4's doubled e2m1 values, packed int8: magnitudes
-        and negatives by prmt table lookups on the nibbles' low 3 bits, chosen per byte by bit 3 (the
-        grouped GEMM's decode, a value per element; the decode kernels take _e2m1_words)."""
+        """The low nibbles of the 4 bytes of w as MXFP4's doubled e2m1 values, packed int8, chosen
+        per byte by bit 3 (the grouped GEMM's decode, a value per element, where _e2m1_words' eight
+        would cost eight lookups for one)."""
         x3 = w & 0x07070707
         y = (x3 | (x3 >> 4)) & 0x00FF00FF
-        sel = (y | (y >> 8)) & 0xFFFF
-        z = w * 0
-        pos = _prmt(z + 0x03020100, z + 0x0C080604, sel, INTERP)
-        neg = _prmt(z - 33620224, z - 185009412, sel, INTERP)  # 0xFDFEFF00, 0xF4F8FAFC: -0 .. -12
+        pos, neg = _e2m1_lookup((y | (y >> 8)) & 0xFFFF, INTERP)
         m = ((w >> 3) & 0x01010101) * 255
         return (pos & ~m) | (neg & m)
 
     @triton.jit
     def _e2m1_words(w, INTERP: tl.constexpr):
-        """The low and the high nibbles of the 4 bytes of w as MXFP4's doubled e2m1 values (0, 1,
-        2, 3, 4, 6, 8, 12; bit 3 negates), two words of packed int8 (as ggml's
-        get_int_from_table_16): each half's 4 nibbles looked up by prmt in the magnitudes and in
-        the negatives, a third prmt per half picking by bit 3, two more splitting low from high.
-        Selectors keep their nibbles' msb clear: prmt would replicate a byte's sign there."""
+        """The low and the high nibbles of the 4 bytes of w as MXFP4's doubled e2m1 values (bit 3
+        negates), two words of packed int8 (as ggml's get_int_from_table_16): each half's 4 nibbles
+        looked up, a third prmt per half picking magnitude or negative by bit 3, two more splitting
+        low from high."""
         z = w * 0
         q = w & 0x77777777
         pick = 0x32103210 | ((w >> 1) & 0x44444444)  # nibble k of a half: its position, + 4 if negative
-        lo = _prmt(_prmt(z + 0x03020100, z + 0x0C080604, q, INTERP),
-                   _prmt(z - 33620224, z - 185009412, q, INTERP), pick, INTERP)  # 0xFDFEFF00, 0xF4F8FAFC: -0 .. -12
-        q16, pick16 = q >> 16, pick >> 16
-        hi = _prmt(_prmt(z + 0x03020100, z + 0x0C080604, q16, INTERP),
-                   _prmt(z - 33620224, z - 185009412, q16, INTERP), pick16, INTERP)
+        pos, neg = _e2m1_lookup(q, INTERP)
+        lo = _prmt(pos, neg, pick, INTERP)
+        pos, neg = _e2m1_lookup(q >> 16, INTERP)
+        hi = _prmt(pos, neg, pick >> 16, INTERP)
         return _prmt(lo, hi, z + 0x6420, INTERP), _prmt(lo, hi, z + 0x7531, INTERP)
 
     @triton.jit
