@@ -2034,13 +2034,13 @@ class TileConfig:
 #           _down_kernel). It puts two lanes on a row and 16 rows on a warp, so BLOCK_N = 16 x
 #           num_warps gives each lane pair one row; 2 warps and 32 rows keep enough programs for
 #           decode (Qwen3-30B: 8 pairs x 24 of them for gate/up); 32 x num_warps gives a lane two.
-#   "row"   ROW_TILE_TYPES at one token, planar Q8_0 at 2-8 (_RUN_TYPES): a warp's lanes along each
-#           weight row, four K steps an access (_gate_up_k4_kernel, _down_k4_kernel; BLOCK_N rows on
-#           num_warps warps). H100, one token's step of Qwen3-30B (gpt-oss-120b for MXFP4), down in
-#           it against the quantized tile: 16.86 / 18.61 us Q4_K, 19.01 / 22.08 Q6_K, 23.19 / 27.60
-#           Q8_0, 40.14 / 43.03 MXFP4; planar Q8_0's gate/up in it too: 21.00. Over 2 and 8 tokens
-#           the quantized tile was faster for K-quant gate/up (H200: 17.4 / 44.6 against 17.9 / 51.4
-#           us, Qwen3 Q4_K).
+#   "row"   ROW_TILE_TYPES at one token, planar Q8_0 at 2-8 (_RUN_TYPES), padded Q6_K's down at 2-8
+#           (_DOWN_RUN_TYPES): a warp's lanes along each weight row, four K steps an access
+#           (_gate_up_k4_kernel, _down_k4_kernel; BLOCK_N rows on num_warps warps). H100, one
+#           token's step of Qwen3-30B (gpt-oss-120b for MXFP4), down in it against the quantized
+#           tile: 16.86 / 18.61 us Q4_K, 19.01 / 22.08 Q6_K, 23.19 / 27.60 Q8_0, 40.14 / 43.03
+#           MXFP4; planar Q8_0's gate/up in it too: 21.00. Over 2 and 8 tokens the quantized tile
+#           was faster for K-quant gate/up (H200: 17.4 / 44.6 against 17.9 / 51.4 us, Qwen3 Q4_K).
 # `moestudio bench kernels --sweep` times the alternatives on the device.
 GATE_UP_CONFIG: dict[str, TileConfig] = {"tile": TileConfig(32, 2), "row": TileConfig(4, 4)}
 # gate/up's row tile over K-quants: 8 rows a program in two turns of 4 (TileConfig.passes), which
