@@ -292,16 +292,33 @@ def test_dashboard_plots_live_data(studio):
     win.tabs.setCurrentWidget(win.chat)
 
 
+def stopped_mid_reply(studio, qtbot, pid: int) -> int:
+    """Freezes the worker (SIGSTOP) while a reply streams and returns that reply's id. The tiny
+    model may end a reply early (its EOS: 35 tokens in 0.13 s on a Xeon) between its first words
+    and a kill; the stopped worker sends nothing more, so a reply still streaming once the words
+    already sent are in is cut off by the kill. One that ended first is followed by another, under
+    the next seed."""
+    win, ctl = studio.win, studio.win.chat_ctl
+    for seed in range(7, 15):
+        set_sampling(win, max_tokens=500, seed=seed)
+        win.chat.input.setPlainText("Keep going for a while")
+        win.chat.submit()
+        wait_until(lambda: not ctl.busy or (reply(studio) and len(reply(studio).content) > 10), 30, "a partial reply")
+        os.kill(pid, signal.SIGSTOP)
+        qtbot.wait(300)
+        if ctl.busy and len(reply(studio).content) > 10:
+            return reply(studio).id
+        os.kill(pid, signal.SIGCONT)
+        wait_until(lambda: not ctl.busy, 30, "the reply's end")
+    raise AssertionError("every reply ended before the worker was stopped in it" + _diagnosis())
+
+
 def test_killed_worker_is_restarted_and_partial_reply_kept(studio, qtbot):
     win, ctl = studio.win, studio.win.chat_ctl
-    set_sampling(win, max_tokens=500)
     old_pid = win.engine.pid
     crashes = []
     win.engine.crashed.connect(lambda c, r: crashes.append((c, r)))
-    win.chat.input.setPlainText("Keep going for a while")
-    win.chat.submit()
-    wait_until(lambda: reply(studio) and len(reply(studio).content) > 10, 30, "a partial reply")
-    partial_id = reply(studio).id
+    partial_id = stopped_mid_reply(studio, qtbot, old_pid)
     os.kill(old_pid, signal.SIGKILL)
     wait_until(lambda: not ctl.busy, 15, "the reply to end with the worker")
     wait_until(lambda: crashes, 15, "crash detection")
