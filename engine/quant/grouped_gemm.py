@@ -509,9 +509,9 @@ def layout_tiles(n_slots: int) -> tuple[int, int, int]:
 
 
 def _sums(r: tk.Rounded) -> torch.Tensor:
-    """The block sums the K-quant min terms read: rows must be rounded by round_rows(..., sums=True)."""
+    """The block sums the K-quant min terms read: rows must be rounded by round_rows(..., grouped=True)."""
     if r.sums is None:
-        raise ValueError("the grouped GEMM takes rows rounded with round_rows(..., sums=True)")
+        raise ValueError("the grouped GEMM takes rows rounded with round_rows(..., grouped=True)")
     return r.sums
 
 
@@ -585,7 +585,7 @@ def dense(x: torch.Tensor, raw: torch.Tensor, qtype: QT, cfg: GroupedConfig | No
     out = torch.empty((1, x.shape[0], raw.shape[1]), dtype=torch.float32, device=x.device)
     if x.shape[0]:
         rows = _all_rows(x.shape[0], cfg.block_m, str(x.device))
-        _down_launch(tk.round_rows(x, qtype, sums=True), raw, qtype, None, rows, None, out, cfg)
+        _down_launch(tk.round_rows(x, qtype, grouped=True), raw, qtype, None, rows, None, out, cfg)
     return out[0]
 
 
@@ -609,7 +609,7 @@ def groups_forward(x: torch.Tensor, buffers, w, groups: Groups, weights: torch.T
         raise ValueError("gate/up and down tiles must pad the expert runs alike (block_m)")
     if groups.tiles == 0:
         return
-    xg = tk.round_rows(x, w.gate.qtype, sums=True)
-    xu = xg if tk._vt(w.up.qtype) == tk._vt(w.gate.qtype) else tk.round_rows(x, w.up.qtype, sums=True)
+    xg = tk.round_rows(x, w.gate.qtype, grouped=True)
+    xu = xg if tk._vt(w.up.qtype, True) == tk._vt(w.gate.qtype, True) else tk.round_rows(x, w.up.qtype, grouped=True)
     h = gate_up(xg, xu, buffers[0], buffers[1], w, groups, gate_up_cfg)
-    down(tk.round_rows(h, w.down.qtype, sums=True), buffers[2], w, groups, weights, out, down_cfg)
+    down(tk.round_rows(h, w.down.qtype, grouped=True), buffers[2], w, groups, weights, out, down_cfg)

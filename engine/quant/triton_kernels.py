@@ -78,6 +78,9 @@ Q6_K_PADDED = 256 + int(QT.Q6_K)
 # bytes at a time instead of 1 or 2.
 MXFP4_PLANAR = 256 + int(QT.MXFP4)
 Q8_0_PLANAR = 256 + int(QT.Q8_0)
+# Vec-dot type id of activations rounded to Q8_0 for MXFP4 weights in the decode kernels: each
+# block's int8 quants in the order of the weights' nibbles (_e2m1_dot), the values as Q8_0's.
+Q8_0_NIBBLES = 512 + int(QT.Q8_0)
 # The kernel type id of each type's rows in layout.kernel_layout's layout.
 LAID_OUT_TYPES: dict[QT, int] = {QT.Q6_K: Q6_K_PADDED, QT.MXFP4: MXFP4_PLANAR, QT.Q8_0: Q8_0_PLANAR}
 
@@ -93,6 +96,7 @@ if triton is not None:
     _Q6_K_PADDED = tl.constexpr(Q6_K_PADDED)
     _Q8_0 = tl.constexpr(int(QT.Q8_0))
     _Q8_0_PLANAR = tl.constexpr(Q8_0_PLANAR)
+    _Q8_0_NIBBLES = tl.constexpr(Q8_0_NIBBLES)
     _MXFP4 = tl.constexpr(int(QT.MXFP4))
     _MXFP4_PLANAR = tl.constexpr(MXFP4_PLANAR)
     _F16 = tl.constexpr(int(QT.F16))
@@ -149,14 +153,23 @@ if triton is not None:
         return ((bits >> 16) << 16).to(tl.float32, bitcast=True)
 
     @triton.jit
+    def _nibble_position(j):
+        """Where value j of a block of 32 goes in Q8_0_NIBBLES' order: byte b of word 4h + l
+        holds the value of nibble b of half h of MXFP4 quant word l (_e2m1_dot), i.e. byte
+        4l + 2h + b // 2's low nibble (value 4l + 2h + b // 2) for even b, its high one (16 on)
+        for odd b."""
+        return ((j % 4) // 2) * 16 + ((j % 16) // 4) * 4 + (j % 2) * 2 + j // 16
+
+    @triton.jit
     def _round_chunk(src, dst, dst_q, dst_d, dst_s, c, K: tl.constexpr, VT: tl.constexpr, INTERP: tl.constexpr,
                      SUMS: tl.constexpr):
         """dst[256c : 256c + 256] = round_activation(src[...]) for vec-dot type VT (a GGUF
-        type id: Q8_K, Q8_0, F16, BF16; anything else copies). For Q8_K and Q8_0 also the int8
-        quants (dst_q, same positions) and the scales: Q8_K's at dst_d[8c] (0 for an all-zero
-        block), Q8_0's at dst_d[8c + b] for its blocks b; with SUMS, Q8_K's quants summed per 32
-        at dst_s[8c + b] (int32: the grouped GEMM's K-quant min terms). dst rows are padded to
-        whole K steps: positions from K on receive zeros."""
+        type id: Q8_K, Q8_0, F16, BF16; Q8_0_NIBBLES; anything else copies). For Q8_K and Q8_0 also
+        the int8 quants (dst_q, same positions; Q8_0_NIBBLES: each block's in MXFP4's nibble order,
+        _nibble_position) and the scales: Q8_K's at dst_d[8c] (0 for an all-zero block), Q8_0's at
+        dst_d[8c + b] for its blocks b; with SUMS, Q8_K's quants summed per 32 at dst_s[8c + b]
+        (int32: the grouped GEMM's K-quant min terms). dst rows are padded to whole K steps:
+        positions from K on receive zeros."""
         if VT == _Q8_K:
             i = c * 256 + tl.arange(0, 256)
             q, d, zero = _q8_k(tl.load(src + i, cache_modifier=".cg"), INTERP)
@@ -165,12 +178,16 @@ if triton is not None:
             tl.store(dst_d + c * 8, tl.where(zero, 0.0, d))
             if SUMS:
                 tl.store(dst_s + c * 8 + tl.arange(0, 8), tl.sum(tl.reshape(q, (8, 32)), axis=1).to(tl.int32))
-        elif VT == _Q8_0:
-            i = c * 256 + tl.arange(0, 8)[:, None] * 32 + tl.arange(0, 32)[None, :]
+        elif VT == _Q8_0 or VT == _Q8_0_NIBBLES:
+            j = tl.arange(0, 32)[None, :]
+            i = c * 256 + tl.arange(0, 8)[:, None] * 32 + j
             v = tl.load(src + i, mask=i < K, other=0.0, cache_modifier=".cg")
             q, d = _q8_0(v, INTERP)
             tl.store(dst + i, d[:, None] * q)  # zeros into the padding up to the K step
-            tl.store(dst_q + i, q.to(tl.int8))
+            if VT == _Q8_0_NIBBLES:
+                tl.store(dst_q + i - j + _nibble_position(j), q.to(tl.int8))
+            else:
+                tl.store(dst_q + i, q.to(tl.int8))
             tl.store(dst_d + c * 8 + tl.arange(0, 8), d)
         else:
             i = c * 256 + tl.arange(0, 256)
@@ -311,16 +328,21 @@ if triton is not None:
         return v - ((v & 128) << 1)
 
     @triton.jit
-    def _dp4a(a, b, INTERP: tl.constexpr, SIGNED_A: tl.constexpr = False):
-        """sum over the 4 bytes of a[k] * b[k], b signed, a unsigned or signed (PTX dp4a)."""
+    def _dp4a(a, b, INTERP: tl.constexpr, SIGNED_A: tl.constexpr = False, acc=None):
+        """sum over the 4 bytes of a[k] * b[k], b signed, a unsigned or signed (PTX dp4a), plus acc
+        where given."""
         if INTERP:
-            s = a * 0
+            s = a * 0 if acc is None else acc
             for k in tl.static_range(4):
                 ak = (a >> (8 * k)) & 255
                 bk = (b >> (8 * k)) & 255
                 if SIGNED_A:
                     ak = ak - ((ak & 128) << 1)
                 s += ak * (bk - ((bk & 128) << 1))
+        elif acc is not None:
+            s = tl.inline_asm_elementwise("dp4a.s32.s32 $0, $1, $2, $3;" if SIGNED_A else
+                                          "dp4a.u32.s32 $0, $1, $2, $3;", "=r,r,r,r", [a, b, acc], dtype=tl.int32,
+                                          is_pure=True, pack=1)
         elif SIGNED_A:
             s = tl.inline_asm_elementwise("dp4a.s32.s32 $0, $1, $2, 0;", "=r,r,r", [a, b], dtype=tl.int32,
                                           is_pure=True, pack=1)
@@ -369,8 +391,7 @@ if triton is not None:
     @triton.jit
     def _e2m1_low(w, INTERP: tl.constexpr):
         """The low nibbles of the 4 bytes of w as MXFP4's doubled e2m1 values, packed int8, chosen
-        per byte by bit 3 (the grouped GEMM's decode, a value per element, where _e2m1_words' eight
-        would cost eight lookups for one)."""
+        per byte by bit 3 (the grouped GEMM's decode, a value per element)."""
         x3 = w & 0x07070707
         y = (x3 | (x3 >> 4)) & 0x00FF00FF
         pos, neg = _e2m1_lookup((y | (y >> 8)) & 0xFFFF, INTERP)
@@ -378,19 +399,38 @@ if triton is not None:
         return (pos & ~m) | (neg & m)
 
     @triton.jit
-    def _e2m1_words(w, INTERP: tl.constexpr):
-        """The low and the high nibbles of the 4 bytes of w as MXFP4's doubled e2m1 values (bit 3
-        negates), two words of packed int8 (as ggml's get_int_from_table_16): each half's 4 nibbles
-        looked up, a third prmt per half picking magnitude or negative by bit 3, two more splitting
-        low from high."""
-        z = w * 0
-        q = w & 0x77777777
-        pick = 0x32103210 | ((w >> 1) & 0x44444444)  # nibble k of a half: its position, + 4 if negative
-        pos, neg = _e2m1_lookup(q, INTERP)
-        lo = _prmt(pos, neg, pick, INTERP)
-        pos, neg = _e2m1_lookup(q >> 16, INTERP)
-        hi = _prmt(pos, neg, pick >> 16, INTERP)
-        return _prmt(lo, hi, z + 0x6420, INTERP), _prmt(lo, hi, z + 0x7531, INTERP)
+    def _e2m1_dot(w, xa, xb, INTERP: tl.constexpr, SIGNED: tl.constexpr):
+        """The 8 MXFP4 values of word w (its nibbles, as doubled e2m1 values) dotted with 8 int8
+        activation quants in their order (Q8_0_NIBBLES): xa's 4 bytes go with the nibbles of w's
+        low half (byte 0's low, its high, byte 1's low, its high), xb's with its high half's.
+
+        Split by sign (not SIGNED): prmt looks each raw nibble up in the table of magnitudes, and
+        where the nibble's sign bit (its msb) is set gives the looked-up byte's sign instead, 0.
+        So a lookup of w gives the positive values and zeros, one of w with every sign bit flipped
+        the negative values' magnitudes and zeros, and the dot is the first's less the second's:
+        four prmt and four dp4a for 8 values. SIGNED: the values themselves, as ggml's
+        get_int_from_table_16 decodes them (six prmt), and two dp4a. prmt and the other bit
+        operations share the integer pipe at half its rate where dp4a takes the multiply pipe's,
+        so the split form is the cheaper for one activation row; where the compiler decodes a
+        word once for several rows (dense products, runs of pairs) each row costs the signed
+        form two dp4a against four. (From GGUF's 17-byte blocks, whose words are assembled byte
+        by byte, the signed form compiles to fewer instructions either way: sm_90, one row.)"""
+        if SIGNED:
+            q = w & 0x77777777
+            pick = 0x32103210 | ((w >> 1) & 0x44444444)  # nibble k of a half: its position, + 4 if negative
+            pos, neg = _e2m1_lookup(q, INTERP)
+            lo = _prmt(pos, neg, pick, INTERP)
+            pos, neg = _e2m1_lookup(q >> 16, INTERP)
+            dot = _dp4a(_prmt(pos, neg, pick >> 16, INTERP), xb, INTERP, True) + _dp4a(lo, xa, INTERP, True)
+        else:
+            z = w * 0
+            lo = z + 0x03020100
+            hi = z + 0x0C080604
+            f = w ^ -2004318072  # 0x88888888
+            pos = _dp4a(_prmt(lo, hi, w >> 16, INTERP), xb, INTERP, acc=_dp4a(_prmt(lo, hi, w, INTERP), xa, INTERP))
+            neg = _dp4a(_prmt(lo, hi, f >> 16, INTERP), xb, INTERP, acc=_dp4a(_prmt(lo, hi, f, INTERP), xa, INTERP))
+            dot = pos - neg
+        return dot
 
     @triton.jit
     def _k4_scale_min(hdr, l, j, low):
@@ -489,10 +529,11 @@ if triton is not None:
 
     @triton.jit
     def _use_w(acc, a, b, cc, dd, x_row, xq_row, xd_row, ks, K: tl.constexpr, BLOCK_N: tl.constexpr,
-               QT: tl.constexpr, INTERP: tl.constexpr, REV: tl.constexpr):
+               QT: tl.constexpr, INTERP: tl.constexpr, REV: tl.constexpr, SHARED: tl.constexpr = False):
         """acc += K step `ks` of the rows (raw bytes a, b, cc, dd from _load_w) dotted with
         the rounded activation row: values at x_row; for Q8_K, int8 quants at xq_row and
-        block scales at xd_row."""
+        block scales at xd_row. SHARED: the launch dots the same bytes with several rows
+        (MXFP4's decode, _e2m1_dot)."""
         p, r, c, l = _axes(BLOCK_N, QT)
         x0 = x_row + ks * 256 + r * 0  # zero stride along rows: the activation is shared
         if QT == _Q4_K or QT == _Q5_K:
@@ -563,7 +604,8 @@ if triton is not None:
             acc += dx * ((d * sc0) * s0 + (d * sc1) * s1)
         elif QT == _Q8_0 or QT == _MXFP4:
             # One block per (p, c): the integer dot of its quants with the activation's Q8_0
-            # quants, times both scales. MXFP4: byte i holds values i (low nibble) and 16 + i.
+            # quants, times both scales. MXFP4: byte i holds values i (low nibble) and 16 + i, the
+            # activation's quants go in the nibbles' order (_e2m1_dot).
             blk = c * 2 + p
             if QT == _Q8_0:
                 xq = xq_row.to(tl.pointer_type(tl.uint16)) + ks * 128 + blk * 16 + l + r * 0
@@ -571,10 +613,8 @@ if triton is not None:
                 dw = _f16_bits(_pick(b.to(tl.int32), l, 0) & 0xFFFF)
             else:
                 xq = xq_row.to(tl.pointer_type(tl.uint8)) + ks * 256 + blk * 32 + l + r * 0
-                w = _words(a, 4)
-                low, high = _e2m1_words(w, INTERP)
-                sw = tl.sum(_dp4a(low, _words(_ld(xq, REV), 4), INTERP, True)
-                            + _dp4a(high, _words(_ld(xq + 16, REV), 4), INTERP, True), axis=3)
+                sw = tl.sum(_e2m1_dot(_words(a, 4), _words(_ld(xq, REV), 4), _words(_ld(xq + 16, REV), 4), INTERP,
+                                      True), axis=3)
                 e = _pick(b.to(tl.int32), l, 0) & 255
                 # ggml_e8m0_to_fp32_half: 2^(e - 128), subnormal for e < 2 (the table is doubled).
                 dw = tl.where(e < 2, 0x00200000 << e, (e - 1) << 23).to(tl.float32, bitcast=True)
@@ -587,12 +627,12 @@ if triton is not None:
             dx = tl.where(p3 == 0, _pick(xd, l, c2), _pick(xd, l, c2 + 1)).to(tl.float32, bitcast=True)
             acc += (dw * dx) * sw.to(tl.float32)
         elif QT == _MXFP4_PLANAR:
-            # Block 2c + p: word l of its nibbles holds values 4l .. 4l + 3 (low nibbles) and
-            # 16 + 4l .. (high), dotted with the activation's words l and 4 + l of the block.
+            # Block 2c + p: word l of its nibbles (values 4l .. 4l + 3 in the low nibbles, 16 + 4l ..
+            # in the high ones) dotted with the activation's words l and 4 + l of the block, which
+            # hold those values in the nibbles' order (_e2m1_dot).
             blk = c * 2 + p
             xw = xq_row.to(tl.pointer_type(tl.int32)) + ks * 64 + blk * 8 + l + r * 0
-            low, high = _e2m1_words(a, INTERP)
-            sw = _runsum(_dp4a(low, _ld(xw, REV), INTERP, True) + _dp4a(high, _ld(xw + 4, REV), INTERP, True))
+            sw = _runsum(_e2m1_dot(a, _ld(xw, REV), _ld(xw + 4, REV), INTERP, SHARED))
             e = _word_byte(b, l, (ks % 2) * 8 + blk)
             dw = tl.where(e < 2, 0x00200000 << e, (e - 1) << 23).to(tl.float32, bitcast=True)
             # the step's 8 activation scales as two runs of 4 words
@@ -949,7 +989,7 @@ if triton is not None:
         if t < ROWS:
             KP: tl.constexpr = (K + 255) // 256 * 256
             acc = _use_w(acc, a, b, cc, dd, xr_ptr + t * KP, xq_ptr + t * KP, xd_ptr + t * (KP // 32), ks, K,
-                         BLOCK_N, QW, INTERP, REV)
+                         BLOCK_N, QW, INTERP, REV, ROWS > 1)
         return acc
 
     @triton.jit
@@ -1169,12 +1209,20 @@ if triton is not None:
         return g, n, wd, w_ptr.to(tl.pointer_type(tl.int32)) + rows * (w_row_bytes // 4)
 
     @triton.jit
-    def _ld3(ptr, REV: tl.constexpr, mask):
+    def _ld3(ptr, REV: tl.constexpr, mask=None):
         """tl.load (masked, zeros elsewhere) of a [32, BLOCK_N, 4] tile with the lanes along its
-        first axis whatever order this Triton gives dimensions of equal contiguity (REV: see _ld)."""
+        first axis whatever order this Triton gives dimensions of equal contiguity (REV: see _ld);
+        also of a lane's one value, [32, BLOCK_N, 1], where its addresses tell Triton no contiguity
+        (clamped: Triton would otherwise give a thread consecutive lanes' values, a layout the tile's
+        sums then reach through shared memory)."""
         if REV:
-            v = tl.permute(tl.load(tl.permute(ptr, (1, 0, 2)), mask=tl.permute(mask, (1, 0, 2)), other=0),
-                           (1, 0, 2))
+            if mask is None:
+                v = tl.permute(tl.load(tl.permute(ptr, (1, 0, 2))), (1, 0, 2))
+            else:
+                v = tl.permute(tl.load(tl.permute(ptr, (1, 0, 2)), mask=tl.permute(mask, (1, 0, 2)), other=0),
+                               (1, 0, 2))
+        elif mask is None:
+            v = tl.load(ptr)
         else:
             v = tl.load(ptr, mask=mask, other=0)
         return v
@@ -1261,8 +1309,9 @@ if triton is not None:
     def _k4_load(w_words, kq, k1, g, wd, K: tl.constexpr, QW: tl.constexpr, REV: tl.constexpr,
                  SPAN: tl.constexpr):
         """Steps kq ... kq + SPAN - 1 (those from k1 on masked): the lanes' quant words, their header
-        runs (MXFP4, Q8_0: scale runs), their runs of high bits (Q5_K, Q6_K; Q8_0: a block's
-        quants 16-31) and Q6_K's run holding d (unused ones repeat the quant words). SPAN 4: a
+        runs (Q8_0: scale runs; MXFP4: the lane's block's e8m0 scale, [32, BLOCK_N, 1]), their runs of
+        high bits (Q5_K, Q6_K; Q8_0: a block's quants 16-31) and Q6_K's run holding d (unused ones
+        repeat the quant words). SPAN 4: a
         warp's eight-lane groups take four steps of one row; SPAN 1: one step each, of their own
         rows (w_words says which)."""
         NS: tl.constexpr = (K + 255) // 256
@@ -1272,57 +1321,60 @@ if triton is not None:
             blk = kq * 8 + lane
             live = (blk < k1 * 8) & (blk < NB) & (wd >= 0)
             w = _ld3(w_words + tl.minimum(blk, NB - 1) * 4 + wd, REV, live)
-            hdr = _ld3(w_words + NB * 4 + (blk // 16) * 4 + wd, REV, live)
-            return w, hdr, w, w
-        if QW == _Q8_0_PLANAR:  # qs[32] of every block | their f16 scales, zero-padded: a lane a block
+            # the lane's block's scale byte (a warp's lanes read consecutive bytes); a block past the
+            # row's end reads its last (its quants are 0)
+            scales = (w_words + NB * 4).to(tl.pointer_type(tl.uint8))
+            e = _ld3(scales + tl.minimum(blk, NB - 1), REV).to(tl.int32)
+            out = w, e, w, w
+        elif QW == _Q8_0_PLANAR:  # qs[32] of every block | their f16 scales, zero-padded: a lane a block
             NB8: tl.constexpr = K // 32
             blk = kq * 8 + lane
             live = (blk < k1 * 8) & (blk < NB8) & (wd >= 0)
             qs = w_words + tl.minimum(blk, NB8 - 1) * 8 + wd
             hdr = _ld3(w_words + NB8 * 8 + (blk // 8) * 4 + wd, REV, live)  # the run of the step's 8 scales
-            return _ld3(qs, REV, live), hdr, _ld3(qs + 4, REV, live), hdr
-        blk = kq + lane // 8
-        live = (blk < k1) & (wd >= 0)
-        if QW == _Q4_K:  # d, dmin | scales[12] | qs[128]
-            base = w_words + tl.minimum(blk, NS - 1) * 36
-            w = _ld3(base + 4 + (g % 8) * 4 + wd, REV, live)
-            qh = w
-        elif QW == _Q5_K:  # d, dmin | scales[12] | qh[32] | qs[128]
-            base = w_words + tl.minimum(blk, NS - 1) * 44
-            w = _ld3(base + 12 + (g % 8) * 4 + wd, REV, live)
-            qh = _ld3(base + 4 + (g % 2) * 4 + wd, REV, live)
-        else:  # padded Q6_K: ql[128] | qh[64] | scales[16] | d, zeros; piece c: qh bytes 32 (c // 4) + 16 (c % 2)
-            base = w_words + tl.minimum(blk, NS - 1) * 56
-            w = _ld3(base + (g % 8) * 4 + wd, REV, live)
-            qh = _ld3(base + 32 + (g % 8 // 4 * 2 + g % 2) * 4 + wd, REV, live)
-            return w, _ld3(base + 48 + wd, REV, live), qh, _ld3(base + 52 + wd, REV, live)
-        return w, _ld3(base + wd, REV, live), qh, w  # the 16-byte header: d, dmin, scales
+            out = _ld3(qs, REV, live), hdr, _ld3(qs + 4, REV, live), hdr
+        else:
+            blk = kq + lane // 8
+            live = (blk < k1) & (wd >= 0)
+            if QW == _Q4_K:  # d, dmin | scales[12] | qs[128]
+                base = w_words + tl.minimum(blk, NS - 1) * 36
+                w = _ld3(base + 4 + (g % 8) * 4 + wd, REV, live)
+                out = w, _ld3(base + wd, REV, live), w, w  # the 16-byte header: d, dmin, scales
+            elif QW == _Q5_K:  # d, dmin | scales[12] | qh[32] | qs[128]
+                base = w_words + tl.minimum(blk, NS - 1) * 44
+                w = _ld3(base + 12 + (g % 8) * 4 + wd, REV, live)
+                qh = _ld3(base + 4 + (g % 2) * 4 + wd, REV, live)
+                out = w, _ld3(base + wd, REV, live), qh, w
+            else:  # padded Q6_K: ql[128] | qh[64] | scales[16] | d, zeros; piece c: qh bytes 32 (c // 4) + 16 (c % 2)
+                base = w_words + tl.minimum(blk, NS - 1) * 56
+                w = _ld3(base + (g % 8) * 4 + wd, REV, live)
+                qh = _ld3(base + 32 + (g % 8 // 4 * 2 + g % 2) * 4 + wd, REV, live)
+                out = w, _ld3(base + 48 + wd, REV, live), qh, _ld3(base + 52 + wd, REV, live)
+        return out
 
     @triton.jit
     def _k4_dot(w, hdr, qh, dd, xq_ptr, xd_ptr, kq, k1, g, n, wd, K: tl.constexpr, QW: tl.constexpr,
-                INTERP: tl.constexpr, REV: tl.constexpr, SPAN: tl.constexpr):
+                INTERP: tl.constexpr, REV: tl.constexpr, SPAN: tl.constexpr, SHARED: tl.constexpr = False):
         """Each lane's 32 values of steps kq ... kq + SPAN - 1 (_k4_load) dotted with the
         activation's int8 quants (Q8_K; MXFP4: Q8_0), scaled per group of values sharing scales,
         [32, BLOCK_N]."""
         lane = g if SPAN == 4 else g % 8
         lane2 = tl.arange(0, 32)[:, None] if SPAN == 4 else tl.arange(0, 32)[:, None] % 8
         if QW == _MXFP4_PLANAR:
-            # block blk: word wd of its nibbles holds values 4wd .. 4wd + 3 (low) and 16 + 4wd .. (high)
+            # block blk: word wd of its nibbles (values 4wd .. 4wd + 3 low, 16 + 4wd .. high) with the
+            # activation's words wd and 4 + wd, in the nibbles' order (_e2m1_dot)
             NB: tl.constexpr = K // 32
             blk = kq * 8 + lane + n * 0 + wd * 0
             live = (blk < k1 * 8) & (blk < NB)
             xw = xq_ptr.to(tl.pointer_type(tl.int32)) + blk * 8 + wd
-            low, high = _e2m1_words(w, INTERP)
-            sw = tl.sum(_dp4a(low, _ld3(xw, REV, live), INTERP, True)
-                        + _dp4a(high, _ld3(xw + 4, REV, live), INTERP, True), axis=2)
-            b2 = kq * 8 + lane2
-            e = _run_byte(hdr, wd, (kq * 8 + lane) % 16, b2 % 16)
+            sw = tl.sum(_e2m1_dot(w, _ld3(xw, REV, live), _ld3(xw + 4, REV, live), INTERP, SHARED), axis=2)
+            e = hdr  # the block's e8m0 scale
             dw = tl.where(e < 2, 0x00200000 << e, (e - 1) << 23).to(tl.float32, bitcast=True)
-            # Q8_0's scale of the block: word blk % 4 of a run of 4
-            run = _ld3(xd_ptr.to(tl.pointer_type(tl.int32)) + blk // 4 * 4 + wd, REV, live)
-            dx = tl.sum(tl.where(wd == blk % 4, run, 0), axis=2).to(tl.float32, bitcast=True)
-            return (dw * dx) * sw.to(tl.float32)
-        if QW == _Q8_0_PLANAR:  # a lane's block: quants 0-15 in w, 16-31 in qh; Q8_0 activations
+            # Q8_0's scale of the block (rows padded to whole K steps: a block past them reads the last)
+            NS: tl.constexpr = (K + 255) // 256
+            dx = _ld3(xd_ptr + tl.minimum(kq * 8 + lane + n * 0, NS * 8 - 1), REV)
+            out = tl.sum(dw * dx, axis=2) * sw.to(tl.float32)
+        elif QW == _Q8_0_PLANAR:  # a lane's block: quants 0-15 in w, 16-31 in qh; Q8_0 activations
             NB8: tl.constexpr = K // 32
             blk = kq * 8 + lane + n * 0 + wd * 0
             live = (blk < k1 * 8) & (blk < NB8)
@@ -1335,56 +1387,60 @@ if triton is not None:
             dw = _f16_bits((word >> (b2 % 2 * 16)) & 0xFFFF)
             run = _ld3(xd_ptr.to(tl.pointer_type(tl.int32)) + blk // 4 * 4 + wd, REV, live)
             dx = tl.sum(tl.where(wd == blk % 4, run, 0), axis=2).to(tl.float32, bitcast=True)
-            return (dw * dx) * sw.to(tl.float32)
-        blk = kq + lane // 8 + n * 0 + wd * 0
-        live = (blk < k1)
-        # Q8_K's scale of the block: the first word of a run of 4 at 8 words a step
-        run = _ld3(xd_ptr.to(tl.pointer_type(tl.int32)) + blk * 8 + wd, REV, live)
-        dx = tl.sum(tl.where(wd == 0, run, 0), axis=2).to(tl.float32, bitcast=True)
-        xw = xq_ptr.to(tl.pointer_type(tl.int32)) + blk * 64 + wd
-        if QW == _Q6_K_PADDED:
-            # piece c = g % 8 holds ql bytes 16c ...: half h = c // 4, a = c // 2 % 2, o = c % 2; low
-            # nibbles are values 128h + 32a + 16o + i (scale 8h + 2a + o), high ones 64 on (scale
-            # + 4); top bits from qh at shift 2a (+ 4). 6-bit quants less 32 in the sums.
-            c3 = g % 8
-            c2 = tl.arange(0, 32)[:, None] % 8
-            sh = c3 // 2 % 2 * 2
-            q0 = (w & 0x0F0F0F0F) | (((qh >> sh) & 0x03030303) << 4)
-            q1 = ((w >> 4) & 0x0F0F0F0F) | (((qh >> (sh + 4)) & 0x03030303) << 4)
-            xlo = _ld3(xw + c3 // 4 * 32 + c3 % 4 * 4, REV, live)
-            xhi = _ld3(xw + c3 // 4 * 32 + c3 % 4 * 4 + 16, REV, live)
-            ones = xlo * 0 + 0x01010101
-            s0 = tl.sum(_dp4a(q0, xlo, INTERP) - 32 * _dp4a(ones, xlo, INTERP), axis=2).to(tl.float32)
-            s1 = tl.sum(_dp4a(q1, xhi, INTERP) - 32 * _dp4a(ones, xhi, INTERP), axis=2).to(tl.float32)
-            si3 = c3 // 4 * 8 + c3 // 2 % 2 * 2 + c3 % 2
-            si2 = c2 // 4 * 8 + c2 // 2 % 2 * 2 + c2 % 2
-            b0 = _run_byte(hdr, wd, si3, si2)
-            b1 = _run_byte(hdr, wd, si3 + 4, si2 + 4)
-            sc0 = (b0 - ((b0 & 128) << 1)).to(tl.float32)
-            sc1 = (b1 - ((b1 & 128) << 1)).to(tl.float32)
-            d = _f16_bits(tl.sum(tl.where(wd == 0, dd, 0), axis=2) & 0xFFFF)
-            return dx * ((d * sc0) * s0 + (d * sc1) * s1)
-        c3 = g % 8 // 2
-        c2 = tl.arange(0, 32)[:, None] % 8 // 2
-        qlo = w & 0x0F0F0F0F
-        qhi = (w >> 4) & 0x0F0F0F0F
-        if QW == _Q5_K:  # qh byte i: bit 2c the fifth bit of low nibble i of sub-block 2c, bit 2c + 1 the high's
-            qlo = qlo | (((qh >> (c3 * 2)) & 0x01010101) << 4)
-            qhi = qhi | (((qh >> (c3 * 2 + 1)) & 0x01010101) << 4)
-        # the activation's quant words of the lane's values (low nibbles; high ones 32 values on)
-        xlo = _ld3(xw + c3 * 16 + (g % 2) * 4, REV, live)
-        xhi = _ld3(xw + c3 * 16 + (g % 2) * 4 + 8, REV, live)
-        ones = xlo * 0 + 0x01010101
-        slo = tl.sum(_dp4a(qlo, xlo, INTERP), axis=2).to(tl.float32)
-        shi = tl.sum(_dp4a(qhi, xhi, INTERP), axis=2).to(tl.float32)
-        blo = tl.sum(_dp4a(ones, xlo, INTERP), axis=2).to(tl.float32)
-        bhi = tl.sum(_dp4a(ones, xhi, INTERP), axis=2).to(tl.float32)
-        w0 = tl.sum(tl.where(wd == 0, hdr, 0), axis=2)
-        d = _f16_bits(w0 & 0xFFFF)
-        dmin = _f16_bits((w0 >> 16) & 0xFFFF)
-        sc0, mn0 = _k4_lane_scale_min(hdr, wd, c3 * 2, c2 * 2)
-        sc1, mn1 = _k4_lane_scale_min(hdr, wd, c3 * 2 + 1, c2 * 2 + 1)
-        return dx * (((d * sc0) * slo - (dmin * mn0) * blo) + ((d * sc1) * shi - (dmin * mn1) * bhi))
+            out = (dw * dx) * sw.to(tl.float32)
+        else:
+            blk = kq + lane // 8 + n * 0 + wd * 0
+            live = (blk < k1)
+            # Q8_K's scale of the block: the first word of a run of 4 at 8 words a step
+            run = _ld3(xd_ptr.to(tl.pointer_type(tl.int32)) + blk * 8 + wd, REV, live)
+            dx = tl.sum(tl.where(wd == 0, run, 0), axis=2).to(tl.float32, bitcast=True)
+            xw = xq_ptr.to(tl.pointer_type(tl.int32)) + blk * 64 + wd
+            if QW == _Q6_K_PADDED:
+                # piece c = g % 8 holds ql bytes 16c ...: half h = c // 4, a = c // 2 % 2, o = c % 2; low
+                # nibbles are values 128h + 32a + 16o + i (scale 8h + 2a + o), high ones 64 on (scale
+                # + 4); top bits from qh at shift 2a (+ 4). 6-bit quants less 32 in the sums.
+                c3 = g % 8
+                c2 = tl.arange(0, 32)[:, None] % 8
+                sh = c3 // 2 % 2 * 2
+                q0 = (w & 0x0F0F0F0F) | (((qh >> sh) & 0x03030303) << 4)
+                q1 = ((w >> 4) & 0x0F0F0F0F) | (((qh >> (sh + 4)) & 0x03030303) << 4)
+                xlo = _ld3(xw + c3 // 4 * 32 + c3 % 4 * 4, REV, live)
+                xhi = _ld3(xw + c3 // 4 * 32 + c3 % 4 * 4 + 16, REV, live)
+                ones = xlo * 0 + 0x01010101
+                s0 = tl.sum(_dp4a(q0, xlo, INTERP) - 32 * _dp4a(ones, xlo, INTERP), axis=2).to(tl.float32)
+                s1 = tl.sum(_dp4a(q1, xhi, INTERP) - 32 * _dp4a(ones, xhi, INTERP), axis=2).to(tl.float32)
+                si3 = c3 // 4 * 8 + c3 // 2 % 2 * 2 + c3 % 2
+                si2 = c2 // 4 * 8 + c2 // 2 % 2 * 2 + c2 % 2
+                b0 = _run_byte(hdr, wd, si3, si2)
+                b1 = _run_byte(hdr, wd, si3 + 4, si2 + 4)
+                sc0 = (b0 - ((b0 & 128) << 1)).to(tl.float32)
+                sc1 = (b1 - ((b1 & 128) << 1)).to(tl.float32)
+                d = _f16_bits(tl.sum(tl.where(wd == 0, dd, 0), axis=2) & 0xFFFF)
+                out = dx * ((d * sc0) * s0 + (d * sc1) * s1)
+            else:
+                c3 = g % 8 // 2
+                c2 = tl.arange(0, 32)[:, None] % 8 // 2
+                qlo = w & 0x0F0F0F0F
+                qhi = (w >> 4) & 0x0F0F0F0F
+                # Q5_K: qh byte i's bit 2c is the fifth bit of low nibble i of sub-block 2c, bit 2c + 1 the high's
+                if QW == _Q5_K:
+                    qlo = qlo | (((qh >> (c3 * 2)) & 0x01010101) << 4)
+                    qhi = qhi | (((qh >> (c3 * 2 + 1)) & 0x01010101) << 4)
+                # the activation's quant words of the lane's values (low nibbles; high ones 32 values on)
+                xlo = _ld3(xw + c3 * 16 + (g % 2) * 4, REV, live)
+                xhi = _ld3(xw + c3 * 16 + (g % 2) * 4 + 8, REV, live)
+                ones = xlo * 0 + 0x01010101
+                slo = tl.sum(_dp4a(qlo, xlo, INTERP), axis=2).to(tl.float32)
+                shi = tl.sum(_dp4a(qhi, xhi, INTERP), axis=2).to(tl.float32)
+                blo = tl.sum(_dp4a(ones, xlo, INTERP), axis=2).to(tl.float32)
+                bhi = tl.sum(_dp4a(ones, xhi, INTERP), axis=2).to(tl.float32)
+                w0 = tl.sum(tl.where(wd == 0, hdr, 0), axis=2)
+                d = _f16_bits(w0 & 0xFFFF)
+                dmin = _f16_bits((w0 >> 16) & 0xFFFF)
+                sc0, mn0 = _k4_lane_scale_min(hdr, wd, c3 * 2, c2 * 2)
+                sc1, mn1 = _k4_lane_scale_min(hdr, wd, c3 * 2 + 1, c2 * 2 + 1)
+                out = dx * (((d * sc0) * slo - (dmin * mn0) * blo) + ((d * sc1) * shi - (dmin * mn1) * bhi))
+        return out
 
     @triton.jit
     def _k4_sums(w, hdr, qh, dd, w_words, xq_ptr, xd_ptr, k0, k1, g, n, wd, K: tl.constexpr, QW: tl.constexpr,
@@ -1457,7 +1513,7 @@ if triton is not None:
         if t < ROWS:
             KP: tl.constexpr = (K + 255) // 256 * 256
             acc += _k4_dot(w, hdr, qh, dd, xq_ptr + t * KP, xd_ptr + t * (KP // 32), kq, k1, g, n, wd, K, QW,
-                           INTERP, REV, 4)
+                           INTERP, REV, 4, ROWS > 1)
         return acc
 
     # gate/up in the same tile, for the same types' experts at one token (_gate_up_kernel's grid,
@@ -1570,12 +1626,13 @@ if triton is not None:
                 NS: tl.constexpr = (K + 255) // 256
                 xgq_row = xgq_ptr + tok * (NS * 256)
                 xgd_row = xgd_ptr + tok * (NS * 8)
-                acc_g += _k4_dot(gw, gh, gq, gd, xgq_row, xgd_row, kq, k1, g, n, wd, K, QG, INTERP, REV, 4)
+                acc_g += _k4_dot(gw, gh, gq, gd, xgq_row, xgd_row, kq, k1, g, n, wd, K, QG, INTERP, REV, 4, GROUP > 1)
                 if SAME_X:
-                    acc_u += _k4_dot(uw, uh, uq, ud, xgq_row, xgd_row, kq, k1, g, n, wd, K, QU, INTERP, REV, 4)
+                    acc_u += _k4_dot(uw, uh, uq, ud, xgq_row, xgd_row, kq, k1, g, n, wd, K, QU, INTERP, REV, 4,
+                                     GROUP > 1)
                 else:
                     acc_u += _k4_dot(uw, uh, uq, ud, xuq_ptr + tok * (NS * 256), xud_ptr + tok * (NS * 8), kq, k1,
-                                     g, n, wd, K, QU, INTERP, REV, 4)
+                                     g, n, wd, K, QU, INTERP, REV, 4, GROUP > 1)
         return acc_g, acc_u
 
     @triton.jit
@@ -1785,7 +1842,7 @@ if triton is not None:
                 NS: tl.constexpr = (K + 255) // 256
                 q = (p + m).to(tl.int64)
                 acc += _k4_dot(w, hdr, qh, dd, hq_ptr + q * (NS * 256), hd_ptr + q * (NS * 8), kq, NS, g, n, wd, K,
-                               QD, INTERP, REV, SPAN)
+                               QD, INTERP, REV, SPAN, GROUP > 1)
         return acc
 
     @triton.jit
@@ -2159,10 +2216,12 @@ def kernel_type(qtype: QT, rows: torch.Tensor, K: int) -> int:
     return LAID_OUT_TYPES[qtype] if laid_out else int(qtype)
 
 
-def _vt(qtype: QT) -> int:
+def _vt(qtype: QT, grouped: bool = False) -> int:
+    """The kernels' vec-dot type id of activations for weights of qtype: activation_type's, but for
+    MXFP4 in the decode kernels (not the grouped GEMM's) Q8_0_NIBBLES."""
     from engine.quant.activation import activation_type
 
-    return int(activation_type(qtype))
+    return Q8_0_NIBBLES if qtype == QT.MXFP4 and not grouped else int(activation_type(qtype))
 
 
 class HostTensor:
@@ -2205,10 +2264,10 @@ def _counter(device: torch.device, n: int) -> torch.Tensor:
 class Rounded:
     """Rows rounded for one weight type, zero-padded to whole K steps (KP = 256 * ceil(K/256)):
     `padded` [rows, KP] = round_activation(rows, type) then zeros; for Q8_K and Q8_0 (K-quant,
-    Q8_0 and MXFP4 weights) also `quants` (int8 [rows, KP]) and `scales` ([rows, KP / 32]:
-    Q8_0's per block of 32, Q8_K's at every eighth place); `sums` where round_rows was asked
-    for them (int32 [rows, KP / 32]: Q8_K's quants summed per 32, which the grouped GEMM's
-    K-quant min terms take), else None."""
+    Q8_0 and MXFP4 weights) also `quants` (int8 [rows, KP]; for MXFP4 in the decode kernels
+    each block's in nibble order, Q8_0_NIBBLES) and `scales` ([rows, KP / 32]: Q8_0's per block
+    of 32, Q8_K's at every eighth place); `sums` in the grouped GEMM's rounding (int32 [rows,
+    KP / 32]: Q8_K's quants summed per 32, which its K-quant min terms take), else None."""
 
     padded: torch.Tensor
     quants: torch.Tensor
@@ -2229,15 +2288,16 @@ class Rounded:
                    torch.empty((rows, kp // 32), dtype=torch.int32, device=device) if sums else None, K)
 
 
-def round_rows(x: torch.Tensor, weight_qtype: QT, sums: bool = False) -> Rounded:
-    """round_activation(x, weight_qtype) for x [T, K] float32 (any row stride), one launch; with
-    `sums` (the grouped GEMM's roundings) also Q8_K's per-32 sums of quants (Rounded.sums)."""
+def round_rows(x: torch.Tensor, weight_qtype: QT, grouped: bool = False) -> Rounded:
+    """round_activation(x, weight_qtype) for x [T, K] float32 (any row stride), one launch, for the
+    decode kernels, or with `grouped` for the grouped GEMM's (also Q8_K's per-32 sums of quants,
+    Rounded.sums; MXFP4's quants in their values' order)."""
     T, K = x.shape
-    out = Rounded.empty(T, K, x.device, sums)
+    out = Rounded.empty(T, K, x.device, grouped)
     if T:
         _round_rows_kernel[(T, triton.cdiv(K, KSTEP))](x, x.stride(0), out.padded, out.quants, out.scales,
-                                                      out.sums if sums else out.scales, K=K,
-                                                      VT=_vt(weight_qtype), INTERP=INTERPRETED, SUMS=sums,
+                                                      out.sums if grouped else out.scales, K=K,
+                                                      VT=_vt(weight_qtype, grouped), INTERP=INTERPRETED, SUMS=grouped,
                                                       PDL=dependent_launches(str(x.device)),
                                                       **_launch_opts(TileConfig(0, 4)))
     return out

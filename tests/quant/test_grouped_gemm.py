@@ -112,14 +112,14 @@ def check_step(step: Step, cfg: gg.GroupedConfig | None, per_kernel: bool = True
     if per_kernel:
         block_m = cfg.block_m if cfg else gg.GATE_UP_CONFIG[w.gate.qtype].block_m
         groups = gg.Groups.build(step.ids.numpy(), step.slot_of, block_m, step.device)
-        xg = tk.round_rows(step.x, w.gate.qtype, sums=True)
-        xu = tk.round_rows(step.x, w.up.qtype, sums=True)
+        xg = tk.round_rows(step.x, w.gate.qtype, grouped=True)
+        xu = tk.round_rows(step.x, w.up.qtype, grouped=True)
         h = gg.gate_up(xg, xu, step.buffers[0], step.buffers[1], w, groups, cfg)
         live = groups.row_tok >= 0
         err_h = rel_err(h[live], step.h_reference(groups)[live])
         assert err_h < REL_TOL, f"gate/up + activation: relative error {err_h:.2e}"
         out2 = torch.zeros_like(out)
-        gg.down(tk.round_rows(h, w.down.qtype, sums=True), step.buffers[2], w, groups, step.weights, out2, cfg)
+        gg.down(tk.round_rows(h, w.down.qtype, grouped=True), step.buffers[2], w, groups, step.weights, out2, cfg)
         assert torch.equal(out, out2), "experts_forward differs from its parts"
         err_d = rel_err(out2, step.down_reference(groups, h))
         assert err_d < REL_TOL, f"down: relative error {err_d:.2e}"
@@ -255,7 +255,7 @@ def test_grouped_kernels_refuse_rows_rounded_without_block_sums() -> None:
     step = Step(w, 2, 1, "cpu")
     groups = gg.Groups.build(step.ids.numpy(), step.slot_of, 16, "cpu")
     x = tk.round_rows(step.x, QT.Q4_K)  # the decode kernels' rounding: no sums
-    with pytest.raises(ValueError, match="sums=True"):
+    with pytest.raises(ValueError, match="grouped=True"):
         gg.gate_up(x, x, step.buffers[0], step.buffers[1], step.w, groups, SMALL)
 
 

@@ -168,31 +168,48 @@ def check_case(case: Case, gate_up_cfg=None, down_cfg=None, tol: float = REL_TOL
 # ------------------------------------------------------------------------------ rounding
 
 def check_rounding(qtype: QT, x: torch.Tensor) -> None:
-    """round_rows is bit-identical to round_activation (rows of two strides)."""
+    """round_rows is bit-identical to round_activation (rows of two strides), for the decode
+    kernels and for the grouped GEMM."""
     rows = torch.stack([x, -x * 0.5])
     wide = torch.zeros(2, x.numel() + 64, device=x.device)
     wide[:, :x.numel()] = rows
     for src in (rows, wide[:, :x.numel()]):
-        got = tk.round_rows(src, qtype)
-        want = round_activation(rows, qtype)
-        diff = (got.values != want).sum().item()
-        assert torch.equal(got.values, want), f"{qtype.name}: {diff} of {want.numel()} values differ"
-        assert (got.padded[:, x.numel():] == 0).all(), "rows are zero-padded to whole K steps"
-        check_q8_k_parts(got, qtype)
+        for grouped in (False, True):
+            got = tk.round_rows(src, qtype, grouped)
+            want = round_activation(rows, qtype)
+            diff = (got.values != want).sum().item()
+            assert torch.equal(got.values, want), f"{qtype.name}: {diff} of {want.numel()} values differ"
+            assert (got.padded[:, x.numel():] == 0).all(), "rows are zero-padded to whole K steps"
+            check_q8_k_parts(got, qtype, grouped)
 
 
-def check_q8_k_parts(r, qtype: QT) -> None:
+def nibble_order_values() -> torch.Tensor:
+    """The value (0-31) at each position of a block in the decode kernels' order of MXFP4's
+    activation quants: position 4 (4h + l) + b holds nibble b of half h of the block's quant word
+    l, that is of byte 4l + 2h + b // 2, its low nibble (that value) for even b, its high one
+    (16 on) for odd b."""
+    p = torch.arange(32)
+    word, b = p // 4, p % 4
+    h, l = word // 4, word % 4
+    return 4 * l + 2 * h + b // 2 + 16 * (b % 2)
+
+
+def check_q8_k_parts(r, qtype: QT, grouped: bool = False) -> None:
     """Where the kernels take int8 activations (Q8_K for K-quants, Q8_0 for Q8_0 and MXFP4),
-    the quants times their scales are the rounded values."""
+    the quants times their scales are the rounded values (MXFP4's for the decode kernels in
+    their nibble order)."""
     T, K = r.values.shape
+    quants = r.quants
     if qtype in (QT.Q4_K, QT.Q5_K, QT.Q6_K):
         d = r.scales[:, ::8].repeat_interleave(256, dim=1)
     elif qtype in (QT.Q8_0, QT.MXFP4):
         d = r.scales.repeat_interleave(32, dim=1)
+        if qtype == QT.MXFP4 and not grouped:
+            quants = quants.view(T, -1, 32)[:, :, torch.argsort(nibble_order_values())].reshape(T, -1)
     else:
         return
     assert (r.padded[:, K:] == 0).all()
-    assert torch.equal((d * r.quants.float())[:, :K], r.values)
+    assert torch.equal((d * quants.float())[:, :K], r.values)
 
 
 def rounding_inputs(K: int, device, seed: int = 0) -> list[torch.Tensor]:
@@ -729,8 +746,11 @@ def test_dense_kernel_compiles_for_hopper_without_spills(aot_report) -> None:
         assert len(r["loop_instructions"]) <= loops, f"{where}: one K loop expected, {r['loop_instructions']}"
         assert r["loop_smem_or_barrier"] == 0, f"{where}: shared memory or barriers in the K loop: {r}"
         if r["geometry"].split()[0] in ("Q4_K", "Q5_K", "Q6_K/224", "MXFP4/planar", "Q8_0/planar", "F16", "BF16"):
-            # whole 16-byte loads of the weights (Q6_K: padded blocks; MXFP4, Q8_0: planar rows)
-            narrow = {op: n for op, n in r["loads"].items() if op in ("LDG.E.U8", "LDG.E.U16", "LDG.E.S16")}
+            # whole 16-byte loads of the weights (Q6_K: padded blocks; MXFP4, Q8_0: planar rows), but
+            # planar MXFP4's e8m0 scales in the lanes-along-K tile: a byte a lane, a warp's in one sector
+            bytes_ok = r["geometry"].startswith("MXFP4/planar")
+            narrow = {op: n for op, n in r["loads"].items()
+                      if op in ("LDG.E.U16", "LDG.E.S16") or (op == "LDG.E.U8" and not bytes_ok)}
             assert r["loads"].get("LDG.E.128", 0) > 0 and not narrow, f"{where}: {r['loads']}"
 
 
