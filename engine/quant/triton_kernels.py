@@ -633,11 +633,19 @@ if triton is not None:
             blk = c * 2 + p
             xw = xq_row.to(tl.pointer_type(tl.int32)) + ks * 64 + blk * 8 + l + r * 0
             sw = _runsum(_e2m1_dot(a, _ld(xw, REV), _ld(xw + 4, REV), INTERP, SHARED))
-            e = _word_byte(b, l, (ks % 2) * 8 + blk)
+            # Its e8m0 scale: byte 2 (c % 2) + p of word 2 (ks % 2) + c // 2 of b (the scales of
+            # steps ks - ks % 2 and the next); its activation scale: word 2 (c % 2) + p of run
+            # c // 2 of the step's two runs of 4. Registers picked at compile time (c), then chosen
+            # by the step's parity and by the lane (p).
+            p3 = tl.arange(0, 2)[:, None, None]
+            c3 = tl.arange(0, 4)[None, None, :]
+            word = tl.where(ks % 2 == 0, _pick(b, l, c // 2), _pick(b, l, 2 + c // 2))
+            e = (word >> ((c3 % 2) * 16 + p3 * 8)) & 255
             dw = tl.where(e < 2, 0x00200000 << e, (e - 1) << 23).to(tl.float32, bitcast=True)
-            # the step's 8 activation scales as two runs of 4 words
             xd = xd_row.to(tl.pointer_type(tl.int32)) + ks * 8 + l + p * 0 + c * 0 + r * 0
-            dx = _pick(tl.where(blk < 4, _ld(xd, REV), _ld(xd + 4, REV)), l, blk % 4).to(tl.float32, bitcast=True)
+            run = tl.where(c < 2, _ld(xd, REV), _ld(xd + 4, REV))
+            dx = tl.where(p3 == 0, _pick(run, l, (c % 2) * 2), _pick(run, l, (c % 2) * 2 + 1)).to(tl.float32,
+                                                                                                 bitcast=True)
             acc += (dw * dx) * sw.to(tl.float32)
         elif QT == _Q8_0_PLANAR:
             # Blocks c (a) and 4 + c (cc), lane p their quants 16p ... 16p + 15: dotted with the
