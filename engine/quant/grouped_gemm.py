@@ -610,6 +610,7 @@ def groups_forward(x: torch.Tensor, buffers, w, groups: Groups, weights: torch.T
     if groups.tiles == 0:
         return
     xg = tk.round_rows(x, w.gate.qtype, grouped=True)
-    xu = xg if tk._vt(w.up.qtype, True) == tk._vt(w.gate.qtype, True) else tk.round_rows(x, w.up.qtype, grouped=True)
+    same_x = tk._vt(w.up.qtype, grouped=True) == tk._vt(w.gate.qtype, grouped=True)
+    xu = xg if same_x else tk.round_rows(x, w.up.qtype, grouped=True)
     h = gate_up(xg, xu, buffers[0], buffers[1], w, groups, gate_up_cfg)
     down(tk.round_rows(h, w.down.qtype, grouped=True), buffers[2], w, groups, weights, out, down_cfg)

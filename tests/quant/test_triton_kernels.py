@@ -175,7 +175,7 @@ def check_rounding(qtype: QT, x: torch.Tensor) -> None:
     wide[:, :x.numel()] = rows
     for src in (rows, wide[:, :x.numel()]):
         for grouped in (False, True):
-            got = tk.round_rows(src, qtype, grouped)
+            got = tk.round_rows(src, qtype, grouped=grouped)
             want = round_activation(rows, qtype)
             diff = (got.values != want).sum().item()
             assert torch.equal(got.values, want), f"{qtype.name}: {diff} of {want.numel()} values differ"
