@@ -2123,9 +2123,10 @@ DOWN_BY_TYPE: dict[tuple[str, int], TileConfig] = {("tile", MXFP4_PLANAR): _MXFP
                                                    ("row", MXFP4_PLANAR): TileConfig(4, 2)}
 # the types the lanes-along-K kernels read (_dense_k4_kernel, _gate_up_k4_kernel, _down_k4_kernel)
 ROW_TILE_TYPES = (int(QT.Q4_K), int(QT.Q5_K), Q6_K_PADDED, MXFP4_PLANAR, Q8_0_PLANAR)
-# one token's gate/up in turns (GATE_UP_ROW_IN_TURNS): the K-quants, and planar Q8_0 (H100, Qwen3's
-# step 18.82 against 21.11 us with 4 rows at once; MXFP4 stays: 44.83 against 43.03)
-_TURN_TYPES = (int(QT.Q4_K), int(QT.Q5_K), Q6_K_PADDED, Q8_0_PLANAR)
+# one token's gate/up in turns (GATE_UP_ROW_IN_TURNS): the K-quants, planar Q8_0 (H100, Qwen3's step
+# 18.82 against 21.11 us with 4 rows at once) and, since its decode split by sign, planar MXFP4 (H100,
+# gpt-oss's step 27.07 against 28.01 us; before it, 44.83 against 43.03)
+_TURN_TYPES = (int(QT.Q4_K), int(QT.Q5_K), Q6_K_PADDED, Q8_0_PLANAR, MXFP4_PLANAR)
 # steps of 2-8 tokens in both row tiles, in runs of RUN_GROUP pairs: planar Q8_0 (H100, Qwen3's 8 tokens
 # 87.16 against 101.38 us in the quantized tiles; 2 tokens 37.11 against 40.35); the quantized tiles
 # stay for the others (8 tokens in runs of 2: Q6_K 97.53 against 91.91, MXFP4 213.12 against 208.63; in
