@@ -409,12 +409,12 @@ if triton is not None:
         So a lookup of w gives the positive values and zeros, one of w with every sign bit flipped
         the negative values' magnitudes and zeros, and the dot is the first's less the second's:
         four prmt and four dp4a for 8 values. SIGNED: the values themselves, as ggml's
-        get_int_from_table_16 decodes them (six prmt), and two dp4a. On Hopper prmt and the other bit
-        operations share the integer pipe and dp4a goes to the multiply pipe (both at half the
-        issue rate), so the split form is the cheaper for one activation row; where the compiler decodes a
-        word once for several rows (dense products, runs of pairs) each row costs the signed
-        form two dp4a against four. (From GGUF's 17-byte blocks, whose words are assembled byte
-        by byte, the signed form compiles to fewer instructions either way: sm_90, one row.)"""
+        get_int_from_table_16 decodes them (six prmt), and two dp4a. On Hopper prmt and the other
+        bit operations share the integer pipe and dp4a goes to the multiply pipe (both at half the
+        issue rate), so the split form is the cheaper for one activation row; where the compiler
+        decodes a word once for several rows (dense products, runs of pairs) each row costs the
+        signed form two dp4a against four. (From GGUF's 17-byte blocks, whose words are assembled
+        byte by byte, the signed form compiles to fewer instructions either way: sm_90, one row.)"""
         if SIGNED:
             q = w & 0x77777777
             pick = 0x32103210 | ((w >> 1) & 0x44444444)  # nibble k of a half: its position, + 4 if negative

@@ -747,9 +747,11 @@ def test_dense_kernel_compiles_for_hopper_without_spills(aot_report) -> None:
         if r["geometry"].split()[0] in ("Q4_K", "Q5_K", "Q6_K/224", "MXFP4/planar", "Q8_0/planar", "F16", "BF16"):
             # whole 16-byte loads of the weights (Q6_K: padded blocks; MXFP4, Q8_0: planar rows), but
             # planar MXFP4's e8m0 scales in the lanes-along-K tile: a byte a lane, a warp's in one sector
-            bytes_ok = r["geometry"].startswith("MXFP4/planar")
-            narrow = {op: n for op, n in r["loads"].items()
-                      if op in ("LDG.E.U16", "LDG.E.S16") or (op == "LDG.E.U8" and not bytes_ok)}
+            # (4 load sites: the first steps' and the next steps', in the loop and ptxas's copy of it;
+            # quants read a byte at a time, as from GGUF's 17-byte blocks, take 136)
+            scale_bytes = 4 if r["geometry"].startswith("MXFP4/planar") else 0
+            narrow = {op: n for op, n in r["loads"].items() if op in ("LDG.E.U16", "LDG.E.S16")
+                      or (op == "LDG.E.U8" and n > scale_bytes)}
             assert r["loads"].get("LDG.E.128", 0) > 0 and not narrow, f"{where}: {r['loads']}"
 
 
