@@ -57,7 +57,7 @@ if triton is not None:
     # The decode kernels' type ids, block decoders and activation (jit helpers), shared, not copied.
     from engine.quant.triton_kernels import (  # noqa: F401 (constexpr globals the kernels read)
         _BF16, _F16, _MXFP4, _MXFP4_PLANAR, _Q4_K, _Q5_K, _Q6_K, _Q6_K_PADDED, _Q8_0, _Q8_0_PLANAR, _activate,
-        _e2m1_low, _f16_bits)
+        _e2m1_low, _e8m0_half, _f16_bits)
 
 # Weight types the grouped kernels decode: every type the decode kernels take.
 GROUPED_TYPES: frozenset[QT] = tk.KERNEL_TYPES
@@ -204,8 +204,7 @@ if triton is not None:
                         e = tl.load(w + NB * 16 + bi).to(tl.int32)
                     q = _e2m1_low(byte.to(tl.int32) >> (4 * (i // 16)), INTERP) & 255  # byte 0: the value, int8
                     q = q - ((q & 128) << 1)
-                    # ggml_e8m0_to_fp32_half: 2^(e - 128), subnormal for e < 2
-                    dw = tl.where(e < 2, 0x00200000 << e, (e - 1) << 23).to(tl.float32, bitcast=True)
+                    dw = _e8m0_half(e)
                 a = _a_tile(xq_ptr, a_rows, live_m, ks * 256 + 32 * b, KP, 32)
                 s = _idot(a, q).to(tl.float32)
                 dx = tl.load(xd_ptr + a_rows * (KP // 32) + ks * 8 + b, mask=live_m, other=0.0)

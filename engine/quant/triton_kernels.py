@@ -380,6 +380,12 @@ if triton is not None:
         return tl.sum(parts, axis=4)
 
     @triton.jit
+    def _e8m0_half(e):
+        """MXFP4's block scale from its e8m0 byte `e` (int32), halved as ggml_e8m0_to_fp32_half halves it
+        for the doubled e2m1 values: 2^(e - 128), subnormal for e < 2."""
+        return tl.where(e < 2, 0x00200000 << e, (e - 1) << 23).to(tl.float32, bitcast=True)
+
+    @triton.jit
     def _e2m1_lookup(sel, INTERP: tl.constexpr):
         """MXFP4's doubled e2m1 values (0, 1, 2, 3, 4, 6, 8, 12) and their negatives at the 4 nibbles of
         prmt selector `sel`, each a magnitude's 3 bits (msb clear: prmt would replicate a byte's sign
@@ -615,9 +621,7 @@ if triton is not None:
                 xq = xq_row.to(tl.pointer_type(tl.uint8)) + ks * 256 + blk * 32 + l + r * 0
                 sw = tl.sum(_e2m1_dot(_words(a, 4), _words(_ld(xq, REV), 4), _words(_ld(xq + 16, REV), 4), INTERP,
                                       True), axis=3)
-                e = _pick(b.to(tl.int32), l, 0) & 255
-                # ggml_e8m0_to_fp32_half: 2^(e - 128), subnormal for e < 2 (the table is doubled).
-                dw = tl.where(e < 2, 0x00200000 << e, (e - 1) << 23).to(tl.float32, bitcast=True)
+                dw = _e8m0_half(_pick(b.to(tl.int32), l, 0) & 255)
             # The step's 8 activation scales as one run (no stride along p: one layout for
             # all); each lane picks its block's (compile-time candidates 2c, 2c + 1 by p).
             z = p * 0 + c * 0 + r * 0
@@ -640,8 +644,7 @@ if triton is not None:
             p3 = tl.arange(0, 2)[:, None, None]
             c3 = tl.arange(0, 4)[None, None, :]
             word = tl.where(ks % 2 == 0, _pick(b, l, c // 2), _pick(b, l, 2 + c // 2))
-            e = (word >> ((c3 % 2) * 16 + p3 * 8)) & 255
-            dw = tl.where(e < 2, 0x00200000 << e, (e - 1) << 23).to(tl.float32, bitcast=True)
+            dw = _e8m0_half((word >> ((c3 % 2) * 16 + p3 * 8)) & 255)
             xd = xd_row.to(tl.pointer_type(tl.int32)) + ks * 8 + l + p * 0 + c * 0 + r * 0
             run = tl.where(c < 2, _ld(xd, REV), _ld(xd + 4, REV))
             dx = tl.where(p3 == 0, _pick(run, l, (c % 2) * 2), _pick(run, l, (c % 2) * 2 + 1)).to(tl.float32,
@@ -1376,8 +1379,7 @@ if triton is not None:
             live = (blk < k1 * 8) & (blk < NB)
             xw = xq_ptr.to(tl.pointer_type(tl.int32)) + blk * 8 + wd
             sw = tl.sum(_e2m1_dot(w, _ld3(xw, REV, live), _ld3(xw + 4, REV, live), INTERP, SHARED), axis=2)
-            e = hdr  # the block's e8m0 scale
-            dw = tl.where(e < 2, 0x00200000 << e, (e - 1) << 23).to(tl.float32, bitcast=True)
+            dw = _e8m0_half(hdr)  # hdr: the block's e8m0 scale
             # Q8_0's scale of the block (rows padded to whole K steps: a block past them reads the last)
             NS: tl.constexpr = (K + 255) // 256
             dx = _ld3(xd_ptr + tl.minimum(kq * 8 + lane + n * 0, NS * 8 - 1), REV)
