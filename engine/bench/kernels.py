@@ -386,10 +386,27 @@ def _other_step_tiles(qg: int, qu: int, qd: int, tokens: int) -> dict[str, dict]
            for g in gate_ups for d in downs if (g, d) != (default, downs[0])}
     if tokens > 1 and "row" in gate_ups and "row" in downs:
         for group in sorted({n for n in (2, 4, tokens) if n <= tokens}):
-            out[f"gate/up row, down row, runs of {group}"] = {
-                "gate_up_tile": "row", "down_tile": "row", "down_cfg": replace(tk.down_config("row", qd), group=group),
-                "gate_up_cfg": replace(tk.GATE_UP_CONFIG["row"], group=group)}
+            out[f"gate/up row, down row, runs of {group}"] = row_runs(qd, group)
+            out[f"gate/up row bn{RUN_ROWS}, down row, runs of {group}"] = row_runs(qd, group, RUN_ROWS)
     return out
+
+
+# gate/up's rows a run program takes in the sweep's second form of runs (on 4 warps): twice the row
+# tile's default, so that the program's end (activation, h and its rounding's semaphores), the same
+# for any number of rows, is paid half as often (sm_90, gpt-oss's runs of 2: loop 264 -> 477
+# instructions, 64 -> 96 registers, no spills)
+RUN_ROWS = 8
+
+
+def row_runs(qd: int, group: int, gate_up_rows: int | None = None) -> dict:
+    """experts_forward's tile arguments for both row tiles in runs of `group` pairs of a slot a
+    program, down's weights of kernel type `qd`; gate/up's row tile at `gate_up_rows` rows a
+    program on 4 warps, or its default."""
+    from engine.quant import triton_kernels as tk
+
+    gate_up = tk.TileConfig(gate_up_rows, 4) if gate_up_rows else tk.GATE_UP_CONFIG["row"]
+    return {"gate_up_tile": "row", "down_tile": "row", "gate_up_cfg": replace(gate_up, group=group),
+            "down_cfg": replace(tk.down_config("row", qd), group=group)}
 
 
 # --sweep's register caps for the one-launch step (occupancy against spills; sm_90 compiles, one token: 48-72

@@ -978,16 +978,20 @@ def test_gpu_planar_q8_0_in_the_row_tiles(K: int) -> None:
 
 
 @gpu
-@pytest.mark.parametrize("n_tok,group", [(2, tk.RUN_MAX_TOKENS), (8, tk.RUN_MAX_TOKENS), (8, 3)])
+@pytest.mark.parametrize("n_tok,group,gate_up_rows", [(2, tk.RUN_MAX_TOKENS, None), (8, tk.RUN_MAX_TOKENS, None),
+                                                      (8, 3, None), (8, 2, 8)])
 @pytest.mark.parametrize("qtype", [QT.Q4_K, QT.Q6_K, QT.Q8_0, QT.MXFP4], ids=lambda t: t.name)
-def test_gpu_row_tiles_take_a_slot_run_a_program(monkeypatch, qtype: QT, n_tok: int, group: int) -> None:
+def test_gpu_row_tiles_take_a_slot_run_a_program(monkeypatch, qtype: QT, n_tok: int, group: int,
+                                                 gate_up_rows: int | None) -> None:
     """The row tiles over several tokens at Qwen3's shape (gpt-oss's K for MXFP4), 16 experts top-8
-    (runs of up to n_tok pairs, or cut at `group`): the reference's results, a program a pair's bits."""
+    (runs of up to n_tok pairs, or cut at `group`; gate/up's rows a program as the sweep's second
+    form of runs takes them, or the default): the reference's results, a program a pair's bits."""
     _needs_compiled()
     K = 2880 if qtype == QT.MXFP4 else 2048
     w = make_weights((qtype,) * 3, n_expert=16, n_embd=K, n_ff=768, seed=8)
     case = Case(w, n_tok=n_tok, k=8, device="cuda", seed=8)
-    gate_up_cfg = replace(tk.GATE_UP_CONFIG["row"], group=group)
+    gate_up = tk.TileConfig(gate_up_rows, 4) if gate_up_rows else tk.GATE_UP_CONFIG["row"]
+    gate_up_cfg = replace(gate_up, group=group)
     down_cfg = replace(tk.DOWN_CONFIG["row"], group=group)
     check_case(case, gate_up_cfg, down_cfg, gate_up_tile="row", down_tile="row")
     check_runs(case, monkeypatch, gate_up_cfg, down_cfg)
