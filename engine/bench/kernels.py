@@ -294,10 +294,12 @@ def bench_experts(name: str, sc: ExpertScenario, rows: list[int], dev: torch.dev
         g = torch.Generator().manual_seed(t)
         steps = [ExpertStep(layer, t, sc.top_k, g, dev) for _ in range(n_steps)]
         tile = tk.expert_tile(qg, qu, t)
+        qd = tk.kernel_type(w.down.qtype, layer.buffers[2], sc.n_ff)
+        same_tiles = tk.expert_down_tile(qd, t) == tile == "tile"
 
         def run(s: ExpertStep, cfg=None) -> None:  # a swept tile for gate/up, and for down where it is the same kind
             tk.experts_forward(s.x, layer.buffers, layer.w, s.tok, s.pos, s.slot, s.exp, s.weights, s.out, cfg,
-                               cfg if tile == "tile" else None)
+                               cfg if same_tiles else None)
 
         run(steps[0])
         eager = steps[0].out.clone()
@@ -316,7 +318,6 @@ def bench_experts(name: str, sc: ExpertScenario, rows: list[int], dev: torch.dev
                "launches_us": expert_step_launches(layer, steps, replays)}
         # the one launch as the engine takes it (down in the three launches' tile, so the same bits),
         # and where down's other tile reads the type, in that one too
-        qd = tk.kernel_type(w.down.qtype, layer.buffers[2], sc.n_ff)
         down_tiles = _down_tiles(qd, t)
         row["one_launch"], *others = [
             {"down_tile": d, **rate(nbytes, one_launch_us(name, layer, steps, replays, None, d), copy)}
