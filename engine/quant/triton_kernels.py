@@ -455,6 +455,13 @@ if triton is not None:
         return sc.to(tl.float32), mn.to(tl.float32)
 
     @triton.jit
+    def _weight_rows(w_ptr, row_bytes, nb, N, BLOCK_N: tl.constexpr):
+        """Byte pointers [1, BLOCK_N, 1, 1, 1] to the quantized tile's rows nb * BLOCK_N ... of the
+        weight rows at w_ptr, those past N at its last row (loads stay in bounds; stores are masked)."""
+        r4 = tl.arange(0, BLOCK_N)[None, :, None, None, None]
+        return w_ptr + tl.minimum(nb * BLOCK_N + r4, N - 1).to(tl.int64) * row_bytes
+
+    @triton.jit
     def _load_w(rows, ks, K: tl.constexpr, BLOCK_N: tl.constexpr, QT: tl.constexpr, REV: tl.constexpr):
         """The raw bytes of K step `ks` for rows at byte pointers `rows` [1, BLOCK_N, 1, 1]:
         up to four full-shape tensors (unused ones repeat the first)."""
@@ -840,8 +847,6 @@ if triton is not None:
         if slot_or_none < 0:
             return
         slot = slot_or_none.to(tl.int64)
-        r4 = tl.arange(0, BLOCK_N)[None, :, None, None, None]
-        rows_c = tl.minimum(nb * BLOCK_N + r4, N - 1).to(tl.int64)  # loads stay in bounds; stores are masked
         NS: tl.constexpr = (K + 255) // 256
         xg_row = xg_ptr + tok * (NS * 256)  # rounded rows are padded to whole K steps
         xgq_row = xgq_ptr + tok * (NS * 256)
@@ -854,8 +859,8 @@ if triton is not None:
             xu_row = xu_ptr + tok * (NS * 256)
             xuq_row = xuq_ptr + tok * (NS * 256)
             xud_row = xud_ptr + tok * (NS * 8)
-        g_rows = g_ptr + slot * g_slot_bytes + rows_c * g_row_bytes
-        u_rows = u_ptr + slot * u_slot_bytes + rows_c * u_row_bytes
+        g_rows = _weight_rows(g_ptr + slot * g_slot_bytes, g_row_bytes, nb, N, BLOCK_N)
+        u_rows = _weight_rows(u_ptr + slot * u_slot_bytes, u_row_bytes, nb, N, BLOCK_N)
         acc_g = _zero_acc(BLOCK_N, QG)
         acc_u = _zero_acc(BLOCK_N, QU)
         k0 = s * steps
@@ -960,10 +965,7 @@ if triton is not None:
         slot_or_none = tl.load(pair_slot + p)
         if slot_or_none < 0:  # no slot here (see _gate_up_tile_program)
             return
-        slot = slot_or_none.to(tl.int64)
-        r4 = tl.arange(0, BLOCK_N)[None, :, None, None, None]
-        rows_c = tl.minimum(nb * BLOCK_N + r4, N - 1).to(tl.int64)
-        d_rows = d_ptr + slot * d_slot_bytes + rows_c * d_row_bytes
+        d_rows = _weight_rows(d_ptr + slot_or_none.to(tl.int64) * d_slot_bytes, d_row_bytes, nb, N, BLOCK_N)
         NS: tl.constexpr = (K + 255) // 256
         p64 = p.to(tl.int64)
         x_row = hr_ptr + p64 * (NS * 256)
@@ -1062,12 +1064,10 @@ if triton is not None:
         slot = tl.load(pair_slot + p)
         if slot < 0:  # no slot here (see _gate_up_tile_program)
             return
-        if (p % GROUP != 0) & (tl.load(pair_slot + tl.maximum(p - 1, 0)) == slot):
-            return  # a member of the run before: its leader takes it
-        r4 = tl.arange(0, BLOCK_N)[None, :, None, None, None]
-        rows_c = tl.minimum(nb * BLOCK_N + r4, N - 1).to(tl.int64)
-        g_rows = g_ptr + slot.to(tl.int64) * g_slot_bytes + rows_c * g_row_bytes
-        u_rows = u_ptr + slot.to(tl.int64) * u_slot_bytes + rows_c * u_row_bytes
+        if _follows(pair_slot, p, slot, GROUP):
+            return  # its leader takes it
+        g_rows = _weight_rows(g_ptr + slot.to(tl.int64) * g_slot_bytes, g_row_bytes, nb, N, BLOCK_N)
+        u_rows = _weight_rows(u_ptr + slot.to(tl.int64) * u_slot_bytes, u_row_bytes, nb, N, BLOCK_N)
         k0 = s * steps
         k1 = tl.minimum(k0 + steps, (K + 255) // 256)
         ga, gb, gc, gd = _load_w(g_rows, k0, K, BLOCK_N, QG, REV)
@@ -1129,11 +1129,9 @@ if triton is not None:
         slot = tl.load(pair_slot + p)
         if slot < 0:  # no slot here (see _gate_up_tile_program)
             return
-        if (p % GROUP != 0) & (tl.load(pair_slot + tl.maximum(p - 1, 0)) == slot):
-            return  # a member of the run before: its leader takes it
-        r4 = tl.arange(0, BLOCK_N)[None, :, None, None, None]
-        rows_c = tl.minimum(nb * BLOCK_N + r4, N - 1).to(tl.int64)
-        d_rows = d_ptr + slot.to(tl.int64) * d_slot_bytes + rows_c * d_row_bytes
+        if _follows(pair_slot, p, slot, GROUP):
+            return  # its leader takes it
+        d_rows = _weight_rows(d_ptr + slot.to(tl.int64) * d_slot_bytes, d_row_bytes, nb, N, BLOCK_N)
         NS: tl.constexpr = (K + 255) // 256
         a, b, cc, dd = _load_w(d_rows, 0, K, BLOCK_N, QD, REV)
         m1 = _run_member(pair_slot, p + 1, n_pairs, slot, slot >= 0, GROUP)
@@ -1207,9 +1205,7 @@ if triton is not None:
         only after the launch before it ended (a dependent launch: dependent_launches)."""
         nb = tl.program_id(0)
         s = tl.program_id(1)
-        r4 = tl.arange(0, BLOCK_N)[None, :, None, None, None]
-        rows_c = tl.minimum(nb * BLOCK_N + r4, N - 1).to(tl.int64)  # loads stay in bounds; stores are masked
-        w_rows = w_ptr + rows_c * w_row_bytes
+        w_rows = _weight_rows(w_ptr, w_row_bytes, nb, N, BLOCK_N)
         NS: tl.constexpr = (K + 255) // 256
         k0 = s * STEPS
         k1 = tl.minimum(k0 + STEPS, NS)
@@ -1781,6 +1777,11 @@ if triton is not None:
     # pair's sums are the ungrouped tile's, in the same order: the same bits.
 
     @triton.jit
+    def _follows(pair_slot, p, slot, GROUP: tl.constexpr):
+        """Whether pair p, of slot `slot`, is a member of the run before it (runs of at most GROUP)."""
+        return (p % GROUP != 0) & (tl.load(pair_slot + tl.maximum(p - 1, 0)) == slot)
+
+    @triton.jit
     def _run_member(pair_slot, q, n_pairs, slot, before, GROUP: tl.constexpr):
         """Whether pair q, the pair after a member (`before`), belongs to the run `slot` leads."""
         same = tl.load(pair_slot + tl.minimum(q, n_pairs - 1)) == slot
@@ -1837,8 +1838,8 @@ if triton is not None:
         slot = tl.load(pair_slot + p)
         if slot < 0:  # no slot here (see _gate_up_tile_program)
             return
-        if (p % GROUP != 0) & (tl.load(pair_slot + tl.maximum(p - 1, 0)) == slot):
-            return  # a member of the run before: its leader takes it
+        if _follows(pair_slot, p, slot, GROUP):
+            return  # its leader takes it
         g, n, wd, g_words = _row_tile(g_ptr + slot.to(tl.int64) * g_slot_bytes, g_row_bytes, nb, N, BLOCK_N)
         _, _, _, u_words = _row_tile(u_ptr + slot.to(tl.int64) * u_slot_bytes, u_row_bytes, nb, N, BLOCK_N)
         k0 = s * steps
@@ -2040,8 +2041,8 @@ if triton is not None:
         slot = tl.load(pair_slot + p)
         if slot < 0:  # no slot here (see _gate_up_tile_program)
             return
-        if (p % GROUP != 0) & (tl.load(pair_slot + tl.maximum(p - 1, 0)) == slot):
-            return  # a member of the run before: its leader takes it
+        if _follows(pair_slot, p, slot, GROUP):
+            return  # its leader takes it
         NS: tl.constexpr = (K + 255) // 256
         SPAN: tl.constexpr = 1 if NS < 4 else 4
         g, n, wd, d_words = _down_row_tile(d_ptr + slot.to(tl.int64) * d_slot_bytes, d_row_bytes, nb, N, BLOCK_N,
