@@ -390,7 +390,8 @@ def _other_step_tiles(qg: int, qu: int, qd: int, n_ff: int, tokens: int) -> dict
         for group in sorted({n for n in (2, 4, tokens) if n <= tokens}):
             out[f"gate/up row, down row, runs of {group}"] = row_runs(qd, group)
             out[f"gate/up row bn{RUN_ROWS}, down row, runs of {group}"] = row_runs(qd, group, RUN_ROWS)
-    if tokens > 1 and tk.run_group("tile", replace(tk.GATE_UP_CONFIG["tile"], group=2), tokens, (qg, qu, qd)) > 1:
+    runs = replace(tk.GATE_UP_CONFIG["tile"], group=tk.TILE_MAX_GROUP)
+    if tokens > 1 and tk.run_group("tile", runs, tokens, (qg, qu, qd)) > 1:
         out.update(tile_runs(qg, qu, qd, n_ff, tokens))
     return out
 

@@ -175,10 +175,11 @@ def decode_variants(gate: QT, up: QT, down: QT, n_embd: int, n_ff: int, activati
     # one token's top-8 on an H200 in its own tile, split over K where that tile takes a split (the
     # split a runtime argument)
     many = tk.gate_up_config("tile", qg, qu, n_ff, tk.RUN_MAX_TOKENS)
-    tile_groups = [g for g in (tk.TILE_MAX_GROUP,) if tk.run_group("tile", replace(many, group=g), g, (qg, qu)) > 1]
+    runs = tk.TILE_MAX_GROUP
+    tile_groups = (1, runs) if tk.run_group("tile", replace(many, group=runs), runs, (qg, qu)) > 1 else (1,)
     out += [("gate_up s1" if group == 1 else f"gate_up g{group}", tk._gate_up_kernel,
              {**gate_up, "BLOCK_N": many.block_n, "UNROLL": many.unroll, "PASSES": 1, "GROUP": group, "split": 1},
-             many if group == 1 else replace(many, maxnreg=None)) for group in (1, *tile_groups)]
+             many if group == 1 else replace(many, maxnreg=None)) for group in tile_groups]
     tile = tk.expert_tile(qg, qu, 1)
     one = tk.gate_up_config(tile, qg, qu, n_ff, 1)
     split = tk.SplitK.choose(ONE_TOKEN_PAIRS * -(-n_ff // one.block_n) * one.block_n, n_embd, H200_SMS, one)
@@ -198,8 +199,8 @@ def decode_variants(gate: QT, up: QT, down: QT, n_embd: int, n_ff: int, activati
     # down in the quantized tile (over several tokens) and in the row tile (one token's, where it reads the type)
     qd = slot_type(down)
     down_tiles = list(dict.fromkeys(("tile", tk.expert_down_tile(qd, 1))))
-    down_groups = {"row": RUN_GROUPS, "tile": [g for g in (tk.TILE_MAX_GROUP,) if tk.run_group(
-        "tile", replace(tk.down_config("tile", qd), group=g), g, (qd,)) > 1]}
+    tile_runs = tk.run_group("tile", replace(tk.down_config("tile", qd), group=runs), runs, (qd,)) > 1
+    down_groups = {"row": RUN_GROUPS, "tile": (runs,) if tile_runs else ()}
     for down_tile, group in [(t, g) for t in down_tiles for g in (1, *down_groups[t])]:
         dn = tk.down_config(down_tile, qd)
         dn = dn if group == 1 or down_tile == "row" else replace(dn, maxnreg=None)
