@@ -132,7 +132,7 @@ def legacy_dense(x: torch.Tensor, raw: torch.Tensor, qtype: QT, n_out: int) -> t
     tk._down_kernel[(T, math.ceil(n_out / cfg.block_n))](
         hr.padded, hr.quants, hr.scales, raw, raw.stride(0), raw.stride(1), hr.padded, hr.padded, 0,
         out, out.stride(0), out.stride(1), tok, zero, zero, zero, n_out,
-        K=K, QD=int(qtype), HAS_BIAS=False, WEIGHTED=False, BLOCK_N=cfg.block_n, UNROLL=cfg.unroll, GROUP=1,
+        K=K, QD=int(qtype), HAS_BIAS=False, WEIGHTED=False, BLOCK_N=cfg.block_n, UNROLL=cfg.unroll,
         INTERP=tk.INTERPRETED, REV=tk.reversed_ties(), PDL=False, **tk._launch_opts(cfg))
     return out[0]
 
@@ -337,7 +337,7 @@ def bench_experts(name: str, sc: ExpertScenario, rows: list[int], dev: torch.dev
             row["step_tiles"] = {name: rate(nbytes, graph_us(
                 [lambda s=s, kw=kw: tk.experts_forward(s.x, layer.buffers, w, s.tok, s.pos, s.slot, s.exp,
                                                        s.weights, s.out, **kw) for s in steps], replays), copy)
-                for name, kw in _other_step_tiles(qg, qu, qd, sc.n_ff, t).items()}
+                for name, kw in _other_step_tiles(qg, qu, qd, t).items()}
             print("       the step in other tiles: " + ", ".join(f"{k} {r['us']} us"
                                                                  for k, r in row["step_tiles"].items()), flush=True)
             row["down_sweep"] = [{"config": name, **rate(nbytes, graph_us(
@@ -373,12 +373,11 @@ def _down_tiles(qd: int, tokens: int) -> list[str]:
     return _tiles(tk.expert_down_tile(qd, tokens), qd)
 
 
-def _other_step_tiles(qg: int, qu: int, qd: int, n_ff: int, tokens: int) -> dict[str, dict]:
+def _other_step_tiles(qg: int, qu: int, qd: int, tokens: int) -> dict[str, dict]:
     """experts_forward's tile arguments for the step in every other pair of gate/up and down tiles
     that read its weights (the row tiles over several tokens; the quantized ones at one), by name;
     over several tokens also both row tiles in runs of 2, 4 and `tokens` pairs of a slot a program
-    (gate/up's rows at once, which runs take, where its default takes K-quants' rows in turns), and
-    the quantized tiles in runs (tile_runs; `n_ff`: gate/up's rows)."""
+    (gate/up's rows at once, which runs take, where its default takes K-quants' rows in turns)."""
     from engine.quant import triton_kernels as tk
 
     default = tk.expert_tile(qg, qu, tokens)
@@ -390,28 +389,6 @@ def _other_step_tiles(qg: int, qu: int, qd: int, n_ff: int, tokens: int) -> dict
         for group in sorted({n for n in (2, 4, tokens) if n <= tokens}):
             out[f"gate/up row, down row, runs of {group}"] = row_runs(qd, group)
             out[f"gate/up row bn{RUN_ROWS}, down row, runs of {group}"] = row_runs(qd, group, RUN_ROWS)
-    runs = replace(tk.GATE_UP_CONFIG["tile"], group=tk.TILE_MAX_GROUP)
-    if tokens > 1 and tk.run_group("tile", runs, tokens, (qg, qu, qd)) > 1:
-        out.update(tile_runs(qg, qu, qd, n_ff, tokens))
-    return out
-
-
-def tile_runs(qg: int, qu: int, qd: int, n_ff: int, tokens: int) -> dict[str, dict]:
-    """experts_forward's arguments for the step over `tokens` tokens with the quantized tiles in runs
-    of TILE_MAX_GROUP pairs of a slot a program, by name: both launches in their default configs,
-    those uncapped where the default caps registers (a run's accumulators and activation rows take
-    more), and gate/up alone in runs (down in its default)."""
-    from engine.quant import triton_kernels as tk
-
-    group = tk.TILE_MAX_GROUP
-    gate_up = replace(tk.gate_up_config("tile", qg, qu, n_ff, tokens), group=group)
-    down = replace(tk.down_config("tile", qd), group=group)
-    both = {"gate_up_tile": "tile", "down_tile": "tile", "gate_up_cfg": gate_up, "down_cfg": down}
-    out = {f"tile runs of {group}": both}
-    if gate_up.maxnreg or down.maxnreg:
-        out[f"tile runs of {group}, uncapped"] = {**both, "gate_up_cfg": replace(gate_up, maxnreg=None),
-                                                  "down_cfg": replace(down, maxnreg=None)}
-    out[f"gate/up tile runs of {group}, down default"] = {"gate_up_tile": "tile", "gate_up_cfg": gate_up}
     return out
 
 
@@ -811,12 +788,9 @@ def _expert_sweep(tile: str) -> list:
         # one, at the cost of a stack (sm_90: 112 bytes for Q4_K, 208 for Q6_K). Turns: 8 rows a
         # program in two turns of 4 (sm_90: 64 registers, Q4_K and Q6_K; no stack) fit them in 0.73
         # of one; 16 in four (72) in 0.42
-        # (rows at once over several tokens in runs of RUN_GROUP pairs, as the default takes them)
-        at_once = [tk.TileConfig(2, 1), tk.TileConfig(2, 2), tk.TileConfig(4, 2), tk.TileConfig(4, 4),
-                   tk.TileConfig(8, 4), tk.TileConfig(8, 8), tk.TileConfig(16, 4), tk.TileConfig(4, 4, maxnreg=48),
-                   tk.TileConfig(4, 4, maxnreg=40)]
-        return ([replace(c, group=tk.RUN_GROUP) for c in at_once]
-                + [tk.TileConfig(8, 4, passes=2), tk.TileConfig(16, 4, passes=4)])
+        return [tk.TileConfig(2, 1), tk.TileConfig(2, 2), tk.TileConfig(4, 2), tk.TileConfig(4, 4),
+                tk.TileConfig(8, 4), tk.TileConfig(8, 8), tk.TileConfig(16, 4), tk.TileConfig(4, 4, maxnreg=48),
+                tk.TileConfig(4, 4, maxnreg=40), tk.TileConfig(8, 4, passes=2), tk.TileConfig(16, 4, passes=4)]
     return _sweep_tiles()
 
 
@@ -831,7 +805,7 @@ def _down_sweep(qd: int, tokens: int) -> dict:
     from engine.quant import triton_kernels as tk
 
     tile = tk.expert_down_tile(qd, tokens)
-    cfgs = [tk.TileConfig(*c, group=tk.RUN_GROUP) for c in DOWN_ROW_SWEEP] if tile == "row" else _sweep_tiles()
+    cfgs = [tk.TileConfig(*c) for c in DOWN_ROW_SWEEP] if tile == "row" else _sweep_tiles()
     return {f"{tile} {cfg_name(c)}": c for c in cfgs if c != tk.down_config(tile, qd)}
 
 

@@ -15,7 +15,6 @@ import re
 import subprocess
 import tempfile
 from collections.abc import Callable
-from dataclasses import replace
 from functools import partial
 from pathlib import Path
 
@@ -141,9 +140,7 @@ def _target(arch: int = 90):
 
 H200_SMS = 132  # the variants are compiled with the splits they take on an H200
 ONE_TOKEN_PAIRS = 8  # a decode token's expert pairs (Qwen3-30B's top-8)
-# the run programs compiled: the row tiles' runs of RUN_GROUP pairs a program (the default), of 4 and
-# whole; the quantized tiles' of TILE_MAX_GROUP (over quantized weights: run_group), without a register
-# cap (planar MXFP4's cap of 128 spills a run's accumulators and activation rows)
+# the run programs compiled: runs of RUN_GROUP pairs a program (the default), of 4 and whole
 RUN_GROUPS = tuple(dict.fromkeys((tk.RUN_GROUP, 4, tk.RUN_MAX_TOKENS)))
 
 
@@ -175,11 +172,8 @@ def decode_variants(gate: QT, up: QT, down: QT, n_embd: int, n_ff: int, activati
     # one token's top-8 on an H200 in its own tile, split over K where that tile takes a split (the
     # split a runtime argument)
     many = tk.gate_up_config("tile", qg, qu, n_ff, tk.RUN_MAX_TOKENS)
-    runs = tk.TILE_MAX_GROUP
-    tile_groups = (1, runs) if tk.run_group("tile", replace(many, group=runs), runs, (qg, qu)) > 1 else (1,)
-    out += [("gate_up s1" if group == 1 else f"gate_up g{group}", tk._gate_up_kernel,
-             {**gate_up, "BLOCK_N": many.block_n, "UNROLL": many.unroll, "PASSES": 1, "GROUP": group, "split": 1},
-             many if group == 1 else replace(many, maxnreg=None)) for group in tile_groups]
+    out.append(("gate_up s1", tk._gate_up_kernel, {**gate_up, "BLOCK_N": many.block_n, "UNROLL": many.unroll,
+                                                   "PASSES": 1, "split": 1}, many))
     tile = tk.expert_tile(qg, qu, 1)
     one = tk.gate_up_config(tile, qg, qu, n_ff, 1)
     split = tk.SplitK.choose(ONE_TOKEN_PAIRS * -(-n_ff // one.block_n) * one.block_n, n_embd, H200_SMS, one)
@@ -195,19 +189,17 @@ def decode_variants(gate: QT, up: QT, down: QT, n_embd: int, n_ff: int, activati
                 for group in RUN_GROUPS]
     elif split.split > 1 and not one.unroll:
         out.append((f"gate_up s{split.split}", tk._gate_up_kernel,
-                    {**gate_up, "BLOCK_N": one.block_n, "UNROLL": one.unroll, "PASSES": 1, "GROUP": 1}, one))
+                    {**gate_up, "BLOCK_N": one.block_n, "UNROLL": one.unroll, "PASSES": 1}, one))
     # down in the quantized tile (over several tokens) and in the row tile (one token's, where it reads the type)
     qd = slot_type(down)
     down_tiles = list(dict.fromkeys(("tile", tk.expert_down_tile(qd, 1))))
-    tile_runs = tk.run_group("tile", replace(tk.down_config("tile", qd), group=runs), runs, (qd,)) > 1
-    down_groups = {"row": RUN_GROUPS, "tile": (runs,) if tile_runs else ()}
-    for down_tile, group in [(t, g) for t in down_tiles for g in (1, *down_groups[t])]:
+    for down_tile, group in [(t, g) for t in down_tiles for g in ((1, *RUN_GROUPS) if t == "row" else (0,))]:
         dn = tk.down_config(down_tile, qd)
-        dn = dn if group == 1 or down_tile == "row" else replace(dn, maxnreg=None)
-        out.append(("down" + (f" {down_tile}" if down_tile == "row" else "") + (f" g{group}" if group > 1 else ""),
+        out.append(("down" if down_tile == "tile" else f"down {down_tile}" + (f" g{group}" if group > 1 else ""),
                     tk._down_k4_kernel if down_tile == "row" else tk._down_kernel,
                     {"K": n_ff, "QD": qd, "HAS_BIAS": bias, "WEIGHTED": True, "BLOCK_N": dn.block_n,
-                     "UNROLL": dn.unroll, "INTERP": False, "REV": rev, "PDL": pdl, "GROUP": group}, dn))
+                     "UNROLL": dn.unroll, "INTERP": False, "REV": rev, "PDL": pdl,
+                     **({"GROUP": group} if group else {})}, dn))
     # the one-launch step (experts_forward(one_launch=True)) of one token, with one token's down tile
     step_down = tk.step_down_config(down_tiles[-1], qd, one.num_warps)
     out.append((f"step {tile} down {down_tiles[-1]}", tk._expert_step_kernel,

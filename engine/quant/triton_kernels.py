@@ -81,10 +81,6 @@ Q8_0_PLANAR = 256 + int(QT.Q8_0)
 # Vec-dot type id of activations rounded to Q8_0 for MXFP4 weights in the decode kernels: each
 # block's int8 quants in the order of the weights' nibbles (_e2m1_dot), the values as Q8_0's.
 Q8_0_NIBBLES = 512 + int(QT.Q8_0)
-# Pairs of a slot's run one program of the quantized tiles serves at most (TileConfig.group; its run
-# programs keep accumulators for members 0 and 1: sm_90, runs of 4 took 241-255 registers over
-# gate/up's two double-buffered weight tiles, Q5_K's spilling)
-TILE_MAX_GROUP = 2
 # The kernel type id of each type's rows in layout.kernel_layout's layout.
 LAID_OUT_TYPES: dict[QT, int] = {QT.Q6_K: Q6_K_PADDED, QT.MXFP4: MXFP4_PLANAR, QT.Q8_0: Q8_0_PLANAR}
 
@@ -106,7 +102,6 @@ if triton is not None:
     _F16 = tl.constexpr(int(QT.F16))
     _BF16 = tl.constexpr(int(QT.BF16))
     _Q8_K = tl.constexpr(int(QT.Q8_K))
-    _TILE_MAX_GROUP = tl.constexpr(TILE_MAX_GROUP)
 
     # ---------------------------------------------------------------- activation rounding
     # Rounding needs block-wide maxima, i.e. cross-thread reductions and CTA barriers. They
@@ -915,30 +910,22 @@ if triton is not None:
                         pair_tok, pair_slot, pair_exp, n_pairs, split, steps,
                         N: tl.constexpr, K: tl.constexpr, QG: tl.constexpr, QU: tl.constexpr, SAME_X: tl.constexpr,
                         VT_DOWN: tl.constexpr, ACT: tl.constexpr, HAS_BIAS: tl.constexpr,
-                        BLOCK_N: tl.constexpr, UNROLL: tl.constexpr, PASSES: tl.constexpr, GROUP: tl.constexpr,
-                        INTERP: tl.constexpr, REV: tl.constexpr, PDL: tl.constexpr):
+                        BLOCK_N: tl.constexpr, UNROLL: tl.constexpr, PASSES: tl.constexpr, INTERP: tl.constexpr,
+                        REV: tl.constexpr, PDL: tl.constexpr):
         """Grid (pairs, N / BLOCK_N, split). x*: the rounded activations [T, K] (values, Q8_K
         quants, Q8_K scales [T, K / 256]) for the gate and the up type; h [pairs, N] and, rounded
         for the down type, hr (values), hq, hd (Q8_K quants and scales). Program (p, nb, s) takes
         K steps s * steps ... (s + 1) * steps of its rows; with split > 1 it stores its partial
         sums in part [pairs, split, 2, N] and the last program of the row block to finish (a
         semaphore per pair and row block, after the h steps' own) adds them in split order, so
-        the result does not depend on which program finishes last, then activates. Over GROUP > 1
-        tokens a program serves a run of pairs of one slot (quantized weights, UNROLL off). (PASSES:
-        1, the row tile's turns.)"""
-        if GROUP > 1:
-            _gate_up_tile_run_program(tl.program_id(0), tl.program_id(1), tl.program_id(2), xg_ptr, xgq_ptr,
-                                      xgd_ptr, xu_ptr, xuq_ptr, xud_ptr, g_ptr, g_slot_bytes, g_row_bytes, u_ptr,
-                                      u_slot_bytes, u_row_bytes, gb_ptr, ub_ptr, h_ptr, hr_ptr, hq_ptr, hd_ptr,
-                                      part_ptr, count_ptr, pair_tok, pair_slot, pair_exp, n_pairs, split, steps, N, K,
-                                      QG, QU, SAME_X, VT_DOWN, ACT, HAS_BIAS, BLOCK_N, GROUP, INTERP, REV, PDL)
-        else:
-            _gate_up_tile_program(tl.program_id(0), tl.program_id(1), tl.program_id(2), xg_ptr, xgq_ptr, xgd_ptr,
-                                  xu_ptr, xuq_ptr, xud_ptr, g_ptr, g_slot_bytes, g_row_bytes, u_ptr, u_slot_bytes,
-                                  u_row_bytes, gb_ptr, ub_ptr, h_ptr, hr_ptr, hq_ptr, hd_ptr, part_ptr, count_ptr,
-                                  pair_tok, pair_slot, pair_exp, n_pairs, split, steps, count_ptr, count_ptr, 0,
-                                  count_ptr, 0, N, K, QG, QU, SAME_X, VT_DOWN, ACT, HAS_BIAS, BLOCK_N, UNROLL, INTERP,
-                                  REV, False, False, PDL)
+        the result does not depend on which program finishes last, then activates. (PASSES: 1, the
+        row tile's turns.)"""
+        _gate_up_tile_program(tl.program_id(0), tl.program_id(1), tl.program_id(2), xg_ptr, xgq_ptr, xgd_ptr,
+                              xu_ptr, xuq_ptr, xud_ptr, g_ptr, g_slot_bytes, g_row_bytes, u_ptr, u_slot_bytes,
+                              u_row_bytes, gb_ptr, ub_ptr, h_ptr, hr_ptr, hq_ptr, hd_ptr, part_ptr, count_ptr,
+                              pair_tok, pair_slot, pair_exp, n_pairs, split, steps, count_ptr, count_ptr, 0,
+                              count_ptr, 0, N, K, QG, QU, SAME_X, VT_DOWN, ACT, HAS_BIAS, BLOCK_N, UNROLL, INTERP, REV,
+                              False, False, PDL)
 
     @triton.jit
     def _down_store(y, rows, p, db_ptr, wt_ptr, wt_stride_tok, out_ptr, out_stride_pos, out_stride_tok, pair_tok,
@@ -997,160 +984,13 @@ if triton is not None:
     def _down_kernel(hr_ptr, hq_ptr, hd_ptr, d_ptr, d_slot_bytes, d_row_bytes, db_ptr, wt_ptr, wt_stride_tok,
                      out_ptr, out_stride_pos, out_stride_tok, pair_tok, pair_pos, pair_slot, pair_exp, N,
                      K: tl.constexpr, QD: tl.constexpr, HAS_BIAS: tl.constexpr, WEIGHTED: tl.constexpr,
-                     BLOCK_N: tl.constexpr, UNROLL: tl.constexpr, GROUP: tl.constexpr, INTERP: tl.constexpr,
-                     REV: tl.constexpr, PDL: tl.constexpr):
-        """Grid (pairs, N / BLOCK_N). hr/hq/hd: the rounded h [pairs, K]; out[pos, tok, :N]. Over
-        GROUP > 1 tokens a program serves a run of pairs of one slot (UNROLL off)."""
-        if GROUP > 1:
-            _down_tile_run_program(tl.program_id(0), tl.program_id(1), tl.num_programs(0), hr_ptr, hq_ptr, hd_ptr,
-                                   d_ptr, d_slot_bytes, d_row_bytes, db_ptr, wt_ptr, wt_stride_tok, out_ptr,
-                                   out_stride_pos, out_stride_tok, pair_tok, pair_pos, pair_slot, pair_exp, N, K, QD,
-                                   HAS_BIAS, WEIGHTED, BLOCK_N, GROUP, INTERP, REV, PDL)
-        else:
-            _down_program(tl.program_id(0), tl.program_id(1), hr_ptr, hq_ptr, hd_ptr, d_ptr, d_slot_bytes,
-                          d_row_bytes, db_ptr, wt_ptr, wt_stride_tok, out_ptr, out_stride_pos, out_stride_tok,
-                          pair_tok, pair_pos, pair_slot, pair_exp, N, pair_slot, 0, pair_slot, 0, K, QD, HAS_BIAS,
-                          WEIGHTED, BLOCK_N, UNROLL, INTERP, REV, False, PDL)
-
-    # The quantized tiles over several tokens in runs (as the row tiles' run programs): a program
-    # serves up to GROUP = TILE_MAX_GROUP = 2 pairs of one slot's run (the leader, member 0, and the
-    # pair after it, member 1), loading and decoding each K step of its rows once for both. Pairs of
-    # one expert otherwise each read its rows (from L2 after the first): Nsight Compute, H100,
-    # gpt-oss's 8-token gate/up a pair a program: L2 at 80% of its throughput, DRAM at 46%, the SMs'
-    # issue at 49%.
-
-    @triton.jit
-    def _tile_member(acc_g, acc_u, member, tok, ga, gb, gc, gd, ua, ub, uc, ud, xg_ptr, xgq_ptr, xgd_ptr, xu_ptr,
-                     xuq_ptr, xud_ptr, ks, K: tl.constexpr, BLOCK_N: tl.constexpr, QG: tl.constexpr,
-                     QU: tl.constexpr, SAME_X: tl.constexpr, INTERP: tl.constexpr, REV: tl.constexpr):
-        """A run member's (token tok's) gate and up sums += K step ks of the tile's rows, where it is one."""
-        if member:
-            NS: tl.constexpr = (K + 255) // 256
-            xg_row = xg_ptr + tok * (NS * 256)
-            xgq_row = xgq_ptr + tok * (NS * 256)
-            xgd_row = xgd_ptr + tok * (NS * 8)
-            acc_g = _use_w(acc_g, ga, gb, gc, gd, xg_row, xgq_row, xgd_row, ks, K, BLOCK_N, QG, INTERP, REV, True)
-            if SAME_X:
-                acc_u = _use_w(acc_u, ua, ub, uc, ud, xg_row, xgq_row, xgd_row, ks, K, BLOCK_N, QU, INTERP, REV, True)
-            else:
-                acc_u = _use_w(acc_u, ua, ub, uc, ud, xu_ptr + tok * (NS * 256), xuq_ptr + tok * (NS * 256),
-                               xud_ptr + tok * (NS * 8), ks, K, BLOCK_N, QU, INTERP, REV, True)
-        return acc_g, acc_u
-
-    @triton.jit
-    def _tile_member_end(acc_g, acc_u, member, rows, q, nb, s, split, n_pairs, gb_ptr, ub_ptr, h_ptr, hr_ptr,
-                         hq_ptr, hd_ptr, part_ptr, count_ptr, pair_exp, N: tl.constexpr, VT_DOWN: tl.constexpr,
-                         ACT: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, INTERP: tl.constexpr):
-        """_gate_up_finish for run member pair q, where it is one."""
-        if member:
-            _gate_up_finish(_reduce_acc(acc_g), _reduce_acc(acc_u), rows, q, nb, s, split, n_pairs, gb_ptr, ub_ptr,
-                            h_ptr, hr_ptr, hq_ptr, hd_ptr, part_ptr, count_ptr, pair_exp, count_ptr, 0, N, VT_DOWN,
-                            ACT, HAS_BIAS, BLOCK_N, INTERP, False)
-
-    @triton.jit
-    def _gate_up_tile_run_program(p, nb, s, xg_ptr, xgq_ptr, xgd_ptr, xu_ptr, xuq_ptr, xud_ptr,
-                                  g_ptr, g_slot_bytes, g_row_bytes, u_ptr, u_slot_bytes, u_row_bytes,
-                                  gb_ptr, ub_ptr, h_ptr, hr_ptr, hq_ptr, hd_ptr, part_ptr, count_ptr,
-                                  pair_tok, pair_slot, pair_exp, n_pairs, split, steps,
-                                  N: tl.constexpr, K: tl.constexpr, QG: tl.constexpr, QU: tl.constexpr,
-                                  SAME_X: tl.constexpr, VT_DOWN: tl.constexpr, ACT: tl.constexpr,
-                                  HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, GROUP: tl.constexpr,
-                                  INTERP: tl.constexpr, REV: tl.constexpr, PDL: tl.constexpr):
-        """Program (p, nb, s) of _gate_up_kernel over GROUP tokens: _gate_up_tile_program's
-        (quantized weights, the next step loaded ahead) for the run of pairs pair p leads."""
-        tl.static_assert(GROUP <= _TILE_MAX_GROUP)
-        if PDL:
-            gdc_launch_dependents()
-        slot = tl.load(pair_slot + p)
-        if slot < 0:  # no slot here (see _gate_up_tile_program)
-            return
-        if _follows(pair_slot, p, slot, GROUP):
-            return  # its leader takes it
-        g_rows = _weight_rows(g_ptr + slot.to(tl.int64) * g_slot_bytes, g_row_bytes, nb, N, BLOCK_N)
-        u_rows = _weight_rows(u_ptr + slot.to(tl.int64) * u_slot_bytes, u_row_bytes, nb, N, BLOCK_N)
-        k0 = s * steps
-        k1 = tl.minimum(k0 + steps, (K + 255) // 256)
-        ga, gb, gc, gd = _load_w(g_rows, k0, K, BLOCK_N, QG, REV)
-        ua, ub, uc, ud = _load_w(u_rows, k0, K, BLOCK_N, QU, REV)
-        m1 = _run_member(pair_slot, p + 1, n_pairs, slot, slot >= 0, GROUP)
-        t0 = _run_tok(pair_tok, p, n_pairs)
-        t1 = _run_tok(pair_tok, p + 1, n_pairs)
-        if PDL:  # the first step's weights are on their way while the launch before ends
-            gdc_wait()
-        g0 = _zero_acc(BLOCK_N, QG)
-        u0 = _zero_acc(BLOCK_N, QU)
-        g1 = g0
-        u1 = u0
-        for ks in range(k0, k1):
-            nk = tl.minimum(ks + 1, k1 - 1)
-            nga, ngb, ngc, ngd = _load_w(g_rows, nk, K, BLOCK_N, QG, REV)
-            nua, nub, nuc, nud = _load_w(u_rows, nk, K, BLOCK_N, QU, REV)
-            g0, u0 = _tile_member(g0, u0, True, t0, ga, gb, gc, gd, ua, ub, uc, ud, xg_ptr, xgq_ptr, xgd_ptr, xu_ptr,
-                                  xuq_ptr, xud_ptr, ks, K, BLOCK_N, QG, QU, SAME_X, INTERP, REV)
-            g1, u1 = _tile_member(g1, u1, m1, t1, ga, gb, gc, gd, ua, ub, uc, ud, xg_ptr, xgq_ptr, xgd_ptr, xu_ptr,
-                                  xuq_ptr, xud_ptr, ks, K, BLOCK_N, QG, QU, SAME_X, INTERP, REV)
-            ga, gb, gc, gd = nga, ngb, ngc, ngd
-            ua, ub, uc, ud = nua, nub, nuc, nud
-        rows = nb * BLOCK_N + tl.arange(0, BLOCK_N)
-        _tile_member_end(g0, u0, True, rows, p, nb, s, split, n_pairs, gb_ptr, ub_ptr, h_ptr, hr_ptr, hq_ptr, hd_ptr,
-                         part_ptr, count_ptr, pair_exp, N, VT_DOWN, ACT, HAS_BIAS, BLOCK_N, INTERP)
-        _tile_member_end(g1, u1, m1, rows, p + 1, nb, s, split, n_pairs, gb_ptr, ub_ptr, h_ptr, hr_ptr, hq_ptr,
-                         hd_ptr, part_ptr, count_ptr, pair_exp, N, VT_DOWN, ACT, HAS_BIAS, BLOCK_N, INTERP)
-
-    @triton.jit
-    def _tile_down_member(acc, member, q, a, b, cc, dd, hr_ptr, hq_ptr, hd_ptr, ks, K: tl.constexpr,
-                          BLOCK_N: tl.constexpr, QD: tl.constexpr, INTERP: tl.constexpr, REV: tl.constexpr):
-        """Run member pair q's down sums += K step ks of the tile's rows, where it is one."""
-        if member:
-            NS: tl.constexpr = (K + 255) // 256
-            q64 = q.to(tl.int64)
-            acc = _use_w(acc, a, b, cc, dd, hr_ptr + q64 * (NS * 256), hq_ptr + q64 * (NS * 256),
-                         hd_ptr + q64 * (NS * 8), ks, K, BLOCK_N, QD, INTERP, REV, True)
-        return acc
-
-    @triton.jit
-    def _tile_down_member_end(acc, member, rows, q, db_ptr, wt_ptr, wt_stride_tok, out_ptr, out_stride_pos,
-                              out_stride_tok, pair_tok, pair_pos, pair_exp, N, HAS_BIAS: tl.constexpr,
-                              WEIGHTED: tl.constexpr):
-        """_down_store for run member pair q, where it is one."""
-        if member:
-            _down_store(_reduce_acc(acc), rows, q, db_ptr, wt_ptr, wt_stride_tok, out_ptr, out_stride_pos,
-                        out_stride_tok, pair_tok, pair_pos, pair_exp, N, HAS_BIAS, WEIGHTED)
-
-    @triton.jit
-    def _down_tile_run_program(p, nb, n_pairs, hr_ptr, hq_ptr, hd_ptr, d_ptr, d_slot_bytes, d_row_bytes, db_ptr,
-                               wt_ptr, wt_stride_tok, out_ptr, out_stride_pos, out_stride_tok, pair_tok, pair_pos,
-                               pair_slot, pair_exp, N, K: tl.constexpr, QD: tl.constexpr, HAS_BIAS: tl.constexpr,
-                               WEIGHTED: tl.constexpr, BLOCK_N: tl.constexpr, GROUP: tl.constexpr,
-                               INTERP: tl.constexpr, REV: tl.constexpr, PDL: tl.constexpr):
-        """Program (p, nb) of _down_kernel over GROUP tokens: _down_program's (the next step loaded
-        ahead) for the run of pairs pair p leads."""
-        tl.static_assert(GROUP <= _TILE_MAX_GROUP)
-        slot = tl.load(pair_slot + p)
-        if slot < 0:  # no slot here (see _gate_up_tile_program)
-            return
-        if _follows(pair_slot, p, slot, GROUP):
-            return  # its leader takes it
-        d_rows = _weight_rows(d_ptr + slot.to(tl.int64) * d_slot_bytes, d_row_bytes, nb, N, BLOCK_N)
-        NS: tl.constexpr = (K + 255) // 256
-        a, b, cc, dd = _load_w(d_rows, 0, K, BLOCK_N, QD, REV)
-        m1 = _run_member(pair_slot, p + 1, n_pairs, slot, slot >= 0, GROUP)
-        if PDL:  # the first step's weights are on their way while the launch before ends
-            gdc_wait()
-        a0 = _zero_acc(BLOCK_N, QD)
-        a1 = a0
-        for ks in range(0, NS):
-            na, nb2, nc, nd = _load_w(d_rows, tl.minimum(ks + 1, NS - 1), K, BLOCK_N, QD, REV)
-            a0 = _tile_down_member(a0, True, p, a, b, cc, dd, hr_ptr, hq_ptr, hd_ptr, ks, K, BLOCK_N, QD, INTERP,
-                                   REV)
-            a1 = _tile_down_member(a1, m1, p + 1, a, b, cc, dd, hr_ptr, hq_ptr, hd_ptr, ks, K, BLOCK_N, QD, INTERP,
-                                   REV)
-            a, b, cc, dd = na, nb2, nc, nd
-        rows = nb * BLOCK_N + tl.arange(0, BLOCK_N)
-        _tile_down_member_end(a0, True, rows, p, db_ptr, wt_ptr, wt_stride_tok, out_ptr, out_stride_pos,
-                              out_stride_tok, pair_tok, pair_pos, pair_exp, N, HAS_BIAS, WEIGHTED)
-        _tile_down_member_end(a1, m1, rows, p + 1, db_ptr, wt_ptr, wt_stride_tok, out_ptr, out_stride_pos,
-                              out_stride_tok, pair_tok, pair_pos, pair_exp, N, HAS_BIAS, WEIGHTED)
+                     BLOCK_N: tl.constexpr, UNROLL: tl.constexpr, INTERP: tl.constexpr, REV: tl.constexpr,
+                     PDL: tl.constexpr):
+        """Grid (pairs, N / BLOCK_N). hr/hq/hd: the rounded h [pairs, K]; out[pos, tok, :N]."""
+        _down_program(tl.program_id(0), tl.program_id(1), hr_ptr, hq_ptr, hd_ptr, d_ptr, d_slot_bytes, d_row_bytes,
+                      db_ptr, wt_ptr, wt_stride_tok, out_ptr, out_stride_pos, out_stride_tok, pair_tok, pair_pos,
+                      pair_slot, pair_exp, N, pair_slot, 0, pair_slot, 0, K, QD, HAS_BIAS, WEIGHTED, BLOCK_N, UNROLL,
+                      INTERP, REV, False, PDL)
 
     # ---------------------------------------------------------------- dense products
 
@@ -2236,7 +2076,7 @@ def reversed_ties(target=None) -> bool:
 
 PROGRAMS_PER_SM = 4  # programs wanted per SM (split-K's target): enough loads in flight to cover HBM latency
 RUN_MAX_TOKENS = 8  # the row tiles' run programs keep one accumulator a token
-# pairs a row-tile run program serves by default (TileConfig.group): H100, 8 tokens, both row tiles in runs of
+# pairs a run program serves by default (TileConfig.group): H100, 8 tokens, both row tiles in runs of
 # 2 / 4 / 8: Qwen3 Q8_0 87.16 / 96.29 / 111.87 us, Q6_K 97.53 / 109.58 / 124.03, gpt-oss MXFP4 213.12 /
 # 214.11 / 237.66 (fewer live accumulators, more programs that lead)
 RUN_GROUP = 2
@@ -2256,9 +2096,9 @@ class TileConfig:
     # gate/up's row tile: a program takes its block_n rows in this many turns of block_n / passes
     # (rows per program against registers: the turns share them)
     passes: int = 1
-    # over 2-RUN_MAX_TOKENS tokens a program serves at most this many pairs of a slot's run (run_group;
-    # fewer pairs, fewer live accumulators and registers, more programs that lead); 1: a pair a program
-    group: int = 1
+    # the row tiles over several tokens: a program serves at most this many pairs of a slot's run
+    # (run_group; fewer pairs, fewer live accumulators and registers, more programs that lead)
+    group: int = RUN_GROUP
 
 
 # The expert kernels' tiles and their defaults (expert_tile, expert_down_tile and gate_up_config pick):
@@ -2274,12 +2114,12 @@ class TileConfig:
 #           MXFP4; planar Q8_0's gate/up in it too: 21.00. Over 2 and 8 tokens the quantized tile
 #           was faster for K-quant gate/up (H200: 17.4 / 44.6 against 17.9 / 51.4 us, Qwen3 Q4_K).
 # `moestudio bench kernels --sweep` times the alternatives on the device.
-GATE_UP_CONFIG: dict[str, TileConfig] = {"tile": TileConfig(32, 2), "row": TileConfig(4, 4, group=RUN_GROUP)}
+GATE_UP_CONFIG: dict[str, TileConfig] = {"tile": TileConfig(32, 2), "row": TileConfig(4, 4)}
 # gate/up's row tile over K-quants: 8 rows a program in two turns of 4 (TileConfig.passes), which
 # fit Qwen3's one-token gate/up in 0.73 of a wave where 4 rows at once took 1.45 (H100: Q4_K 17.58
 # against 18.61 us, Q6_K 20.60 against 22.08; MXFP4 slower, 44.83 against 43.03)
 GATE_UP_ROW_IN_TURNS = TileConfig(8, 4, passes=2)
-DOWN_CONFIG: dict[str, TileConfig] = {"tile": TileConfig(32, 2), "row": TileConfig(4, 4, group=RUN_GROUP)}
+DOWN_CONFIG: dict[str, TileConfig] = {"tile": TileConfig(32, 2), "row": TileConfig(4, 4)}
 # Exceptions by (tile, kernel type) to GATE_UP_CONFIG (gate and up of that one type) and DOWN_CONFIG.
 # Planar MXFP4's quantized tiles under a cap of 128 registers (H100, gpt-oss-120b's 8-token step
 # 155.30 against 164.92 us; its gate/up took 136 on sm_90); its down row on 2 warps (one token's step
@@ -2287,7 +2127,7 @@ DOWN_CONFIG: dict[str, TileConfig] = {"tile": TileConfig(32, 2), "row": TileConf
 _MXFP4_TILE = TileConfig(32, 2, maxnreg=128)  # one cap for both tiles: the sweep timed them capped together
 GATE_UP_BY_TYPE: dict[tuple[str, int], TileConfig] = {("tile", MXFP4_PLANAR): _MXFP4_TILE}
 DOWN_BY_TYPE: dict[tuple[str, int], TileConfig] = {("tile", MXFP4_PLANAR): _MXFP4_TILE,
-                                                   ("row", MXFP4_PLANAR): TileConfig(4, 2, group=RUN_GROUP)}
+                                                   ("row", MXFP4_PLANAR): TileConfig(4, 2)}
 # the types the lanes-along-K kernels read (_dense_k4_kernel, _gate_up_k4_kernel, _down_k4_kernel)
 ROW_TILE_TYPES = (int(QT.Q4_K), int(QT.Q5_K), Q6_K_PADDED, MXFP4_PLANAR, Q8_0_PLANAR)
 # one token's gate/up in turns (GATE_UP_ROW_IN_TURNS): the K-quants, planar Q8_0 (H100, Qwen3's step
@@ -2325,19 +2165,11 @@ def expert_down_tile(qd: int, tokens: int) -> str:
     return "row" if _row_tokens((qd,), tokens, _DOWN_RUN_TYPES) else "tile"
 
 
-def run_group(tile: str, cfg: TileConfig, tokens: int, types: tuple[int, ...]) -> int:
-    """The GROUP constexpr of a launch in tile `tile` of config `cfg` over `tokens` tokens' pairs and
-    weights of kernel types `types`: at 2-RUN_MAX_TOKENS tokens each program serves the run of pairs
-    of its slot, up to cfg.group of them (the quantized tiles up to TILE_MAX_GROUP, over quantized
-    weights in their K loop that loads ahead); 1: a pair a program (also for rows in turns, which
-    runs do not take)."""
-    if not 1 < tokens <= RUN_MAX_TOKENS or cfg.passes > 1:
-        return 1
-    if tile == "row":
-        return min(tokens, cfg.group)
-    if cfg.unroll or set(types) & set(_SIXTEEN_BIT):
-        return 1
-    return min(tokens, cfg.group, TILE_MAX_GROUP)
+def run_group(tile: str, cfg: TileConfig, tokens: int) -> int:
+    """The GROUP constexpr of a row-tile launch over `tokens` tokens' pairs in `cfg`: at 2-8
+    tokens each program serves the run of pairs of its slot, up to cfg.group of them (1: a pair
+    a program; also for rows in turns, which runs do not take)."""
+    return min(tokens, cfg.group) if tile == "row" and 1 < tokens <= RUN_MAX_TOKENS and cfg.passes == 1 else 1
 
 
 def gate_up_config(tile: str, qg: int, qu: int, n_ff: int, tokens: int) -> TileConfig:
@@ -2593,8 +2425,8 @@ def gate_up(xg: Rounded, xu: Rounded, gate_buf: torch.Tensor, up_buf: torch.Tens
         *plan.tensors(w, h, hr), pair_tok, pair_slot, pair_exp, P, plan.split.split, plan.split.steps,
         N=n_ff, K=d_in, QG=plan.qg, QU=plan.qu, SAME_X=xg is xu, VT_DOWN=_vt(w.down.qtype), ACT=_ACT[w.activation],
         HAS_BIAS=w.gate.bias is not None, BLOCK_N=plan.cfg.block_n, UNROLL=plan.cfg.unroll, PASSES=plan.cfg.passes,
-        GROUP=run_group(plan.tile, plan.cfg, xg.padded.shape[0], (plan.qg, plan.qu)), INTERP=INTERPRETED,
-        REV=reversed_ties(), PDL=pdl, **_launch_opts(plan.cfg, dependent and pdl))
+        INTERP=INTERPRETED, REV=reversed_ties(), PDL=pdl, **_launch_opts(plan.cfg, dependent and pdl),
+        **({"GROUP": run_group(plan.tile, plan.cfg, xg.padded.shape[0])} if plan.tile == "row" else {}))
     return h, hr
 
 
@@ -2642,8 +2474,9 @@ def down(hr: Rounded, down_buf: torch.Tensor, w, pair_tok: torch.Tensor, pair_po
         hr.padded, hr.quants, hr.scales, down_buf, down_buf.stride(0), down_buf.stride(1), db, wt, wt.stride(0),
         out, out.stride(0), out.stride(1), pair_tok, pair_pos, pair_slot, pair_exp, d_out,
         K=n_ff, QD=qd, HAS_BIAS=has_bias, WEIGHTED=weights is not None,
-        BLOCK_N=cfg.block_n, UNROLL=cfg.unroll, GROUP=run_group(tile, cfg, out.shape[1], (qd,)), INTERP=INTERPRETED,
-        REV=reversed_ties(), PDL=pdl, **_launch_opts(cfg, dependent and pdl))
+        BLOCK_N=cfg.block_n, UNROLL=cfg.unroll, INTERP=INTERPRETED, REV=reversed_ties(), PDL=pdl,
+        **_launch_opts(cfg, dependent and pdl),
+        **({"GROUP": run_group(tile, cfg, out.shape[1])} if tile == "row" else {}))
 
 
 def _rounds_alike(w) -> bool:

@@ -322,13 +322,12 @@ def test_expert_step_defaults_by_type_and_tokens() -> None:
     q8, k4, q6, mx = tk.Q8_0_PLANAR, int(QT.Q4_K), tk.Q6_K_PADDED, tk.MXFP4_PLANAR
     for q in (q8, k4, q6, mx):
         assert tk.gate_up_config(tk.expert_tile(q, q, 1), q, q, 768, 1) == tk.GATE_UP_ROW_IN_TURNS
-    assert tk.down_config(tk.expert_down_tile(mx, 1), mx) == tk.DOWN_BY_TYPE[("row", mx)] == tk.TileConfig(
-        4, 2, group=tk.RUN_GROUP)
+    assert tk.down_config(tk.expert_down_tile(mx, 1), mx) == tk.DOWN_BY_TYPE[("row", mx)] == tk.TileConfig(4, 2)
     assert tk.down_config(tk.expert_down_tile(q8, 1), q8) == tk.DOWN_CONFIG["row"]
     for tokens in (2, 4, tk.RUN_MAX_TOKENS):
         assert (tk.expert_tile(q8, q8, tokens), tk.expert_down_tile(q8, tokens)) == ("row", "row")
         cfg = tk.gate_up_config("row", q8, q8, 768, tokens)
-        assert cfg.passes == 1 and tk.run_group("row", cfg, tokens, (q8, q8)) == tk.RUN_GROUP == 2
+        assert cfg.passes == 1 and tk.run_group("row", cfg, tokens) == tk.RUN_GROUP == 2
         assert (tk.expert_tile(q6, q6, tokens), tk.expert_down_tile(q6, tokens)) == ("tile", "row")
         for q in (k4, mx):
             assert (tk.expert_tile(q, q, tokens), tk.expert_down_tile(q, tokens)) == ("tile", "tile")
@@ -422,15 +421,15 @@ def test_interpreter_one_token_down_with_lanes_along_k(qtypes, n_embd: int, n_ff
     check_case(Case(w, n_tok=1, k=3, device="cpu", seed=10), SMALL, tk.TileConfig(64, 4), down_tile="row")
 
 
-def both_tiles(case: Case, gate_up_cfg: tk.TileConfig, down_cfg: tk.TileConfig,
-               split: tk.SplitK | None = None, tile: str = "row") -> tuple[torch.Tensor, ...]:
-    """h, its rounding and down's output of the case with both launches in `tile`."""
+def row_tiles(case: Case, gate_up_cfg: tk.TileConfig, down_cfg: tk.TileConfig,
+              split: tk.SplitK | None = None) -> tuple[torch.Tensor, ...]:
+    """h, its rounding and down's output of the case in both row tiles."""
     w = case.w
     xg, xu = tk.round_inputs(case.x, w)
     h, hr = tk.gate_up(xg, xu, case.buffers[0], case.buffers[1], w, case.tok, case.slot, case.exp, gate_up_cfg,
-                       split, tile=tile)
+                       split, tile="row")
     out = torch.zeros(case.ids.shape[1], *case.x.shape, device=case.device)
-    tk.down(hr, case.buffers[2], w, case.tok, case.pos, case.slot, case.exp, case.weights, out, down_cfg, tile)
+    tk.down(hr, case.buffers[2], w, case.tok, case.pos, case.slot, case.exp, case.weights, out, down_cfg, "row")
     return h, hr.values, out
 
 
@@ -463,19 +462,17 @@ def test_interpreter_down_row_tile_in_the_configs_the_sweep_times() -> None:
 
 
 def check_runs(case: Case, monkeypatch, gate_up_cfg: tk.TileConfig, down_cfg: tk.TileConfig,
-               split: tk.SplitK | None = None, tile: str = "row") -> None:
-    """Both launches in `tile` over several tokens, a program a run of pairs of one slot (at most
-    the configs' `group`), give the bits of a program a pair (RUN_MAX_TOKENS 1)."""
+               split: tk.SplitK | None = None) -> None:
+    """The row tiles over several tokens, a program a run of pairs of one slot (at most the
+    configs' `group`), give the bits of a program a pair (RUN_MAX_TOKENS 1)."""
     tokens = case.x.shape[0]
-    types = tuple(tk.kernel_type(t.qtype, b, t.shape[2]) for t, b in zip((case.w.gate, case.w.up, case.w.down),
-                                                                         case.buffers))
     for cfg in (gate_up_cfg, down_cfg):
-        assert tk.run_group(tile, cfg, tokens, types) == min(tokens, cfg.group) > 1
-    runs = both_tiles(case, gate_up_cfg, down_cfg, split, tile)
+        assert tk.run_group("row", cfg, tokens) == min(tokens, cfg.group) > 1
+    runs = row_tiles(case, gate_up_cfg, down_cfg, split)
     with monkeypatch.context() as m:
         m.setattr(tk, "RUN_MAX_TOKENS", 1)
-        assert tk.run_group(tile, gate_up_cfg, tokens, types) == 1
-        pairs = both_tiles(case, gate_up_cfg, down_cfg, split, tile)
+        assert tk.run_group("row", gate_up_cfg, tokens) == 1
+        pairs = row_tiles(case, gate_up_cfg, down_cfg, split)
     for got, want in zip(runs, pairs):
         assert torch.equal(got, want), f"a run program differs: {(got.float() - want.float()).abs().max():.3e}"
 
@@ -521,11 +518,9 @@ def test_interpreter_a_run_longer_than_its_tokens_is_cut_every_group(monkeypatch
     keep = torch.arange(5)
     case.tok, case.pos = case.tok[keep].contiguous(), case.pos[keep].contiguous()
     case.slot, case.exp = case.slot[:1].repeat(5), case.exp[:1].repeat(5)
-    runs = replace(SMALL, group=2)
-    for tile in ("row", "tile"):
-        check_runs(case, monkeypatch, runs, runs, tile=tile)
+    check_runs(case, monkeypatch, SMALL, SMALL)
     # and against the reference, pair by pair
-    h = both_tiles(case, runs, runs)[0]
+    h = row_tiles(case, SMALL, SMALL)[0]
     gate, up, _ = case.mats(int(case.exp[0]))
     for p, t in enumerate(case.tok.tolist()):
         xr = case.x[t:t + 1]
@@ -536,41 +531,7 @@ def test_interpreter_a_run_longer_than_its_tokens_is_cut_every_group(monkeypatch
     order = torch.tensor([3, 0, 5, 1, 4, 2])
     shuffled.tok, shuffled.pos, shuffled.slot, shuffled.exp = (
         t[order].contiguous() for t in (shuffled.tok, shuffled.pos, shuffled.slot, shuffled.exp))
-    for tile in ("row", "tile"):
-        check_runs(shuffled, monkeypatch, runs, runs, tile=tile)
-
-
-@interp
-@pytest.mark.parametrize("qtypes,n_embd,n_ff", [
-    ((QT.Q6_K, QT.Q6_K, QT.Q4_K), 256, 512), ((QT.MXFP4,) * 3, 288, 192), ((QT.Q8_0,) * 3, 256, 640)],
-    ids=["Q6_K-Q4_K", "gpt-oss", "Q8_0"])
-def test_interpreter_quantized_tiles_take_a_slot_run_a_program(monkeypatch, qtypes, n_embd: int, n_ff: int) -> None:
-    """The quantized tiles over 4 tokens (6 experts, top-3: runs of up to 4 pairs), each program the
-    run of at most TILE_MAX_GROUP pairs of one slot (a step's weights loaded and decoded once for
-    them): the reference's results, and bit for bit a program a pair's (gpt-oss's K a partial last
-    step, biases; h of a partial third K step). Q4_K's runs: the run-cutting test above."""
-    gpt_oss = qtypes[0] == QT.MXFP4
-    w = make_weights(qtypes, n_expert=6, n_embd=n_embd, n_ff=n_ff, activation=SWIGLU_OAI if gpt_oss else SILU,
-                     bias=gpt_oss, seed=21)
-    case = Case(w, n_tok=4, k=3, device="cpu", seed=17)
-    assert max(torch.unique_consecutive(case.slot, return_counts=True)[1].tolist()) > tk.TILE_MAX_GROUP  # cut
-    runs = replace(SMALL, group=tk.TILE_MAX_GROUP)
-    check_case(case, runs, runs, whole=False, gate_up_tile="tile", down_tile="tile")
-    check_runs(case, monkeypatch, runs, runs, tile="tile")
-
-
-def test_runs_only_where_a_program_can_take_them() -> None:
-    """The run group: 2-RUN_MAX_TOKENS tokens; the quantized tiles at most TILE_MAX_GROUP pairs, over
-    quantized weights in the loop that loads ahead; the row tile not in turns."""
-    q4, f16 = int(QT.Q4_K), int(QT.F16)
-    eight = replace(SMALL, group=8)
-    assert tk.run_group("tile", eight, 8, (q4, q4)) == tk.TILE_MAX_GROUP
-    assert tk.run_group("row", eight, 8, (q4, q4)) == 8
-    assert tk.run_group("row", eight, 3, (q4,)) == 3
-    assert tk.run_group("tile", eight, 1, (q4,)) == tk.run_group("tile", eight, 9, (q4,)) == 1
-    assert tk.run_group("tile", eight, 8, (q4, f16)) == tk.run_group("tile", replace(eight, unroll=True), 8, (q4,)) == 1
-    assert tk.run_group("row", replace(eight, passes=2), 8, (q4, q4)) == 1
-    assert tk.run_group("tile", SMALL, 8, (q4, q4)) == 1  # a pair a program unless a config asks
+    check_runs(shuffled, monkeypatch, SMALL, SMALL)
 
 
 def test_gate_up_tiles_must_divide_a_k_step() -> None:
@@ -1034,24 +995,6 @@ def test_gpu_row_tiles_take_a_slot_run_a_program(monkeypatch, qtype: QT, n_tok: 
     down_cfg = replace(tk.DOWN_CONFIG["row"], group=group)
     check_case(case, gate_up_cfg, down_cfg, gate_up_tile="row", down_tile="row")
     check_runs(case, monkeypatch, gate_up_cfg, down_cfg)
-
-
-@gpu
-@pytest.mark.parametrize("qtype", [QT.Q4_K, QT.Q6_K, QT.Q8_0, QT.MXFP4], ids=lambda t: t.name)
-def test_gpu_quantized_tiles_take_a_slot_run_a_program(monkeypatch, qtype: QT) -> None:
-    """The quantized tiles over 8 tokens at Qwen3's shape (gpt-oss's K for MXFP4), 16 experts top-8,
-    a program the run of at most TILE_MAX_GROUP pairs of one slot, in the default configs and
-    uncapped: the reference's results, a program a pair's bits."""
-    _needs_compiled()
-    K = 2880 if qtype == QT.MXFP4 else 2048
-    w = make_weights((qtype,) * 3, n_expert=16, n_embd=K, n_ff=768, seed=8)
-    case = Case(w, n_tok=8, k=8, device="cuda", seed=8)
-    qg, qd = (tk.kernel_type(t.qtype, b, t.shape[2]) for t, b in ((w.gate, case.buffers[0]), (w.down, case.buffers[2])))
-    for maxnreg in {tk.gate_up_config("tile", qg, qg, 768, 8).maxnreg, None}:
-        gate_up_cfg = replace(tk.gate_up_config("tile", qg, qg, 768, 8), group=tk.TILE_MAX_GROUP, maxnreg=maxnreg)
-        down_cfg = replace(tk.down_config("tile", qd), group=tk.TILE_MAX_GROUP, maxnreg=maxnreg)
-        check_case(case, gate_up_cfg, down_cfg, gate_up_tile="tile", down_tile="tile")
-        check_runs(case, monkeypatch, gate_up_cfg, down_cfg, tile="tile")
 
 
 @gpu
