@@ -458,7 +458,7 @@ if triton is not None:
 
     @triton.jit
     def _load_w(rows, ks, K: tl.constexpr, BLOCK_N: tl.constexpr, QT: tl.constexpr, REV: tl.constexpr):
-        """The raw bytes of K step `ks` for rows at byte pointers `rows` [1, BLOCK_N, 1, 1]:
+        """The raw bytes of K step `ks` for rows at byte pointers `rows` [1, BLOCK_N, 1, 1, 1] (_weight_rows):
         up to four full-shape tensors (unused ones repeat the first)."""
         p, r, c, l = _axes(BLOCK_N, QT)
         z = p * 0 + c * 0  # zero strides (with r and l: the full shape)
