@@ -847,11 +847,13 @@ def _dense_tile_sweep(tile: str, qw: int) -> list:
         tiles = [tk.TileConfig(16, 4, num_stages=3), tk.TileConfig(64, 4, num_stages=3),
                  tk.TileConfig(32, 4, num_stages=2), tk.TileConfig(32, 4, num_stages=4),
                  tk.TileConfig(32, 2, num_stages=3), tk.TileConfig(64, 8, num_stages=3)]
-    elif tile in ("row", "row_bf16"):
+    elif tile == "row":
         tiles = [tk.TileConfig(4, 4), tk.TileConfig(8, 8), tk.TileConfig(16, 8), tk.TileConfig(4, 2),
                  tk.TileConfig(2, 2), tk.TileConfig(16, 4)]
-        if qw in (int(QT.F16), int(QT.BF16)):  # the K loop unrolled by Triton (DENSE16_UNROLLED), or not
-            tiles += [replace(default, unroll=not default.unroll), tk.TileConfig(16, 4, unroll=True)]
+    elif tile == "row16":  # (a step of DENSE16_STEP values on any number of warps)
+        tiles = [tk.TileConfig(2, 4, programs_per_sm=1), tk.TileConfig(4, 4, programs_per_sm=1),
+                 tk.TileConfig(1, 8, programs_per_sm=1), tk.TileConfig(2, 8, programs_per_sm=1),
+                 tk.TileConfig(1, 2, programs_per_sm=1), tk.TileConfig(8, 4, programs_per_sm=1)]
     elif tile == "row_kquant":
         tiles = [tk.TileConfig(2, 2, programs_per_sm=1), tk.TileConfig(4, 2, programs_per_sm=1),
                  tk.TileConfig(4, 4, programs_per_sm=1), tk.TileConfig(8, 4, programs_per_sm=1)]

@@ -1103,11 +1103,16 @@ if triton is not None:
                     tl.store(out_ptr + t * N + rows, y, mask=live)
 
     # ---------------------------------------------------------------- 16-bit dense products
-    # F16 and BF16 rows need no decoding, so they take a tile of their own: a K step is
-    # [BLOCK_N rows, 256 values], whose 256 values a warp reads as 32 lanes x 16 contiguous
-    # bytes (a row's 512 bytes in one access, as llama.cpp's mul_mat_vec reads them), rather
-    # than the quantized tile's two lanes a row. For one activation row, products accumulate
-    # elementwise in float32 and are summed along K once, at the end; for more, tensor cores.
+    # F16 and BF16 rows need no decoding, so they take tiles of their own. For one activation
+    # row ("row16"), a K step is [BLOCK_N rows, DENSE16_STEP values]: each lane reads 16
+    # contiguous bytes of a row, a warp 512 and the program's warps side by side along K, so a
+    # row's 2 KB come in one access on 4 warps, as llama.cpp's mul_mat_vec reads a row with a
+    # block. Products accumulate elementwise in float32 and are summed along K once, at the end;
+    # for more rows, tensor cores, a step of 256 values. The one-row kernel rounds x itself (no
+    # launch before it) and loads the weights evict-first: read once, they should not push the
+    # activation out of L1 and L2. H100, Mixtral's 4096 x 14336 F16, a row a program and 2 rows
+    # against the 256-value steps of 8 rows (0.92 of the copy's bandwidth, split in two) after
+    # a rounding launch: 40.38 against 42.76 us (0.98 of copy); Qwen3's 4096 x 2048, 7.80 against 10.67.
 
     @triton.jit
     def _load16(w_rows, ks, k, K: tl.constexpr):
@@ -1119,37 +1124,43 @@ if triton is not None:
         return w
 
     @triton.jit
-    def _dense16_kernel(xr_ptr, xq_ptr, xd_ptr, w_ptr, w_row_bytes, part_ptr, out_ptr, count_ptr, N,
+    def _dense16_kernel(x_ptr, xq_ptr, xd_ptr, w_ptr, w_row_bytes, part_ptr, out_ptr, count_ptr, N,
                         K: tl.constexpr, QW: tl.constexpr, ROWS: tl.constexpr, SPLIT: tl.constexpr,
-                        STEPS: tl.constexpr, BLOCK_N: tl.constexpr, K_UNROLL: tl.constexpr,
-                        INTERP: tl.constexpr, PDL: tl.constexpr):
-        """_dense_kernel's product (its grid, arguments and split-K) for F16 and BF16 weights
-        (QW) and one activation row (ROWS = 1): out [1, N] = rounded x [1, K] . W [N, K], in the
-        16-bit tile above (the int8 quants xq, xd are not read). The rounded values are loaded
-        at the tile's full shape (zero stride along n) so that Triton gives them the weights'
-        layout: nothing moves through shared memory. K_UNROLL: the K loop unrolled that many
-        times by Triton (1: as the compiler sees fit; sm_90 unrolls F16's three times and
-        BF16's not at all)."""
+                        STEPS: tl.constexpr, BLOCK_N: tl.constexpr, STEP: tl.constexpr, INTERP: tl.constexpr,
+                        PDL: tl.constexpr):
+        """_dense_kernel's product (its grid, arguments and split-K: STEPS K steps of 256 a
+        program) for F16 and BF16 weights (QW) and one activation row (ROWS = 1): out [1, N] =
+        round_activation(x) [1, K] . W [N, K], with x [K] float32 as it is, not rounded (xq, xd
+        are not read), in steps of STEP values (DENSE16_STEP). The values of x are loaded at the
+        tile's full shape (zero stride along n) so that Triton gives them the weights' layout:
+        nothing moves through shared memory in the loop."""
         nb = tl.program_id(0)
         s = tl.program_id(1)
         n = nb * BLOCK_N + tl.arange(0, BLOCK_N)[:, None]
-        k = tl.arange(0, 256)[None, :]
+        k = tl.arange(0, STEP)[None, :]
         w_rows = w_ptr.to(tl.pointer_type(tl.uint16)) + tl.minimum(n, N - 1).to(tl.int64) * (w_row_bytes // 2)
-        NS: tl.constexpr = (K + 255) // 256
-        k0 = s * STEPS
-        k1 = tl.minimum(k0 + STEPS, NS)
-        acc = tl.zeros((BLOCK_N, 256), tl.float32)
-        nxt = _load16(w_rows, k0, k, K)  # the next step's bytes load while this one is computed
+        k0 = s * (STEPS * 256)
+        k1 = tl.minimum(k0 + STEPS * 256, K)
+        # a step may pass the program's slice or the row: the last of a slice of steps not a whole STEP
+        MASKED: tl.constexpr = K % STEP != 0 or (SPLIT > 1 and STEPS * 256 % STEP != 0)
+        acc = tl.zeros((BLOCK_N, STEP), tl.float32)
         if PDL:
             gdc_wait()
-        for ks in tl.range(k0, k1, loop_unroll_factor=K_UNROLL):
-            bits = nxt
-            nxt = _load16(w_rows, tl.minimum(ks + 1, k1 - 1), k, K)
+        for kk in range(k0, k1, STEP):
+            if MASKED:
+                live = kk + k < k1
+                bits = tl.load(w_rows + kk + k, mask=live, other=0, eviction_policy="evict_first")
+                x = tl.load(x_ptr + kk + k + n * 0, mask=live, other=0.0)
+            else:
+                bits = tl.load(w_rows + kk + k, eviction_policy="evict_first")
+                x = tl.load(x_ptr + kk + k + n * 0)
             if QW == _F16:
                 w = bits.to(tl.float16, bitcast=True).to(tl.float32)
+                x = x.to(tl.float16).to(tl.float32)
             else:
                 w = (bits.to(tl.int32) << 16).to(tl.float32, bitcast=True)
-            acc += w * tl.load(xr_ptr + ks * 256 + k + n * 0)  # rounded rows are zero-padded to whole steps
+                x = _bf16_round(x)
+            acc += w * x
         y = tl.sum(acc, axis=1)
         _dense_finish(y, y, y, y, y, y, y, y, part_ptr, out_ptr, count_ptr, nb, s, N, ROWS, SPLIT, BLOCK_N, INTERP)
 
@@ -2087,9 +2098,7 @@ class TileConfig:
     block_n: int  # weight rows per program (quantized tiles: a warp covers 16 rows, two lanes per row)
     # (num_warps: warps per program; more than block_n / 16 of them cost layout conversions)
     num_warps: int
-    # K steps fully unrolled, or a loop that loads one step ahead (the one-row 16-bit tile: that
-    # loop unrolled four times by Triton, or as the compiler sees fit)
-    unroll: bool = False
+    unroll: bool = False  # the expert tiles: K steps fully unrolled, or a loop that loads one step ahead
     num_stages: int = 1  # Triton's own pipeliner: only the 16-bit tensor-core product has work for it
     programs_per_sm: int = PROGRAMS_PER_SM  # SplitK.choose's target for this tile
     maxnreg: int | None = None  # registers a thread may take (None: as many as ptxas wants), for occupancy
@@ -2625,10 +2634,10 @@ def dense_supported(qtype: QT) -> bool:
 # steps (split-K), so that a one-row product of few output rows still puts work on every SM.
 # Five tiles (dense_tile picks one), each with its kernel and its default:
 #   "tile"  quantized weights: one weight row per lane pair as in the expert kernels (_dense_kernel)
-#   "row"   one activation row of F16 or planar Q8_0 weights: a warp's lanes along each weight
-#           row (_dense16_kernel, _dense_q8p_kernel; BLOCK_N rows on num_warps warps)
-#   "row_bf16"  the same for BF16, its K loop unrolled four times by Triton (sm_90 unrolls F16's
-#           loop by itself, BF16's not; H200, Mixtral's 4096 x 14336: 33.33 against 34.64 us)
+#   "row"   one activation row of planar Q8_0 weights: a warp's lanes along each weight row
+#           (_dense_q8p_kernel; BLOCK_N rows on num_warps warps)
+#   "row16" one activation row of F16 or BF16 weights, the warps too along each row; x rounded in
+#           the kernel, no launch before it (_dense16_kernel: "16-bit dense products")
 #   "row_kquant"  the same for 1-8 rows of Q4_K, Q5_K, padded Q6_K or planar MXFP4 weights and 2-8
 #           of planar Q8_0, four K steps an access (_dense_k4_kernel; one row of planar Q8_0 where asked)
 #   "mma"   2-8 rows of 16-bit weights on tensor cores (_dense16_mma_kernel; BLOCK_N rows a
@@ -2640,7 +2649,7 @@ DENSE_MAX_ROWS = 8  # activation rows one launch multiplies (the kernel's accumu
 # 1.07-1.84x faster than the quantized tile and within 5% of the best config of either, but Q4_K's
 # 2 rows (bn4w4: 19.63 against 22.82 us) and Q5_K's 8 (the quantized tile bn64w2: 39.41 against 44.09).)
 DENSE_CONFIG: dict[str, TileConfig] = {"tile": TileConfig(32, 2), "row": TileConfig(8, 4),
-                                       "row_bf16": TileConfig(8, 4, unroll=True),
+                                       "row16": TileConfig(1, 4, programs_per_sm=1),
                                        "row_kquant": TileConfig(2, 1, programs_per_sm=1),
                                        "mma": TileConfig(32, 4, num_stages=2)}
 _SIXTEEN_BIT = (int(QT.F16), int(QT.BF16))
@@ -2650,7 +2659,7 @@ def dense_tile(qw: int, rows: int) -> str:
     """The tile (a DENSE_CONFIG key) of a dense product of `rows` activation rows over weights
     of kernel type `qw` (kernel_type)."""
     if qw in _SIXTEEN_BIT:
-        return "mma" if rows > 1 else "row_bf16" if qw == int(QT.BF16) else "row"
+        return "mma" if rows > 1 else "row16"
     if rows == 1 and qw == Q8_0_PLANAR:
         return "row"
     return "row_kquant" if qw in ROW_TILE_TYPES else "tile"
@@ -2662,7 +2671,9 @@ def dense_config(qw: int, rows: int) -> TileConfig:
     return DENSE_CONFIG[dense_tile(qw, rows)]
 
 
-DENSE16_UNROLLED = 4  # K loop unrolling of the one-row 16-bit tile with `unroll`
+DENSE16_STEP = 1024  # values of a row the one-row 16-bit tile reads a K step: 16 bytes a lane, on 4 warps
+# the tiles whose kernel rounds x itself, from x as it is (dense launches no rounding before them)
+ROUNDING_TILES = ("row16",)
 
 
 def dense_kernel(qw: int, rows: int, cfg: TileConfig, target=None, tile: str | None = None) -> tuple[Callable, dict]:
@@ -2681,7 +2692,7 @@ def dense_kernel(qw: int, rows: int, cfg: TileConfig, target=None, tile: str | N
     if qw in _SIXTEEN_BIT:
         if tile == "mma":
             return _dense16_mma_kernel, {}
-        return _dense16_kernel, {"K_UNROLL": DENSE16_UNROLLED if cfg.unroll else 1}
+        return _dense16_kernel, {"STEP": DENSE16_STEP}
     kernel = {"tile": _dense_kernel, "row": _dense_q8p_kernel}[tile]
     return kernel, {"REV": reversed_ties(target)}
 
@@ -2690,30 +2701,40 @@ def dense(x: torch.Tensor, raw: torch.Tensor, qtype: QT, n_out: int, cfg: TileCo
           split: SplitK | None = None, tile: str | None = None) -> torch.Tensor:
     """round(x) @ W.T for x [T, K] float32 (T <= DENSE_MAX_ROWS, rows contiguous) and a dense
     weight W [n_out, K] kept as its GGUF rows raw [1, n_out, row_bytes] (or as
-    layout.kernel_layout lays them out: Q6_K padded, MXFP4 planar): two launches (round x; the
-    split-K product, which starts while the rounding ends where the device has dependent
-    launches). `split` defaults to SplitK.choose for this device; `tile`, `cfg`: dense_kernel's
-    tile (by default dense_tile's) and its config (by default DENSE_CONFIG's)."""
+    layout.kernel_layout lays them out: Q6_K padded, MXFP4 planar): the split-K product, after
+    a launch that rounds x (which it starts beside where the device has dependent launches)
+    except in ROUNDING_TILES, which round x themselves. `split` defaults to SplitK.choose for
+    this device; `tile`, `cfg`: dense_kernel's tile (by default dense_tile's) and its config
+    (by default DENSE_CONFIG's)."""
     T, K = x.shape
     if T > DENSE_MAX_ROWS:
         raise ValueError(f"dense takes at most {DENSE_MAX_ROWS} rows, got {T}: use dequantize + matmul")
     if T == 0:
         return torch.empty((0, n_out), dtype=torch.float32, device=x.device)
-    return _dense_product(round_rows(x, qtype), raw, qtype, n_out, cfg, split, tile=tile)
+    tile = tile or dense_tile(kernel_type(qtype, raw, K), T)
+    return _dense_product(x if tile in ROUNDING_TILES else round_rows(x, qtype), raw, qtype, n_out, cfg, split,
+                          tile=tile)
 
 
 def compile_dense(raw: torch.Tensor, qtype: QT, n_out: int, K: int, rows: int) -> None:
     """Compiles, without launching it, the product `dense` launches for `rows` rows of this
     weight (its rounding launch is one per K and type, compiled by the first product)."""
-    _dense_product(Rounded.empty(rows, K, raw.device), raw, qtype, n_out, compile_only=True)
+    tile = dense_tile(kernel_type(qtype, raw, K), rows)
+    x = (torch.empty((rows, K), dtype=torch.float32, device=raw.device) if tile in ROUNDING_TILES
+         else Rounded.empty(rows, K, raw.device))
+    _dense_product(x, raw, qtype, n_out, compile_only=True, tile=tile)
 
 
-def _dense_product(xr: Rounded, raw: torch.Tensor, qtype: QT, n_out: int, cfg: TileConfig | None = None,
+def _dense_product(x: Rounded | torch.Tensor, raw: torch.Tensor, qtype: QT, n_out: int, cfg: TileConfig | None = None,
                    split: SplitK | None = None, compile_only: bool = False, tile: str | None = None) -> torch.Tensor:
-    T, K = xr.padded.shape[0], xr.K
+    """The product of `dense`, of rows x rounded by round_rows (Rounded) or, for ROUNDING_TILES, as they are."""
+    rounded = isinstance(x, Rounded)
+    T, K = (x.padded.shape[0], x.K) if rounded else x.shape
     out = torch.empty((T, n_out), dtype=torch.float32, device=raw.device)
     qw = kernel_type(qtype, raw, K)
     tile = tile or dense_tile(qw, T)
+    if rounded == (tile in ROUNDING_TILES):
+        raise ValueError(f"the {tile} tile takes x " + ("as it is, not rounded" if rounded else "rounded by round_rows"))
     cfg = cfg or DENSE_CONFIG.get(tile)
     kernel, extra = dense_kernel(qw, T, cfg, tile=tile)  # refuses a tile that cannot read the weights
     split = split or SplitK.choose(n_out, K, sm_count(str(raw.device)), cfg)
@@ -2725,8 +2746,10 @@ def _dense_product(xr: Rounded, raw: torch.Tensor, qtype: QT, n_out: int, cfg: T
         part, count = out, _counter(raw.device, 1)
     grid = (blocks, split.split)
     launch = functools.partial(kernel.warmup, grid=grid) if compile_only else kernel[grid]
-    pdl = dependent_launches(str(raw.device))  # a dependent launch: dense launches it right after rounding xr
-    launch(xr.padded, xr.quants, xr.scales, raw, raw.stride(1), part, out, count, n_out,
+    # a dependent launch: dense launches it right after rounding x (a kernel that rounds x waits for nothing of ours)
+    pdl = rounded and dependent_launches(str(raw.device))
+    xs = (x.padded, x.quants, x.scales) if rounded else (x, x, x)
+    launch(*xs, raw, raw.stride(1), part, out, count, n_out,
            K=K, QW=qw, ROWS=T, SPLIT=split.split, STEPS=split.steps, BLOCK_N=cfg.block_n,
            INTERP=INTERPRETED, PDL=pdl, **extra, **_launch_opts(cfg, pdl))
     return out

@@ -1107,9 +1107,12 @@ def test_interpreter_dense_matches_reference(qtype: QT, rows: int) -> None:
     for tile in tiles:
         for split in dense_splits(K):
             check_dense(qtype, n_out=160, K=K, rows=rows, device="cpu", cfg=SMALL, split=split, tile=tile)
-    if rows == 1 and qtype in (QT.F16, QT.BF16):  # the one-row 16-bit tile's K loop unrolled by Triton
-        check_dense(qtype, n_out=160, K=1440, rows=1, device="cpu", cfg=replace(SMALL, unroll=True),
-                    split=tk.SplitK(2, 3))
+    if rows == 1 and qtype in (QT.F16, QT.BF16):
+        # the one-row 16-bit tile's steps of DENSE16_STEP values: whole ones, split on their bounds
+        # or not; a partial last one; slices that end inside a step
+        for K, split in ((2048, tk.SplitK(1, 8)), (2048, tk.SplitK(2, 4)), (2400, tk.SplitK(1, 10)),
+                         (2400, tk.SplitK(2, 5)), (2400, tk.SplitK(4, 3))):
+            check_dense(qtype, n_out=160, K=K, rows=1, device="cpu", cfg=tk.TileConfig(32, 4), split=split)
 
 
 @interp
@@ -1293,18 +1296,14 @@ def test_gpu_down_row_tile_in_the_configs_the_sweep_times(qtype: QT, block_n: in
 
 @gpu
 @pytest.mark.parametrize("qtype", [QT.F16, QT.BF16], ids=lambda t: t.name)
-def test_gpu_one_row_16_bit_unrolled_gives_the_loop_s_bits(qtype: QT) -> None:
-    """The one-row 16-bit tile's K loop unrolled by Triton (--sweep's `u` tiles) sums in the same
-    order as the loop left to the compiler: the same bits, split or not (Mixtral's 14,336: 56
-    steps, a remainder of every unroll)."""
+def test_gpu_one_row_16_bit_tile_in_the_configs_the_sweep_times(qtype: QT) -> None:
+    """The one-row 16-bit tile in every config `bench kernels --sweep` times, at Mixtral's 14,336
+    values a row (14 whole steps of DENSE16_STEP), unsplit and in slices of 19 K steps (each ending
+    inside a step), against the reference."""
     _needs_compiled()
-    rng = np.random.default_rng(int(qtype))
-    raw = _random_raw(rng, qtype, (1, 4096, 14336), 14336 ** -0.5).cuda()
-    x = torch.randn(1, 14336, device="cuda")
-    for split in (None, tk.SplitK(3, 19)):
-        want = tk.dense(x, raw, qtype, 4096, tk.DENSE_CONFIG["row"], split)
-        got = tk.dense(x, raw, qtype, 4096, replace(tk.DENSE_CONFIG["row"], unroll=True), split)
-        assert torch.equal(got, want)
+    for cfg in [cfg for tile, cfg in kb._dense_sweep(int(qtype), 1) if tile == "row16"]:
+        for split in (None, tk.SplitK(3, 19)):
+            check_dense(qtype, n_out=4096, K=14336, rows=1, device="cuda", cfg=cfg, split=split)
 
 
 @gpu
@@ -1342,11 +1341,11 @@ def test_gpu_dense_replays_in_a_cuda_graph() -> None:
 
 
 @gpu
-@pytest.mark.parametrize("qtype, rows", [(QT.Q4_K, 1), (QT.Q6_K, 1), (QT.Q8_0, 1), (QT.MXFP4, 1), (QT.BF16, 1),
-                                         (QT.F16, 8), (QT.Q4_K, 8)], ids=lambda v: getattr(v, "name", str(v)))
+@pytest.mark.parametrize("qtype, rows", [(QT.Q4_K, 1), (QT.Q6_K, 1), (QT.Q8_0, 1), (QT.MXFP4, 1), (QT.F16, 8),
+                                         (QT.BF16, 8), (QT.Q4_K, 8)], ids=lambda v: getattr(v, "name", str(v)))
 def test_gpu_dependent_dense_products_read_their_rounding(qtype: QT, rows: int) -> None:
-    """Where the device has dependent launches, the product starts while its rounding of x ends:
-    a chain of products (each one's x the last one's result), captured in a graph and replayed
+    """Where the device has dependent launches, the product starts while its rounding of x ends
+    (one row of 16-bit weights has no rounding launch: its tile rounds x itself): a chain of products (each one's x the last one's result), captured in a graph and replayed
     on changing x, gives bit for bit the same products with the device synchronized between
     the rounding and the product."""
     _needs_compiled()
