@@ -2722,7 +2722,8 @@ def dense(x: torch.Tensor, raw: torch.Tensor, qtype: QT, n_out: int, cfg: TileCo
 
 def compile_dense(raw: torch.Tensor, qtype: QT, n_out: int, K: int, rows: int) -> None:
     """Compiles, without launching it, the product `dense` launches for `rows` rows of this
-    weight (its rounding launch is one per K and type, compiled by the first product)."""
+    weight (the rounding launch before it, where there is one, is one per K and type, compiled
+    by the first product)."""
     tile = dense_tile(kernel_type(qtype, raw, K), rows)
     x = (torch.empty((rows, K), dtype=torch.float32, device=raw.device) if tile in ROUNDING_TILES
          else Rounded.empty(rows, K, raw.device))

@@ -1215,6 +1215,25 @@ def test_interpreter_dense_eight_rows_and_default_split(qtype: QT) -> None:
     check_dense(qtype, n_out=96, K=512, rows=2, device="cpu", cfg=SMALL)
 
 
+@interp
+@pytest.mark.parametrize("qtype", [QT.F16, QT.BF16], ids=lambda t: t.name)
+def test_interpreter_one_row_16_bit_product_rounds_x_itself(qtype: QT, monkeypatch) -> None:
+    """One row of 16-bit weights is one launch: dense launches no rounding before it (the tile
+    rounds x as round_activation does), and its product refuses x rounded beforehand; more rows
+    still take the rounding launch."""
+    rng = np.random.default_rng(3)
+    raw = _random_raw(rng, qtype, (1, 64, 1024), 1024 ** -0.5)
+    x = torch.from_numpy(rng.standard_normal((2, 1024)).astype(np.float32))
+    want = round_activation(x, qtype) @ dequantize(raw[0], qtype, (64, 1024)).T
+    rounds = []
+    real_round_rows = tk.round_rows
+    monkeypatch.setattr(tk, "round_rows", lambda *a, **k: rounds.append(a[0].shape) or real_round_rows(*a, **k))
+    assert rel_err(tk.dense(x[:1], raw, qtype, 64), want[:1]) < REL_TOL and rounds == []
+    assert rel_err(tk.dense(x, raw, qtype, 64), want) < REL_TOL and rounds == [(2, 1024)]
+    with pytest.raises(ValueError, match="as it is"):
+        tk._dense_product(real_round_rows(x[:1], qtype), raw, qtype, 64)
+
+
 def test_dense_rejects_more_rows_than_it_takes() -> None:
     x = torch.zeros(tk.DENSE_MAX_ROWS + 1, 256)
     with pytest.raises(ValueError, match="at most"):
