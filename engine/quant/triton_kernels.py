@@ -1110,9 +1110,10 @@ if triton is not None:
     # block. Products accumulate elementwise in float32 and are summed along K once, at the end;
     # for more rows, tensor cores, a step of 256 values. The one-row kernel rounds x itself (no
     # launch before it) and loads the weights evict-first: read once, they should not push the
-    # activation out of L1 and L2. H100, Mixtral's 4096 x 14336 F16, a row a program and 2 rows
-    # against the 256-value steps of 8 rows (0.92 of the copy's bandwidth, split in two) after
-    # a rounding launch: 40.38 against 42.76 us (0.98 of copy); Qwen3's 4096 x 2048, 7.80 against 10.67.
+    # activation out of L1 and L2. H100, a row a program against 8 rows on 256-value steps split
+    # over K after a rounding launch: Mixtral's 4096 x 14336 F16 40.27 against 42.98 us (0.97 of the
+    # copy's bandwidth; llama.cpp's mul_mat_vec 1.00x per byte), BF16 40.40 against 44.69; Qwen3's
+    # 4096 x 2048 7.49 against 10.79. (2 rows a program: F16 at Mixtral's K 42.8-43.3 us.)
 
     @triton.jit
     def _load16(w_rows, ks, k, K: tl.constexpr):
@@ -2752,7 +2753,8 @@ def _dense_product(x: Rounded | torch.Tensor, raw: torch.Tensor, qtype: QT, n_ou
         part, count = out, _counter(raw.device, 1)
     grid = (blocks, split.split)
     launch = functools.partial(kernel.warmup, grid=grid) if compile_only else kernel[grid]
-    # a dependent launch: dense launches it right after rounding x (a kernel that rounds x waits for nothing of ours)
+    # a dependent launch right after the rounding of x; a tile that rounds x itself follows whatever
+    # wrote x, which does not let it start early
     pdl = rounded and dependent_launches(str(raw.device))
     xs = (x.padded, x.quants, x.scales) if rounded else (x, x, x)
     launch(*xs, raw, raw.stride(1), part, out, count, n_out,
