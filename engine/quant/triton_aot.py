@@ -234,9 +234,10 @@ def dense_variants(qtype: QT, n_out: int, K: int, rows: int, cfg: tk.TileConfig 
     cfg = cfg or tk.dense_config(qw, rows)
     split = tk.SplitK.choose(n_out, K, sm_count, cfg)
     kernel, extra = tk.dense_kernel(qw, rows, cfg, _target(arch))
+    pdl = _dependent_launches(arch) and tk.dense_tile(qw, rows) not in tk.ROUNDING_TILES  # as tk.dense launches it
     return [(f"dense r{rows} s{split.split}", kernel,
              {"K": K, "QW": qw, "ROWS": rows, "SPLIT": split.split, "STEPS": split.steps, "BLOCK_N": cfg.block_n,
-              "INTERP": False, "PDL": _dependent_launches(arch), **extra}, cfg)]
+              "INTERP": False, "PDL": pdl, **extra}, cfg)]
 
 
 def grouped_variants(gate: QT, up: QT, down: QT, n_embd: int, n_ff: int, activation: int = 0, bias: bool = False):
