@@ -830,14 +830,14 @@ def _dense_sweep(qw: int, rows: int) -> list[tuple[str, object]]:
     from engine.quant import triton_kernels as tk
 
     tile = tk.dense_tile(qw, rows)
-    pairs = [(tile, cfg) for cfg in _dense_tile_sweep(tile, qw)]
+    pairs = [(tile, cfg) for cfg in _dense_tile_sweep(tile)]
     if qw in tk.ROW_TILE_TYPES:
         other = "tile" if tile == "row_kquant" else "row_kquant"
-        pairs += [(other, cfg) for cfg in _dense_tile_sweep(other, qw)]
+        pairs += [(other, cfg) for cfg in _dense_tile_sweep(other)]
     return pairs
 
 
-def _dense_tile_sweep(tile: str, qw: int) -> list:
+def _dense_tile_sweep(tile: str) -> list:
     """Configs of dense tile `tile` that --sweep times, the tile's default last at several
     programs per SM."""
     from engine.quant import triton_kernels as tk

@@ -193,13 +193,13 @@ def decode_variants(gate: QT, up: QT, down: QT, n_embd: int, n_ff: int, activati
     # down in the quantized tile (over several tokens) and in the row tile (one token's, where it reads the type)
     qd = slot_type(down)
     down_tiles = list(dict.fromkeys(("tile", tk.expert_down_tile(qd, 1))))
-    for down_tile, group in [(t, g) for t in down_tiles for g in ((1, *RUN_GROUPS) if t == "row" else (0,))]:
+    for down_tile, group in [(t, g) for t in down_tiles for g in ((1, *RUN_GROUPS) if t == "row" else (None,))]:
         dn = tk.down_config(down_tile, qd)
         out.append(("down" if down_tile == "tile" else f"down {down_tile}" + (f" g{group}" if group > 1 else ""),
                     tk._down_k4_kernel if down_tile == "row" else tk._down_kernel,
                     {"K": n_ff, "QD": qd, "HAS_BIAS": bias, "WEIGHTED": True, "BLOCK_N": dn.block_n,
                      "UNROLL": dn.unroll, "INTERP": False, "REV": rev, "PDL": pdl,
-                     **({"GROUP": group} if group else {})}, dn))
+                     **({} if group is None else {"GROUP": group})}, dn))
     # the one-launch step (experts_forward(one_launch=True)) of one token, with one token's down tile
     step_down = tk.step_down_config(down_tiles[-1], qd, one.num_warps)
     out.append((f"step {tile} down {down_tiles[-1]}", tk._expert_step_kernel,

@@ -12,6 +12,7 @@ float32 reference up to summation order (~1e-5 relative to the output's scale).
 from __future__ import annotations
 
 import os
+from collections import Counter
 from dataclasses import replace
 
 import numpy as np
@@ -721,11 +722,11 @@ def test_kernels_compile_for_hopper_without_spills(aot_report) -> None:
             assert loads.get("LDG.E.128", 0) > 0 and not narrow, f"{where}: {r['loads']}"
 
 
-def _by_width(loads: dict[str, int]) -> dict[str, int]:
+def _by_width(loads: dict[str, int]) -> Counter:
     """A kernel's global loads by width, whatever their eviction hint (weights load evict-first: .EF)."""
-    out: dict[str, int] = {}
+    out = Counter()
     for op, n in loads.items():
-        out[op.replace(".EF", "")] = out.get(op.replace(".EF", ""), 0) + n
+        out[op.replace(".EF", "")] += n
     return out
 
 
