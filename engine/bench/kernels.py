@@ -854,9 +854,11 @@ def _dense_tile_sweep(tile: str) -> list:
         tiles = [tk.TileConfig(2, 4, programs_per_sm=1), tk.TileConfig(4, 4, programs_per_sm=1),
                  tk.TileConfig(1, 8, programs_per_sm=1), tk.TileConfig(2, 8, programs_per_sm=1),
                  tk.TileConfig(1, 2, programs_per_sm=1), tk.TileConfig(8, 4, programs_per_sm=1)]
-    elif tile == "row_kquant":
+    elif tile == "row_kquant":  # (the k configs: warps side by side along K)
         tiles = [tk.TileConfig(2, 2, programs_per_sm=1), tk.TileConfig(4, 2, programs_per_sm=1),
-                 tk.TileConfig(4, 4, programs_per_sm=1), tk.TileConfig(8, 4, programs_per_sm=1)]
+                 tk.TileConfig(4, 4, programs_per_sm=1), tk.TileConfig(8, 4, programs_per_sm=1),
+                 tk.TileConfig(1, 2, programs_per_sm=1, k_warps=2), tk.TileConfig(2, 2, programs_per_sm=1, k_warps=2),
+                 tk.TileConfig(1, 4, programs_per_sm=1, k_warps=4), tk.TileConfig(2, 4, programs_per_sm=1, k_warps=4)]
     else:
         tiles = _sweep_tiles()
     return [t for t in tiles if t != default] + [replace(default, programs_per_sm=n) for n in (1, 2, 4, 8, 16)]
@@ -866,7 +868,8 @@ def cfg_name(cfg) -> str:
     return (f"bn{cfg.block_n}w{cfg.num_warps}" + (f"s{cfg.num_stages}" if cfg.num_stages > 1 else "")
             + ("u" if cfg.unroll else "") + (f"r{cfg.maxnreg}" if cfg.maxnreg else "")
             + (f"t{cfg.passes}" if cfg.passes > 1 else "")
-            + (f"g{cfg.group}" if cfg.group != type(cfg).group else ""))
+            + (f"g{cfg.group}" if cfg.group != type(cfg).group else "")
+            + (f"k{cfg.k_warps}" if cfg.k_warps > 1 else ""))
 
 
 def dense_line(r: dict) -> str:

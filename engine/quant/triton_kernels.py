@@ -1219,13 +1219,15 @@ if triton is not None:
     # quantized tile (H200, Mixtral's 4096 x 14336: 65.6 against 44.8 us, 130 against 58).
 
     @triton.jit
-    def _row_tile(w_ptr, w_row_bytes, nb, N, BLOCK_N: tl.constexpr, PASSES: tl.constexpr = 1):
+    def _row_tile(w_ptr, w_row_bytes, nb, N, BLOCK_N: tl.constexpr, PASSES: tl.constexpr = 1,
+                  LANES: tl.constexpr = 32):
         """Row block nb of the tile [32 (g: lanes), BLOCK_N (n: weight rows), 4 (wd: words)]: its
         index tensors and its weight rows as int32 word pointers (rows past N read row N - 1).
         Where a program takes its rows in PASSES turns of BLOCK_N (N a multiple of PASSES), turn
         0's: rows nb * BLOCK_N * PASSES + PASSES * i (turn j's: j rows on, w_row_bytes // 4 * j
-        words; rows past N read rows N - PASSES ... N - 1)."""
-        g = tl.arange(0, 32)[:, None, None]
+        words; rows past N read rows N - PASSES ... N - 1). LANES: 32 x the warps that lie along K
+        (a warp's lanes take four K steps, the next warp's the next four)."""
+        g = tl.arange(0, LANES)[:, None, None]
         n = nb * BLOCK_N * PASSES + tl.arange(0, BLOCK_N)[None, :, None] * PASSES
         wd = tl.arange(0, 4)[None, None, :]
         rows = tl.minimum(n, N - PASSES).to(tl.int64)
@@ -1384,9 +1386,10 @@ if triton is not None:
                 INTERP: tl.constexpr, REV: tl.constexpr, SPAN: tl.constexpr, SHARED: tl.constexpr = False):
         """Each lane's 32 values of steps kq ... kq + SPAN - 1 (_k4_load) dotted with the
         activation's int8 quants (Q8_K; MXFP4: Q8_0), scaled per group of values sharing scales,
-        [32, BLOCK_N]."""
+        [LANES, BLOCK_N] (g's lanes: SPAN 4 steps a warp, its warps' steps one after another)."""
+        LANES: tl.constexpr = g.shape[0]  # 32 a warp along K
         lane = g if SPAN == 4 else g % 8
-        lane2 = tl.arange(0, 32)[:, None] if SPAN == 4 else tl.arange(0, 32)[:, None] % 8
+        lane2 = tl.arange(0, LANES)[:, None] if SPAN == 4 else tl.arange(0, LANES)[:, None] % 8
         if QW == _MXFP4_PLANAR:
             # block blk: word wd of its nibbles (values 4wd .. 4wd + 3 low, 16 + 4wd .. high) with the
             # activation's words wd and 4 + wd, in the nibbles' order (_e2m1_dot)
@@ -1426,7 +1429,7 @@ if triton is not None:
                 # nibbles are values 128h + 32a + 16o + i (scale 8h + 2a + o), high ones 64 on (scale
                 # + 4); top bits from qh at shift 2a (+ 4). 6-bit quants less 32 in the sums.
                 c3 = g % 8
-                c2 = tl.arange(0, 32)[:, None] % 8
+                c2 = tl.arange(0, LANES)[:, None] % 8
                 sh = c3 // 2 % 2 * 2
                 q0 = (w & 0x0F0F0F0F) | (((qh >> sh) & 0x03030303) << 4)
                 q1 = ((w >> 4) & 0x0F0F0F0F) | (((qh >> (sh + 4)) & 0x03030303) << 4)
@@ -1445,7 +1448,7 @@ if triton is not None:
                 out = dx * ((d * sc0) * s0 + (d * sc1) * s1)
             else:
                 c3 = g % 8 // 2
-                c2 = tl.arange(0, 32)[:, None] % 8 // 2
+                c2 = tl.arange(0, LANES)[:, None] % 8 // 2
                 qlo = w & 0x0F0F0F0F
                 qhi = (w >> 4) & 0x0F0F0F0F
                 # Q5_K: qh byte i's bit 2c is the fifth bit of low nibble i of sub-block 2c, bit 2c + 1 the high's
@@ -1495,21 +1498,23 @@ if triton is not None:
     def _dense_k4_kernel(xr_ptr, xq_ptr, xd_ptr, w_ptr, w_row_bytes, part_ptr, out_ptr, count_ptr, N,
                          K: tl.constexpr, QW: tl.constexpr, ROWS: tl.constexpr, SPLIT: tl.constexpr,
                          STEPS: tl.constexpr, BLOCK_N: tl.constexpr, INTERP: tl.constexpr, REV: tl.constexpr,
-                         PDL: tl.constexpr):
+                         PDL: tl.constexpr, K_WARPS: tl.constexpr = 1):
         """_dense_kernel's product (its grid, arguments and split-K) for Q4_K, Q5_K, padded Q6_K,
         planar MXFP4 or Q8_0 weights (QW) and 1-8 activation rows, in the tile above: out [ROWS, N]
         = rounded x [ROWS, K] . W [N, K], from the activation's int8 quants xq and scales xd (xr is
-        not read); each weight load serves every row (llama.cpp's mmvq does the same)."""
+        not read); each weight load serves every row (llama.cpp's mmvq does the same). K_WARPS:
+        warps side by side along K, 4 K steps each an access (the program's warps, its rows in
+        each), their sums added at the end; 1: a program's warps split its rows."""
         nb = tl.program_id(0)
         s = tl.program_id(1)
-        g, n, wd, w_words = _row_tile(w_ptr, w_row_bytes, nb, N, BLOCK_N)
+        g, n, wd, w_words = _row_tile(w_ptr, w_row_bytes, nb, N, BLOCK_N, 1, 32 * K_WARPS)
         NS: tl.constexpr = (K + 255) // 256
         k0 = s * STEPS
         k1 = tl.minimum(k0 + STEPS, NS)
         w, hdr, qh, dd = _k4_load(w_words, k0, k1, g, wd, K, QW, REV, 4)
         if PDL:
             gdc_wait()
-        a0 = tl.zeros((32, BLOCK_N), tl.float32)
+        a0 = tl.zeros((32 * K_WARPS, BLOCK_N), tl.float32)
         a1 = a0
         a2 = a0
         a3 = a0
@@ -1517,8 +1522,8 @@ if triton is not None:
         a5 = a0
         a6 = a0
         a7 = a0
-        for kq in range(k0, k1, 4):
-            nw, nhdr, nqh, ndd = _k4_load(w_words, kq + 4, k1, g, wd, K, QW, REV, 4)
+        for kq in range(k0, k1, 4 * K_WARPS):
+            nw, nhdr, nqh, ndd = _k4_load(w_words, kq + 4 * K_WARPS, k1, g, wd, K, QW, REV, 4)
             a0 = _k4_row(a0, 0, ROWS, w, hdr, qh, dd, xq_ptr, xd_ptr, kq, k1, g, n, wd, K, QW, INTERP, REV)
             a1 = _k4_row(a1, 1, ROWS, w, hdr, qh, dd, xq_ptr, xd_ptr, kq, k1, g, n, wd, K, QW, INTERP, REV)
             a2 = _k4_row(a2, 2, ROWS, w, hdr, qh, dd, xq_ptr, xd_ptr, kq, k1, g, n, wd, K, QW, INTERP, REV)
@@ -2113,6 +2118,9 @@ class TileConfig:
     # the row tiles over several tokens: a program serves at most this many pairs of a slot's run
     # (run_group; fewer pairs, fewer live accumulators and registers, more programs that lead)
     group: int = RUN_GROUP
+    # the lanes-along-K dense tile: warps side by side along K (num_warps of them, each with all the
+    # program's rows), or 1: warps split the rows
+    k_warps: int = 1
 
 
 # The expert kernels' tiles and their defaults (expert_tile, expert_down_tile and gate_up_config pick):
@@ -2693,7 +2701,7 @@ def dense_kernel(qw: int, rows: int, cfg: TileConfig, target=None, tile: str | N
         raise ValueError(f"a dense product of {rows} rows of kernel type {qw} takes the {default} tile (or, where "
                          f"the type is laid out for row_kquant, that tile or the quantized one), not {tile}")
     if tile == "row_kquant":
-        return _dense_k4_kernel, {"REV": reversed_ties(target)}
+        return _dense_k4_kernel, {"REV": reversed_ties(target), "K_WARPS": cfg.k_warps}
     if qw in _SIXTEEN_BIT:
         if tile == "mma":
             return _dense16_mma_kernel, {}

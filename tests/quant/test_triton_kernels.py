@@ -1217,6 +1217,20 @@ def test_interpreter_dense_eight_rows_and_default_split(qtype: QT) -> None:
 
 
 @interp
+@pytest.mark.parametrize("qtype,K", [(QT.Q4_K, 3072), (QT.Q5_K, 3072), (QT.Q6_K, 3072), (QT.MXFP4, 2880),
+                                     (QT.Q8_0, 2880)], ids=lambda v: getattr(v, "name", str(v)))
+@pytest.mark.parametrize("k_warps", [2, 4])
+def test_interpreter_k4_dense_with_warps_along_k(qtype: QT, K: int, k_warps: int) -> None:
+    """The lanes-along-K dense tile with its warps side by side along K (4 x k_warps K steps an
+    access: 12 steps are whole accesses and a partial one, or cut by the split), 1 and 3 rows."""
+    for rows in (1, 3):
+        for split in (None, tk.SplitK(2, 6)):
+            check_dense(qtype, n_out=6, K=K, rows=rows, device="cpu", split=split, tile="row_kquant",
+                        cfg=tk.TileConfig(2, k_warps, programs_per_sm=1, k_warps=k_warps),
+                        laid_out=qtype in (QT.Q6_K, QT.MXFP4, QT.Q8_0))
+
+
+@interp
 @pytest.mark.parametrize("qtype", [QT.F16, QT.BF16], ids=lambda t: t.name)
 def test_interpreter_one_row_16_bit_product_rounds_x_itself(qtype: QT, monkeypatch) -> None:
     """One row of 16-bit weights is one launch: dense launches no rounding before it (the tile
@@ -1322,6 +1336,19 @@ def test_gpu_down_row_tile_in_the_configs_the_sweep_times(qtype: QT, block_n: in
     w = make_weights((qtype,) * 3, n_expert=16, n_embd=n_embd, n_ff=n_ff, activation=SWIGLU_OAI if qtype == QT.MXFP4
                      else SILU, bias=qtype == QT.MXFP4, seed=21)
     check_down_configs(Case(w, n_tok=1, k=8, device="cuda", seed=21), [tk.TileConfig(block_n, num_warps)])
+
+
+@gpu
+@pytest.mark.parametrize("qtype", [QT.Q4_K, QT.Q6_K, QT.MXFP4], ids=lambda t: t.name)
+@pytest.mark.parametrize("rows", [1, 8])
+def test_gpu_k4_dense_in_the_configs_the_sweep_times(qtype: QT, rows: int) -> None:
+    """The lanes-along-K dense tile in every config `bench kernels --sweep` times (warps along K
+    too), at Mixtral's 14,336 values a row, against the reference."""
+    _needs_compiled()
+    qw = laid_out_type(qtype)
+    for cfg in [cfg for tile, cfg in kb._dense_sweep(qw, rows) if tile == "row_kquant"]:
+        check_dense(qtype, n_out=4096, K=14336, rows=rows, device="cuda", cfg=cfg, tile="row_kquant",
+                    laid_out=qtype != QT.Q4_K)
 
 
 @gpu
