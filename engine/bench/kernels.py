@@ -198,7 +198,7 @@ def bench_dense(name: str, n_out: int, K: int, qtype: QT, rows: list[int], dev: 
         new = tk.dense(x, raws[0], qtype, n_out)
         old = legacy_dense(x, raws[0], qtype, n_out)
         err = ((new - old).abs().max() / old.abs().max()).item()
-        split = tk.SplitK.choose(n_out, K, tk.sm_count(str(dev)), tk.dense_config(qw, t))
+        split = tk.SplitK.choose(n_out, K, tk.sm_count(str(dev)), tk.dense_config(qw, t, K))
 
         def calls(fn, rs, *extra):  # one graph's calls, each on the next copy of the weight
             return [lambda i=i: fn(x, rs[i % n_copies], qtype, n_out, *extra) for i in range(calls_per_graph)]
@@ -218,7 +218,7 @@ def bench_dense(name: str, n_out: int, K: int, qtype: QT, rows: list[int], dev: 
             [lambda: tk.dense(x, engine_raws[0], qtype, n_out)] * calls_per_graph, replays), copy)
         if sweep:
             row["sweep"] = []
-            for tile, cfg in _dense_sweep(qw, t):  # in the engine's layout
+            for tile, cfg in _dense_sweep(qw, t, K):  # in the engine's layout
                 sp = tk.SplitK.choose(n_out, K, tk.sm_count(str(dev)), cfg)
                 tk.dense(x, engine_raws[0], qtype, n_out, cfg, sp, tile)
                 us = graph_us(calls(tk.dense, engine_raws, cfg, sp, tile), replays)
@@ -820,9 +820,9 @@ def _sweep_tiles() -> list:
             tk.TileConfig(32, 2, maxnreg=96)]
 
 
-def _dense_sweep(qw: int, rows: int) -> list[tuple[str, object]]:
+def _dense_sweep(qw: int, rows: int, K: int) -> list[tuple[str, object]]:
     """(tile, config) pairs --sweep times for the dense product of weights of kernel type `qw`
-    (triton_kernels.kernel_type) at `rows` activation rows: configs of the tile it takes
+    (triton_kernels.kernel_type) at `rows` activation rows of K values: configs of the tile it takes
     (triton_kernels.dense_tile: lanes along K take BLOCK_N rows on num_warps warps; tensor
     cores a BLOCK_N of at least 16), the default at several programs per SM (its split); and
     where the type is laid out for the lanes-along-K tile of four K steps an access, the configs of
@@ -830,19 +830,18 @@ def _dense_sweep(qw: int, rows: int) -> list[tuple[str, object]]:
     from engine.quant import triton_kernels as tk
 
     tile = tk.dense_tile(qw, rows)
-    pairs = [(tile, cfg) for cfg in _dense_tile_sweep(tile)]
+    pairs = [(tile, cfg) for cfg in _dense_tile_sweep(tile, tk.dense_config(qw, rows, K, tile))]
     if qw in tk.ROW_TILE_TYPES:
         other = "tile" if tile == "row_kquant" else "row_kquant"
-        pairs += [(other, cfg) for cfg in _dense_tile_sweep(other)]
+        pairs += [(other, cfg) for cfg in _dense_tile_sweep(other, tk.dense_config(qw, rows, K, other))]
     return pairs
 
 
-def _dense_tile_sweep(tile: str) -> list:
-    """Configs of dense tile `tile` that --sweep times, the tile's default last at several
-    programs per SM."""
+def _dense_tile_sweep(tile: str, default) -> list:
+    """Configs of dense tile `tile` that --sweep times, its `default` last at several programs
+    per SM."""
     from engine.quant import triton_kernels as tk
 
-    default = tk.DENSE_CONFIG[tile]
     if tile == "mma":
         tiles = [tk.TileConfig(16, 4, num_stages=3), tk.TileConfig(64, 4, num_stages=3),
                  tk.TileConfig(32, 4, num_stages=2), tk.TileConfig(32, 4, num_stages=4),
@@ -855,7 +854,7 @@ def _dense_tile_sweep(tile: str) -> list:
                  tk.TileConfig(1, 8, programs_per_sm=1), tk.TileConfig(2, 8, programs_per_sm=1),
                  tk.TileConfig(1, 2, programs_per_sm=1), tk.TileConfig(8, 4, programs_per_sm=1)]
     elif tile == "row_kquant":  # (the k configs: warps side by side along K)
-        tiles = [tk.TileConfig(2, 2, programs_per_sm=1), tk.TileConfig(4, 2, programs_per_sm=1),
+        tiles = [tk.DENSE_CONFIG[tile], tk.TileConfig(2, 2, programs_per_sm=1), tk.TileConfig(4, 2, programs_per_sm=1),
                  tk.TileConfig(4, 4, programs_per_sm=1), tk.TileConfig(8, 4, programs_per_sm=1),
                  tk.TileConfig(1, 2, programs_per_sm=1, k_warps=2), tk.TileConfig(2, 2, programs_per_sm=1, k_warps=2),
                  tk.TileConfig(1, 4, programs_per_sm=1, k_warps=4), tk.TileConfig(2, 4, programs_per_sm=1, k_warps=4)]

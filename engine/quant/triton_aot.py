@@ -231,7 +231,7 @@ def dense_variants(qtype: QT, n_out: int, K: int, rows: int, cfg: tk.TileConfig 
     (the rounding launch is round_x of the expert geometries); `laid_out`: rows as
     layout.kernel_layout lays them out (Q6_K padded, MXFP4 and Q8_0 planar), else the GGUF rows."""
     qw = slot_type(qtype) if laid_out else int(qtype)
-    cfg = cfg or tk.dense_config(qw, rows)
+    cfg = cfg or tk.dense_config(qw, rows, K)
     split = tk.SplitK.choose(n_out, K, sm_count, cfg)
     kernel, extra = tk.dense_kernel(qw, rows, cfg, _target(arch))
     pdl = _dependent_launches(arch) and tk.dense_tile(qw, rows) not in tk.ROUNDING_TILES  # as tk.dense launches it

@@ -2678,10 +2678,24 @@ def dense_tile(qw: int, rows: int) -> str:
     return "row_kquant" if qw in ROW_TILE_TYPES else "tile"
 
 
-def dense_config(qw: int, rows: int) -> TileConfig:
-    """The default tile of a dense product of `rows` activation rows over weights of kernel
-    type `qw`."""
-    return DENSE_CONFIG[dense_tile(qw, rows)]
+# One row of long weight rows in row_kquant: 2 warps side by side along K, over 2 rows a program.
+# At K = 14,336 (Mixtral's 4096 x 14336) the default's 1-warp programs leave an SM 16 warps; this
+# config ran 1.12x for Q4_K, 1.06x Q5_K, 1.03x padded Q6_K, 1.11x planar MXFP4 (H100, session 41,
+# same-run A/B). At K = 2,048-4,096 a warp pair gets 2 loop turns or fewer and the sweep found it
+# 0.94-1.06x by type and shape, so those keep the default.
+LONG_ROW_K = 8192
+LONG_ROW_CONFIG = TileConfig(2, 2, programs_per_sm=1, k_warps=2)
+
+
+def dense_config(qw: int, rows: int, K: int, tile: str | None = None) -> TileConfig:
+    """The default config of a dense product of `rows` activation rows over weights of kernel
+    type `qw` with rows of K values, in `tile` (by default dense_tile's)."""
+    tile = tile or dense_tile(qw, rows)
+    if tile not in DENSE_CONFIG:
+        raise ValueError(f"no dense tile {tile!r}; the tiles: {', '.join(DENSE_CONFIG)}")
+    if tile == "row_kquant" and rows == 1 and K >= LONG_ROW_K:
+        return LONG_ROW_CONFIG
+    return DENSE_CONFIG[tile]
 
 
 DENSE16_STEP = 1024  # values of a row the one-row 16-bit tile reads a K step: 16 bytes a lane, on 4 warps
@@ -2718,7 +2732,7 @@ def dense(x: torch.Tensor, raw: torch.Tensor, qtype: QT, n_out: int, cfg: TileCo
     a launch that rounds x (which it starts beside where the device has dependent launches)
     except in ROUNDING_TILES, which round x themselves. `split` defaults to SplitK.choose for
     this device; `tile`, `cfg`: dense_kernel's tile (by default dense_tile's) and its config
-    (by default DENSE_CONFIG's)."""
+    (by default dense_config's)."""
     T, K = x.shape
     if T > DENSE_MAX_ROWS:
         raise ValueError(f"dense takes at most {DENSE_MAX_ROWS} rows, got {T}: use dequantize + matmul")
@@ -2750,7 +2764,7 @@ def _dense_product(x: Rounded | torch.Tensor, raw: torch.Tensor, qtype: QT, n_ou
     if rounded == (tile in ROUNDING_TILES):
         raise ValueError(f"the {tile} tile takes x "
                          + ("as it is, not rounded" if rounded else "rounded by round_rows"))
-    cfg = cfg or DENSE_CONFIG.get(tile)
+    cfg = cfg or dense_config(qw, T, K, tile)
     kernel, extra = dense_kernel(qw, T, cfg, tile=tile)  # refuses a tile that cannot read the weights
     split = split or SplitK.choose(n_out, K, sm_count(str(raw.device)), cfg)
     blocks = triton.cdiv(n_out, cfg.block_n)

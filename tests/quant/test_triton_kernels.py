@@ -1230,6 +1230,34 @@ def test_interpreter_k4_dense_with_warps_along_k(qtype: QT, K: int, k_warps: int
                         laid_out=qtype in (QT.Q6_K, QT.MXFP4, QT.Q8_0))
 
 
+def test_dense_config_gives_one_long_row_warps_along_k() -> None:
+    """One row of K-quant weight rows of LONG_ROW_K values or more takes LONG_ROW_CONFIG; shorter
+    rows, more activation rows and the other tiles their DENSE_CONFIG; a tile that is none, an error."""
+    qw = int(QT.Q4_K)
+    assert tk.dense_config(qw, 1, tk.LONG_ROW_K) == tk.LONG_ROW_CONFIG and tk.LONG_ROW_CONFIG.k_warps > 1
+    for rows, K in ((1, tk.LONG_ROW_K - tk.KSTEP), (2, tk.LONG_ROW_K), (tk.DENSE_MAX_ROWS, 4 * tk.LONG_ROW_K)):
+        assert tk.dense_config(qw, rows, K) == tk.DENSE_CONFIG["row_kquant"]
+    assert tk.dense_config(qw, 1, tk.LONG_ROW_K, "tile") == tk.DENSE_CONFIG["tile"]
+    assert tk.dense_config(int(QT.F16), 1, tk.LONG_ROW_K) == tk.DENSE_CONFIG["row16"]
+    with pytest.raises(ValueError, match="no dense tile 'rows'"):
+        tk.dense_config(qw, 1, tk.LONG_ROW_K, "rows")
+
+
+@interp
+def test_interpreter_dense_launches_long_rows_with_warps_along_k(monkeypatch) -> None:
+    """tk.dense's default path takes dense_config's long-row config (its kernel launched with the
+    warps along K) and gives the reference's product; LONG_ROW_K lowered so the interpreter's
+    rows stay short."""
+    monkeypatch.setattr(tk, "LONG_ROW_K", 3072)
+    launched = []
+    real_dense_kernel = tk.dense_kernel
+    monkeypatch.setattr(tk, "dense_kernel", lambda qw, rows, cfg, *a, **k: launched.append((rows, cfg.k_warps))
+                        or real_dense_kernel(qw, rows, cfg, *a, **k))
+    check_dense(QT.Q4_K, n_out=6, K=3072, rows=1, device="cpu")
+    check_dense(QT.Q4_K, n_out=6, K=3072, rows=2, device="cpu")
+    assert launched == [(1, tk.LONG_ROW_CONFIG.k_warps), (2, 1)]
+
+
 @interp
 @pytest.mark.parametrize("qtype", [QT.F16, QT.BF16], ids=lambda t: t.name)
 def test_interpreter_one_row_16_bit_product_rounds_x_itself(qtype: QT, monkeypatch) -> None:
@@ -1346,7 +1374,7 @@ def test_gpu_k4_dense_in_the_configs_the_sweep_times(qtype: QT, rows: int) -> No
     too), at Mixtral's 14,336 values a row, against the reference."""
     _needs_compiled()
     qw = laid_out_type(qtype)
-    for cfg in [cfg for tile, cfg in kb._dense_sweep(qw, rows) if tile == "row_kquant"]:
+    for cfg in [cfg for tile, cfg in kb._dense_sweep(qw, rows, 14336) if tile == "row_kquant"]:
         check_dense(qtype, n_out=4096, K=14336, rows=rows, device="cuda", cfg=cfg, tile="row_kquant",
                     laid_out=qtype != QT.Q4_K)
 
@@ -1358,7 +1386,7 @@ def test_gpu_one_row_16_bit_tile_in_the_configs_the_sweep_times(qtype: QT) -> No
     values a row (14 whole steps of DENSE16_STEP), unsplit and in slices of 19 K steps (each ending
     inside a step), against the reference."""
     _needs_compiled()
-    for cfg in [cfg for tile, cfg in kb._dense_sweep(int(qtype), 1) if tile == "row16"]:
+    for cfg in [cfg for tile, cfg in kb._dense_sweep(int(qtype), 1, 14336) if tile == "row16"]:
         for split in (None, tk.SplitK(3, 19)):
             check_dense(qtype, n_out=4096, K=14336, rows=1, device="cuda", cfg=cfg, split=split)
 
