@@ -220,8 +220,9 @@ STANDARD_GEOMETRIES = {
 
 
 # Dense products compiled for the report: (name, n_out, K) at the SM count of an H200, so the
-# split each gets is the one it runs with there (the output head: none; the rest: split-K).
-DENSE_GEOMETRIES = [("attn_q", 4096, 2048), ("output", 151936, 2048)]
+# split each gets is the one it runs with there (the output head: none; the rest: split-K); Mixtral's
+# ffn_down, one row of long rows (tk.LONG_ROW_K: warps side by side along K).
+DENSE_GEOMETRIES = [("attn_q", 4096, 2048), ("output", 151936, 2048), ("ffn_down", 4096, 14336)]
 DENSE_ROWS = (1, tk.DENSE_MAX_ROWS)
 
 
