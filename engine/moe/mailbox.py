@@ -8,10 +8,11 @@ the graph runs:
             int32 table, expert -> slot or -1), the expert counts and hits are counted; where
             the layer has the mapped route, the first of the token's misses (as many as the
             layer's table gives for their count, tune.mapped_misses) are marked MAPPED (-2) and
-            listed for the mapped launch; the layer's mailbox is published: the slots always (so
-            the host can follow the token), the layer input, ids and weights only when a pair is
-            left to the CPU (-1); then a sequence number is release-stored at system scope
-            (seq[layer] = the token's number)
+            listed for the mapped launch; the layer's mailbox is published: where a pair is left
+            to the CPU (-1), the slots, the layer input, ids, weights and the token's number
+            (box_cpu[layer]), then the token's number release-stored at system scope in
+            seq[layer]; otherwise that number alone, a relaxed store (no fence: the host reads it
+            alone)
   experts   the expert kernels over the k pairs (engine/quant/triton_kernels.experts_forward);
             a pair without a slot does nothing there. With the mapped route, the same kernels
             again over the experts' pinned host rows for the MAPPED pairs (read over PCIe)
@@ -21,12 +22,12 @@ the graph runs:
             order and maths as the all-resident path
 
 The host (`Mailbox.serve`) walks the layers after launching the replay: it waits for each
-layer's sequence number, and when the layer missed, computes the missed experts with the CPU
-pool's ggml kernels over the GGUF blocks, writes the weighted rows, then the flag. Pinned host
-memory is mapped into the GPU's address space (UVA), so both sides read and write it directly;
-x86 keeps the host's stores in order, and the GPU's release/acquire at system scope orders its
-own. Sequence numbers come from a device counter bumped at the start of each token, never from
-a literal captured into the graph.
+layer's sequence number, and where the layer left pairs to the CPU (box_cpu holds this token),
+computes them with the CPU pool's ggml kernels over the GGUF blocks, writes the weighted rows,
+then the flag. Pinned host memory is mapped into the GPU's address space (UVA), so both sides
+read and write it directly; x86 keeps the host's stores (and loads) in order, and the GPU's
+release/acquire at system scope orders its own. Sequence numbers come from a device counter
+bumped at the start of each token, never from a literal captured into the graph.
 
 A timed-out wait records the layer in an error word and lets the graph finish (a hang would take
 the desktop with it); the host turns it into an engine error. Measured on the H200 (DESIGN.md,
@@ -68,9 +69,15 @@ if triton is not None:
                                   "=r,l,r", [ptr, value], dtype=tl.int32, is_pure=False, pack=1)
 
     @triton.jit
+    def _relaxed_store(ptr, value):
+        """ptr <- value at system scope, ordered after nothing: for a word the host reads alone."""
+        tl.inline_asm_elementwise("st.relaxed.sys.global.b32 [$1], $2; mov.u32 $0, 0;",
+                                  "=r,l,r", [ptr, value], dtype=tl.int32, is_pure=False, pack=1)
+
+    @triton.jit
     def _route_kernel(ids_ptr, map_ptr, slots_ptr, exp_ptr, stats_ptr, token_ptr, armed_ptr, mapped_ptr,
-                      mapped_exp_ptr, x_ptr, w_ptr, box_x_ptr, box_ids_ptr, box_w_ptr, box_slots_ptr, seq_ptr,
-                      n_expert, D: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, BD: tl.constexpr,
+                      mapped_exp_ptr, x_ptr, w_ptr, box_x_ptr, box_ids_ptr, box_w_ptr, box_slots_ptr, box_cpu_ptr,
+                      seq_ptr, n_expert, D: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, BD: tl.constexpr,
                       MAILBOX: tl.constexpr, MAPPED_ROUTE: tl.constexpr):
         j = tl.arange(0, BK)
         live = j < K
@@ -91,15 +98,19 @@ if triton is not None:
         tl.atomic_add(stats_ptr + n_expert, hit)
         if MAILBOX:
             if tl.load(armed_ptr) != 0:
-                tl.store(box_slots_ptr + j, s, mask=live)
+                token = tl.load(token_ptr)
                 if tl.sum(((s == _CPU) & live).to(tl.int32), axis=0) > 0:
+                    tl.store(box_slots_ptr + j, s, mask=live)
                     tl.store(box_ids_ptr + j, e, mask=live)
                     tl.store(box_w_ptr + j, tl.load(w_ptr + j, mask=live, other=0.0), mask=live)
                     d = tl.arange(0, BD)
                     for a in range(0, D, BD):
                         m = a + d < D
                         tl.store(box_x_ptr + a + d, tl.load(x_ptr + a + d, mask=m, other=0.0), mask=m)
-                _release_store(seq_ptr, tl.load(token_ptr))
+                    tl.store(box_cpu_ptr, token)
+                    _release_store(seq_ptr, token)
+                else:  # the host reads seq alone: no fence (a fence at system scope cost ~3 us a layer)
+                    _relaxed_store(seq_ptr, token)
 
     @triton.jit
     def _collect_kernel(slots_ptr, per_slot_ptr, box_out_ptr, flag_ptr, error_ptr, token_ptr, armed_ptr,
@@ -171,12 +182,13 @@ class Mailbox:
         self.box_ids = torch.zeros((n, k), dtype=torch.int32, pin_memory=pin)
         self.box_w = torch.zeros((n, k), dtype=torch.float32, pin_memory=pin)
         self.box_slots = torch.zeros((n, k), dtype=torch.int32, pin_memory=pin)
+        self.box_cpu = torch.zeros(n, dtype=torch.int32, pin_memory=pin)  # the last token a layer left pairs to the CPU
         self.seq = torch.zeros(n, dtype=torch.int32, pin_memory=pin)
         self.box_out = torch.zeros((n, k, n_embd), dtype=torch.float32, pin_memory=pin)
         self.flag = torch.zeros(n, dtype=torch.int32, pin_memory=pin)
         self.error = torch.zeros(1, dtype=torch.int32, pin_memory=pin)
         self._np = {name: getattr(self, name).numpy() for name in
-                    ("box_x", "box_ids", "box_w", "box_slots", "seq", "box_out", "flag", "error")}
+                    ("box_x", "box_ids", "box_w", "box_slots", "box_cpu", "seq", "box_out", "flag", "error")}
         self.stats_host = torch.zeros((n, n_expert + 2), dtype=torch.int32, pin_memory=pin)
         self._stats_event: torch.cuda.Event | None = None
 
@@ -196,7 +208,7 @@ class Mailbox:
         _route_kernel[(1,)](ids, self.map[i], self.pair_slot[i], self.pair_exp[i], self.stats[i], self.token,
                             self.armed, self.mapped[i], self.pair_mapped[i], x, weights, HostTensor(self.box_x[i]),
                             HostTensor(self.box_ids[i]), HostTensor(self.box_w[i]), HostTensor(self.box_slots[i]),
-                            HostTensor(self.seq[i:i + 1]),
+                            HostTensor(self.box_cpu[i:i + 1]), HostTensor(self.seq[i:i + 1]),
                             self.n_expert, D=self.n_embd, K=self.k, BK=bk, BD=1024, MAILBOX=self.with_mailbox,
                             MAPPED_ROUTE=mapped_route, num_warps=4)
 
@@ -221,7 +233,7 @@ class Mailbox:
         has not reached the next layer, `idle()` runs (a unit of other host work; False once
         there is none left)."""
         t = self.token_no
-        seq, flag, slots = self._np["seq"], self._np["flag"], self._np["box_slots"]
+        seq, flag, slots, cpu = self._np["seq"], self._np["flag"], self._np["box_slots"], self._np["box_cpu"]
         failure: Exception | None = None
         busy = True
         for i, layer in enumerate(self.layers):
@@ -232,11 +244,9 @@ class Mailbox:
                 elif time.monotonic() > deadline:
                     failure = failure or EngineError(f"the GPU did not reach MoE layer {layer} within {timeout_s:.0f} s")
                     break
-            if seq[i] < t:
+            if seq[i] < t or cpu[i] != t:  # not reached (a failure), or no pair left to the CPU
                 continue
             pos = np.flatnonzero(slots[i] == CPU)
-            if not pos.size:
-                continue
             if failure is None:
                 try:
                     rows = compute(layer, self._np["box_x"][i], self._np["box_ids"][i, pos])

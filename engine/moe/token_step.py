@@ -59,6 +59,8 @@ class TokenExperts:
                 if all(t.is_pinned() for t in tensors):
                     self.host_rows[layer] = [tk.HostTensor(t) for t in tensors]
                     self.mailbox.route_mapped(layer, of_misses)
+        # the mapped launches' stream: a branch of the token's graph (__call__)
+        self._branch = torch.cuda.Stream(hybrid.device) if self.host_rows else None
         if hybrid.counters.miss_routes is not None:
             hybrid.counters.miss_routes["mapped_of_misses"] = of_misses.tolist() if self.host_rows else []
         self.one_launch = self._choose_forms(k)  # the layers whose step runs as one launch
@@ -79,12 +81,23 @@ class TokenExperts:
         L = self.hybrid.layers[layer]
         mapped = layer in self.host_rows
         mb.route(layer, x, ids, weights, mapped_route=mapped)
-        rounded = tk.round_inputs(x, L.w) if mapped else None  # x rounded once for both routes
-        tk.experts_forward(x, L.slots.buffers, L.w, mb.pair_tok, mb.pair_pos, mb.pair_slot[i], mb.pair_exp[i],
-                           weights, mb.per_slot[i], rounded=rounded, one_launch=layer in self.one_launch)
-        if mapped:  # the mapped misses, into the same per-pair rows
+        if not mapped:
+            tk.experts_forward(x, L.slots.buffers, L.w, mb.pair_tok, mb.pair_pos, mb.pair_slot[i], mb.pair_exp[i],
+                               weights, mb.per_slot[i], one_launch=layer in self.one_launch)
+            return mb.collect(layer)
+        rounded = tk.round_inputs(x, L.w)  # x rounded once for both routes
+        # The mapped misses, into the same per-pair rows, on a branch of their own beside the
+        # resident pairs: most layers have none, and their launches (whose programs end at once)
+        # then cost nothing on the token's path; a mapped read overlaps the resident step.
+        main = torch.cuda.current_stream(x.device)
+        self._branch.wait_stream(main)
+        with torch.cuda.stream(self._branch):
             tk.experts_forward(x, self.host_rows[layer], L.w, mb.pair_tok, mb.pair_pos, mb.pair_mapped[i],
                                mb.pair_mapped[i], weights, mb.per_slot[i], rounded=rounded)
+        tk.experts_forward(x, L.slots.buffers, L.w, mb.pair_tok, mb.pair_pos, mb.pair_slot[i], mb.pair_exp[i],
+                           weights, mb.per_slot[i], rounded=rounded, one_launch=layer in self.one_launch,
+                           rounded_just_before=True)
+        main.wait_stream(self._branch)
         return mb.collect(layer)
 
     # --- on the host -----------------------------------------------------------------------------

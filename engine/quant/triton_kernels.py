@@ -2518,7 +2518,8 @@ def experts_forward(x: torch.Tensor, buffers, w, pair_tok: torch.Tensor, pair_po
                     out: torch.Tensor, gate_up_cfg: TileConfig | None = None,
                     down_cfg: TileConfig | None = None, gate_up_split: SplitK | None = None,
                     rounded: tuple[Rounded, Rounded] | None = None, one_launch: bool = False,
-                    down_tile: str | None = None, gate_up_tile: str | None = None) -> None:
+                    down_tile: str | None = None, gate_up_tile: str | None = None,
+                    rounded_just_before: bool = False) -> None:
     """Every pair's expert output, weighted, into out[pos, tok, :]: three launches in all
     (round x, unless `rounded` holds round_inputs(x, w) already; gate/up + activation + round h;
     down), or with `one_launch` the same programs in one grid (_expert_step_kernel; bit for bit
@@ -2527,7 +2528,8 @@ def experts_forward(x: torch.Tensor, buffers, w, pair_tok: torch.Tensor, pair_po
     `down_tile`: a DOWN_CONFIG key, by default expert_down_tile's; in one launch at gate/up's
     num_warps (down_cfg must take those). A pair whose slot is negative does nothing. Where the device
     has programmatic dependent launch (dependent_launches), down, and gate/up after its own
-    rounding of x, start while the launch before them ends.
+    rounding of x (or after `rounded`'s, where `rounded_just_before` says that was the launch
+    right before on this stream), start while the launch before them ends.
 
     x [T, D] float32; buffers = [gate, up, down] uint8 slot buffers [slots, rows, row_bytes]
     (GGUF rows, or as layout.kernel_layout lays them out, as LayerSlots does: Q6_K padded, MXFP4
@@ -2541,7 +2543,7 @@ def experts_forward(x: torch.Tensor, buffers, w, pair_tok: torch.Tensor, pair_po
         return
     xg, xu = rounded or round_inputs(x, w)
     _, hr = gate_up(xg, xu, buffers[0], buffers[1], w, pair_tok, pair_slot, pair_exp, gate_up_cfg, gate_up_split,
-                    dependent=rounded is None, tile=gate_up_tile)
+                    dependent=rounded is None or rounded_just_before, tile=gate_up_tile)
     down(hr, buffers[2], w, pair_tok, pair_pos, pair_slot, pair_exp, weights, out, down_cfg, down_tile,
          dependent=True)
 

@@ -23,16 +23,19 @@ D, K = 4, 2
 
 
 def play_gpu(mb: Mailbox, token: int, slots: list[list[int]], results: dict, delay_s: float = 0.01) -> threading.Thread:
-    """Publishes each layer in turn as the route kernel does; where a pair missed, waits for the
-    host's flag and reads the weighted rows as the collect kernel does."""
+    """Publishes each layer in turn as the route kernel does (the mailbox where a pair is left to
+    the CPU, else the sequence number alone); where one is, waits for the host's flag and reads
+    the weighted rows as the collect kernel does."""
     def run():
         for i, layer_slots in enumerate(slots):
             time.sleep(delay_s)  # the layers before this one
-            mb.box_x[i] = torch.arange(D, dtype=torch.float32) + i
-            mb.box_ids[i] = torch.tensor([i + 1, i + 2], dtype=torch.int32)
-            mb.box_w[i] = torch.tensor([0.25, 0.75])
-            mb.box_slots[i] = torch.tensor(layer_slots, dtype=torch.int32)
-            mb.seq[i] = token  # the release store
+            if CPU in layer_slots:
+                mb.box_x[i] = torch.arange(D, dtype=torch.float32) + i
+                mb.box_ids[i] = torch.tensor([i + 1, i + 2], dtype=torch.int32)
+                mb.box_w[i] = torch.tensor([0.25, 0.75])
+                mb.box_slots[i] = torch.tensor(layer_slots, dtype=torch.int32)
+                mb.box_cpu[i] = token
+            mb.seq[i] = token  # the release store (relaxed where nothing else was written)
             if CPU in layer_slots:  # mapped pairs (MAPPED) are the GPU's own: no wait for them
                 deadline = time.monotonic() + 5
                 while mb.flag[i] < token and time.monotonic() < deadline:
@@ -85,6 +88,24 @@ def test_the_host_computes_only_the_pairs_left_to_the_cpu():
     assert calls == [(1, [2])]  # layer 1's second pair (expert 2) alone
     assert np.allclose(results[0][1].numpy(), (np.arange(D) + 0.0) * 3 * 0.75)
     assert mb.flag.tolist() == [1, 0]
+
+
+def test_a_layer_with_nothing_for_the_cpu_is_not_served_from_an_earlier_tokens_mailbox():
+    """Token 2's layers leave nothing to the CPU, so they publish their number alone: token 1's
+    mailbox, still holding a CPU pair, is not answered again."""
+    mb = Mailbox([1, 3], n_expert=8, k=K, n_embd=D, device=torch.device("cpu"), with_mailbox=True)
+    calls = []
+
+    def compute(layer, x, experts):
+        calls.append((layer, experts.tolist()))
+        return np.stack([x[0] * (e + 1) for e in experts])
+
+    for token, slots in ((1, [[0, CPU], [2, 3]]), (2, [[0, 1], [2, MAPPED]])):
+        mb.token_no = token
+        gpu = play_gpu(mb, token, slots, {})
+        mb.serve(compute, lambda: False)
+        gpu.join()
+    assert calls == [(1, [2])] and mb.flag.tolist() == [1, 0]
 
 
 def test_a_failing_pool_releases_the_gpu_then_raises():
