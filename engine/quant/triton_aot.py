@@ -171,18 +171,18 @@ def decode_variants(gate: QT, up: QT, down: QT, n_embd: int, n_ff: int, activati
     # gate/up unsplit (many tokens' pairs: Triton specializes the split of 1 as a constant), and for
     # one token's top-8 on an H200 in its own tile, split over K where that tile takes a split (the
     # split a runtime argument)
-    many = tk.gate_up_config("tile", qg, qu, n_ff, tk.RUN_MAX_TOKENS)
+    many = tk.gate_up_config("tile", qg, qu, n_ff)
     out.append(("gate_up s1", tk._gate_up_kernel, {**gate_up, "BLOCK_N": many.block_n, "UNROLL": many.unroll,
                                                    "PASSES": 1, "split": 1}, many))
     tile = tk.expert_tile(qg, qu, 1)
-    one = tk.gate_up_config(tile, qg, qu, n_ff, 1)
+    one = tk.gate_up_config(tile, qg, qu, n_ff)
     split = tk.SplitK.choose(ONE_TOKEN_PAIRS * -(-n_ff // one.block_n) * one.block_n, n_embd, H200_SMS, one)
     if tile == "row":
         turns = f" t{one.passes}" if one.passes > 1 else ""  # a K loop a turn
         out.append((f"gate_up row{turns} s{split.split}", tk._gate_up_k4_kernel,
                     {**gate_up, "BLOCK_N": one.block_n, "UNROLL": False, "PASSES": one.passes, "GROUP": 1,
                      **({"split": 1} if split.split == 1 else {})}, one))
-        # over 8 tokens (planar Q8_0's default, elsewhere where asked): a program a run of pairs of one slot
+        # over 8 tokens where asked (planar Q8_0's down takes them by default): a program a run of pairs of one slot
         row = tk.GATE_UP_CONFIG["row"]
         out += [(f"gate_up row g{group}", tk._gate_up_k4_kernel,
                  {**gate_up, "BLOCK_N": row.block_n, "UNROLL": False, "PASSES": 1, "GROUP": group, "split": 1}, row)

@@ -2128,18 +2128,24 @@ class TileConfig:
 #           _down_kernel). It puts two lanes on a row and 16 rows on a warp, so BLOCK_N = 16 x
 #           num_warps gives each lane pair one row; 2 warps and 32 rows keep enough programs for
 #           decode (Qwen3-30B: 8 pairs x 24 of them for gate/up); 32 x num_warps gives a lane two.
-#   "row"   ROW_TILE_TYPES at one token, planar Q8_0 at 2-8 (_RUN_TYPES), padded Q6_K's down at 2-8
-#           (_DOWN_RUN_TYPES): a warp's lanes along each weight row, four K steps an access
-#           (_gate_up_k4_kernel, _down_k4_kernel; BLOCK_N rows on num_warps warps). H100, one
-#           token's step of Qwen3-30B (gpt-oss-120b for MXFP4), down in it against the quantized
-#           tile: 16.86 / 18.61 us Q4_K, 19.01 / 22.08 Q6_K, 23.19 / 27.60 Q8_0, 40.14 / 43.03
-#           MXFP4; planar Q8_0's gate/up in it too: 21.00. Over 2 and 8 tokens the quantized tile
-#           was faster for K-quant gate/up (H200: 17.4 / 44.6 against 17.9 / 51.4 us, Qwen3 Q4_K).
+#   "row"   ROW_TILE_TYPES at one token; at 2-8 tokens gate/up of planar Q8_0, padded Q6_K and planar
+#           MXFP4 (_GATE_UP_ROW_TYPES), down of planar Q8_0 and padded Q6_K (_DOWN_RUN_TYPES): a warp's
+#           lanes along each weight row, four K steps an access (_gate_up_k4_kernel, _down_k4_kernel;
+#           BLOCK_N rows on num_warps warps). H100, one token's step of Qwen3-30B (gpt-oss-120b for
+#           MXFP4), down in it against the quantized tile: 16.86 / 18.61 us Q4_K, 19.01 / 22.08 Q6_K,
+#           23.19 / 27.60 Q8_0, 40.14 / 43.03 MXFP4; planar Q8_0's gate/up in it too: 21.00. Over 4 and
+#           8 tokens the quantized tile stays faster for Q4_K's gate/up (H100, gate/up in row turns:
+#           43.79 / 72.27 against 41.45 / 70.53 us).
 # `moestudio bench kernels --sweep` times the alternatives on the device.
 GATE_UP_CONFIG: dict[str, TileConfig] = {"tile": TileConfig(32, 2), "row": TileConfig(4, 4)}
-# gate/up's row tile over K-quants: 8 rows a program in two turns of 4 (TileConfig.passes), which
-# fit Qwen3's one-token gate/up in 0.73 of a wave where 4 rows at once took 1.45 (H100: Q4_K 17.58
-# against 18.61 us, Q6_K 20.60 against 22.08; MXFP4 slower, 44.83 against 43.03)
+# gate/up's row tile: 8 rows a program in two turns of 4 (TileConfig.passes), which fit Qwen3's
+# one-token gate/up in 0.73 of a wave where 4 rows at once took 1.45 (H100: Q4_K 17.58 against 18.61
+# us, Q6_K 20.60 against 22.08, planar Q8_0's step 18.82 against 21.11; planar MXFP4, since its decode
+# split by sign, gpt-oss's step 27.07 against 28.01). Every gate/up in the row tile takes them, one
+# token's or several's (a pair a program: runs take no turns). H100, Qwen3's 8-token step (gpt-oss's
+# for MXFP4), gate/up in turns against the default before: planar Q8_0 76.71 against 85.01 us in runs
+# of 2 (4 tokens 50.23 against 54.59), padded Q6_K 84.45 against 86.47 in the quantized tile (2 tokens
+# 31.64 against 35.48), planar MXFP4 128.17 against 132.59 (4 tokens 78.19 against 90.45)
 GATE_UP_ROW_IN_TURNS = TileConfig(8, 4, passes=2)
 DOWN_CONFIG: dict[str, TileConfig] = {"tile": TileConfig(32, 2), "row": TileConfig(4, 4)}
 # Exceptions by (tile, kernel type) to GATE_UP_CONFIG (gate and up of that one type) and DOWN_CONFIG.
@@ -2152,32 +2158,27 @@ DOWN_BY_TYPE: dict[tuple[str, int], TileConfig] = {("tile", MXFP4_PLANAR): _MXFP
                                                    ("row", MXFP4_PLANAR): TileConfig(4, 2)}
 # the types the lanes-along-K kernels read (_dense_k4_kernel, _gate_up_k4_kernel, _down_k4_kernel)
 ROW_TILE_TYPES = (int(QT.Q4_K), int(QT.Q5_K), Q6_K_PADDED, MXFP4_PLANAR, Q8_0_PLANAR)
-# one token's gate/up in turns (GATE_UP_ROW_IN_TURNS): the K-quants, planar Q8_0 (H100, Qwen3's step
-# 18.82 against 21.11 us with 4 rows at once) and, since its decode split by sign, planar MXFP4 (H100,
-# gpt-oss's step 27.07 against 28.01 us; before it, 44.83 against 43.03)
-_TURN_TYPES = (int(QT.Q4_K), int(QT.Q5_K), Q6_K_PADDED, Q8_0_PLANAR, MXFP4_PLANAR)
-# steps of 2-8 tokens in both row tiles, in runs of RUN_GROUP pairs: planar Q8_0 (H100, Qwen3's 8 tokens
-# 87.16 against 101.38 us in the quantized tiles; 2 tokens 37.11 against 40.35); the quantized tiles
-# stay for the others (8 tokens in runs of 2: Q6_K 97.53 against 91.91, MXFP4 213.12 against 208.63; in
-# runs of 8, Q4_K 79.73 against 71.23)
-_RUN_TYPES = (Q8_0_PLANAR,)
-# down alone in the row tile's runs over 2-8 tokens: padded Q6_K too (H100, Qwen3's 8-token step with
-# gate/up in the quantized tile 86.11 against 92.25 us; Q4_K_M's, down Q6_K, 74.24 against 79.16;
-# Q4_K 71.50 against 69.52, MXFP4 169.21 against 164.92)
-_DOWN_RUN_TYPES = (*_RUN_TYPES, Q6_K_PADDED)
+# gate/up in the row tile over 2-8 tokens: planar Q8_0 (both row tiles in runs took Qwen3's 8 tokens in
+# 87.16 against 101.38 us in the quantized tiles; 2 tokens 37.11 against 40.35), then padded Q6_K and
+# planar MXFP4 in turns (GATE_UP_ROW_IN_TURNS); Q4_K and Q5_K stay in the quantized tile (see the tiles)
+_GATE_UP_ROW_TYPES = (Q8_0_PLANAR, Q6_K_PADDED, MXFP4_PLANAR)
+# down in the row tile's runs of RUN_GROUP pairs over 2-8 tokens: planar Q8_0 and padded Q6_K (H100,
+# Qwen3's 8-token step with gate/up in the quantized tile 86.11 against 92.25 us; Q4_K_M's, down Q6_K,
+# 74.24 against 79.16; Q4_K 71.50 against 69.52, MXFP4 169.21 against 164.92)
+_DOWN_RUN_TYPES = (Q8_0_PLANAR, Q6_K_PADDED)
 
 
-def _row_tokens(types: tuple[int, ...], tokens: int, runs: tuple[int, ...] = _RUN_TYPES) -> bool:
+def _row_tokens(types: tuple[int, ...], tokens: int, several: tuple[int, ...]) -> bool:
     """Whether a launch over `tokens` tokens' pairs and weights of kernel types `types` takes the row
-    tile: at one token every type it reads, at 2-RUN_MAX_TOKENS the types of `runs`."""
+    tile: at one token every type it reads, at 2-RUN_MAX_TOKENS the types of `several`."""
     return set(types) <= set(ROW_TILE_TYPES) and (
-        tokens == 1 or (tokens <= RUN_MAX_TOKENS and set(types) <= set(runs)))
+        tokens == 1 or (tokens <= RUN_MAX_TOKENS and set(types) <= set(several)))
 
 
 def expert_tile(qg: int, qu: int, tokens: int) -> str:
     """The tile (a GATE_UP_CONFIG key) of a gate/up launch over `tokens` tokens' pairs and
     weights of kernel types `qg`, `qu` (kernel_type)."""
-    return "row" if _row_tokens((qg, qu), tokens) else "tile"
+    return "row" if _row_tokens((qg, qu), tokens, _GATE_UP_ROW_TYPES) else "tile"
 
 
 def expert_down_tile(qd: int, tokens: int) -> str:
@@ -2194,12 +2195,11 @@ def run_group(tile: str, cfg: TileConfig, tokens: int) -> int:
     return min(tokens, cfg.group) if tile == "row" and 1 < tokens <= RUN_MAX_TOKENS and cfg.passes == 1 else 1
 
 
-def gate_up_config(tile: str, qg: int, qu: int, n_ff: int, tokens: int) -> TileConfig:
-    """The default config of gate/up's tile `tile` over `tokens` tokens' pairs, weights of kernel
-    types `qg`, `qu` and `n_ff` rows (over several tokens the row tile's rows at once: runs take no turns)."""
-    turns = GATE_UP_ROW_IN_TURNS
-    if tile == "row" and tokens == 1 and {qg, qu} <= set(_TURN_TYPES) and n_ff % turns.passes == 0:
-        return turns
+def gate_up_config(tile: str, qg: int, qu: int, n_ff: int) -> TileConfig:
+    """The default config of gate/up's tile `tile` (any number of tokens' pairs), weights of kernel
+    types `qg`, `qu` and `n_ff` rows: the row tile's in turns where its rows divide into them."""
+    if tile == "row" and n_ff % GATE_UP_ROW_IN_TURNS.passes == 0:
+        return GATE_UP_ROW_IN_TURNS
     return GATE_UP_BY_TYPE.get((tile, qg), GATE_UP_CONFIG[tile]) if qg == qu else GATE_UP_CONFIG[tile]
 
 
@@ -2392,7 +2392,7 @@ class _GateUpPlan:
         if tile == "row" and not (qg in ROW_TILE_TYPES and qu in ROW_TILE_TYPES):
             raise ValueError(f"the row tile of gate/up reads Q4_K, Q5_K, padded Q6_K, planar MXFP4 and planar Q8_0, "
                              f"not {w.gate.qtype.name} / {w.up.qtype.name} in the layout given")
-        cfg = cfg or gate_up_config(tile, qg, qu, n_ff, tokens)
+        cfg = cfg or gate_up_config(tile, qg, qu, n_ff)
         if KSTEP % cfg.block_n:
             raise ValueError(f"gate/up tiles of {cfg.block_n} rows: a tile's rows must divide a K step's {KSTEP}")
         if cfg.passes > 1 and (tile != "row" or cfg.block_n % cfg.passes or n_ff % cfg.passes):

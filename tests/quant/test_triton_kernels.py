@@ -289,7 +289,6 @@ def test_interpreter_one_token_gate_up_with_lanes_along_k(name: str, split: tk.S
     an access): 5 steps are a whole group and a partial one, or slices of 3 and 2 (2, 2 and 1) steps."""
     qtypes = INTERP_CASES[name][0]
     assert tk.expert_tile(laid_out_type(qtypes[0]), laid_out_type(qtypes[1]), 1) == "row"
-    assert tk.expert_tile(laid_out_type(qtypes[0]), laid_out_type(qtypes[1]), 2) == "tile"
     w = make_weights(qtypes, n_expert=6, n_embd=1280, n_ff=256, seed=12)
     check_case(Case(w, n_tok=1, k=3, device="cpu", seed=6), tk.TileConfig(64, 4), SMALL, split=split)
 
@@ -316,28 +315,30 @@ def test_interpreter_planar_q8_0_gate_up_with_lanes_along_k(n_embd: int, split: 
 
 
 def test_expert_step_defaults_by_type_and_tokens() -> None:
-    """One token: every type the row tiles read takes them, gate/up in turns; 2-8 tokens:
-    planar Q8_0 takes both row tiles in runs of RUN_GROUP pairs (its gate/up rows at once), padded
-    Q6_K down's row tile alone, the others the quantized tiles (MXFP4's under a register cap); past
-    RUN_MAX_TOKENS every type the quantized tiles."""
+    """Gate/up in the row tile takes its rows in turns, a pair a program, at any number of tokens.
+    One token: every type the row tiles read takes them; 2-8 tokens: planar Q8_0 and padded Q6_K take
+    both row tiles (down in runs of RUN_GROUP pairs), planar MXFP4 gate/up's row tile and down's
+    quantized tile (under a register cap), the other K-quants the quantized tiles; past RUN_MAX_TOKENS
+    every type the quantized tiles."""
     q8, k4, q6, mx = tk.Q8_0_PLANAR, int(QT.Q4_K), tk.Q6_K_PADDED, tk.MXFP4_PLANAR
     for q in (q8, k4, q6, mx):
-        assert tk.gate_up_config(tk.expert_tile(q, q, 1), q, q, 768, 1) == tk.GATE_UP_ROW_IN_TURNS
+        assert tk.gate_up_config(tk.expert_tile(q, q, 1), q, q, 768) == tk.GATE_UP_ROW_IN_TURNS
+        assert tk.run_group("row", tk.GATE_UP_ROW_IN_TURNS, 4) == 1
     assert tk.down_config(tk.expert_down_tile(mx, 1), mx) == tk.DOWN_BY_TYPE[("row", mx)] == tk.TileConfig(4, 2)
     assert tk.down_config(tk.expert_down_tile(q8, 1), q8) == tk.DOWN_CONFIG["row"]
     for tokens in (2, 4, tk.RUN_MAX_TOKENS):
-        assert (tk.expert_tile(q8, q8, tokens), tk.expert_down_tile(q8, tokens)) == ("row", "row")
-        cfg = tk.gate_up_config("row", q8, q8, 768, tokens)
-        assert cfg.passes == 1 and tk.run_group("row", cfg, tokens) == tk.RUN_GROUP == 2
-        assert (tk.expert_tile(q6, q6, tokens), tk.expert_down_tile(q6, tokens)) == ("tile", "row")
-        for q in (k4, mx):
-            assert (tk.expert_tile(q, q, tokens), tk.expert_down_tile(q, tokens)) == ("tile", "tile")
-        assert tk.gate_up_config("tile", mx, mx, 2880, tokens).maxnreg == tk.down_config("tile", mx).maxnreg == 128
-        assert tk.gate_up_config("tile", k4, k4, 768, tokens) == tk.GATE_UP_CONFIG["tile"]
-        assert tk.gate_up_config("tile", mx, k4, 768, tokens) == tk.GATE_UP_CONFIG["tile"]  # one type for both
-    for q in (q8, q6):
+        for q in (q8, q6):
+            assert (tk.expert_tile(q, q, tokens), tk.expert_down_tile(q, tokens)) == ("row", "row")
+            assert tk.run_group("row", tk.down_config("row", q), tokens) == tk.RUN_GROUP == 2
+        assert (tk.expert_tile(mx, mx, tokens), tk.expert_down_tile(mx, tokens)) == ("row", "tile")
+        assert (tk.expert_tile(k4, k4, tokens), tk.expert_down_tile(k4, tokens)) == ("tile", "tile")
+    assert tk.gate_up_config("tile", mx, mx, 2880).maxnreg == tk.down_config("tile", mx).maxnreg == 128
+    assert tk.gate_up_config("tile", k4, k4, 768) == tk.GATE_UP_CONFIG["tile"]
+    assert tk.gate_up_config("tile", mx, k4, 768) == tk.GATE_UP_CONFIG["tile"]  # one type for both
+    assert tk.gate_up_config("row", q8, q8, 767) == tk.GATE_UP_CONFIG["row"]  # rows that turns cannot halve
+    for q in (q8, q6, mx):
         assert tk.expert_tile(q, q, tk.RUN_MAX_TOKENS + 1) == tk.expert_down_tile(q, tk.RUN_MAX_TOKENS + 1) == "tile"
-    assert tk.expert_tile(q8, k4, 2) == "tile"  # runs where both gate and up are planar Q8_0 only
+    assert tk.expert_tile(q8, k4, 2) == "tile"  # several tokens: both of gate and up of those types only
     # the one-launch step keeps down's rows a warp on gate/up's warps: MXFP4's down row, 2 a warp, 8 on 4
     assert tk.step_down_config("row", mx, 4) == tk.TileConfig(8, 4)
     assert tk.step_down_config("row", q8, 4) == tk.TileConfig(4, 4)
