@@ -326,10 +326,11 @@ def bench_experts(name: str, sc: ExpertScenario, rows: list[int], dev: torch.dev
             row["one_launch_other_down"] = others[0]
         if sweep:
             row["sweep"] = []
-            default = tk.gate_up_config(tile, qg, qu, sc.n_ff, t)
+            default = tk.gate_up_config(tile, qg, qu, sc.n_ff)
             for cfg in [c for c in _expert_sweep(tile) if c != default]:
                 run(steps[0], cfg)
-                row["sweep"].append({"config": cfg_name(cfg),
+                split = f" {cfg.programs_per_sm}/SM" if cfg.programs_per_sm != tk.PROGRAMS_PER_SM else ""
+                row["sweep"].append({"config": cfg_name(cfg) + split,
                                      **rate(nbytes, graph_us([lambda s=s: run(s, cfg) for s in steps], replays),
                                             copy)})
             best = min(row["sweep"], key=lambda r: r["us"])
@@ -377,7 +378,7 @@ def _other_step_tiles(qg: int, qu: int, qd: int, tokens: int) -> dict[str, dict]
     """experts_forward's tile arguments for the step in every other pair of gate/up and down tiles
     that read its weights (the row tiles over several tokens; the quantized ones at one), by name;
     over several tokens also both row tiles in runs of 2, 4 and `tokens` pairs of a slot a program
-    (gate/up's rows at once, which runs take, where its default takes K-quants' rows in turns)."""
+    (gate/up's rows at once, which runs take, where its default takes rows in turns)."""
     from engine.quant import triton_kernels as tk
 
     default = tk.expert_tile(qg, qu, tokens)
@@ -778,6 +779,10 @@ def llama_line(row: dict) -> str:
 
 # ------------------------------------------------------------------------------ report
 
+# programs an SM (SplitK.choose's target) at which --sweep also times the quantized gate/up tile
+EXPERT_SPLIT_TARGETS = (8, 16, 32)
+
+
 def _expert_sweep(tile: str) -> list:
     """Tiles --sweep times for the expert step whose gate/up takes `tile` (triton_kernels.expert_tile)."""
     from engine.quant import triton_kernels as tk
@@ -791,7 +796,9 @@ def _expert_sweep(tile: str) -> list:
         return [tk.TileConfig(2, 1), tk.TileConfig(2, 2), tk.TileConfig(4, 2), tk.TileConfig(4, 4),
                 tk.TileConfig(8, 4), tk.TileConfig(8, 8), tk.TileConfig(16, 4), tk.TileConfig(4, 4, maxnreg=48),
                 tk.TileConfig(4, 4, maxnreg=40), tk.TileConfig(8, 4, passes=2), tk.TileConfig(16, 4, passes=4)]
-    return _sweep_tiles()
+    # and gate/up split over K for more programs an SM (SplitK.choose's target): Qwen3's Q4_K gate/up over
+    # 4-8 tokens runs unsplit, 768-1,536 programs of 32 rows on 132 SMs (a wave and its uneven tail)
+    return _sweep_tiles() + [replace(tk.GATE_UP_CONFIG["tile"], programs_per_sm=n) for n in EXPERT_SPLIT_TARGETS]
 
 
 # --sweep's configs of down's row tile (BLOCK_N rows on num_warps warps; under four K steps a warp
