@@ -120,22 +120,25 @@ def test_gpu_bench_kernels_runs_and_reports(tmp_path) -> None:
     assert {(r["shape"], r["rows"]) for r in experts} == {(f"qwen3-30b-a3b {t}", n) for t in ("Q4_K", "Q6_K", "Q4_K_M")
                                                           for n in (1, 8)}
     for r in experts:  # the one launch gave the three launches' result bit for bit (bench_experts checks)
-        assert ("down row" in r["launches_us"]) == (r["rows"] == 1)  # every type here is one the row tile reads
+        qg, qu, qd = (tk.LAID_OUT_TYPES.get(QT[t], int(QT[t])) for t in r["types"])
+        n = r["rows"]
+        gate_up, down = tk.expert_tile(qg, qu, n), tk.expert_down_tile(qd, n)
+        assert ("down row" in r["launches_us"]) == (n == 1)  # every type here is one the row tile reads
         assert 0 < r["one_launch"]["GBps"]
-        # the engine's (the three launches' bits: one token's down in the row tile), then the other
+        # the engine's (the three launches' bits: down in its default tile), then the other
         assert [r["one_launch"]["down_tile"], r["one_launch_other_down"]["down_tile"]] == (
-            ["row", "tile"] if r["rows"] == 1 else ["tile", "row"])
+            [down, "tile" if down == "row" else "row"])
         assert len(r["one_launch_sweep"]) == 2 * len(kb.ONE_LAUNCH_MAXNREG)  # register caps, both down tiles
         assert all(c["GBps"] > 0 for c in r["one_launch_sweep"])
-        # the step in every other pair of tiles that read its types
-        assert list(r["step_tiles"]) == (
-            ["gate/up row, down tile", "gate/up tile, down row", "gate/up tile, down tile"] if r["rows"] == 1 else
-            ["gate/up tile, down row", "gate/up row, down tile", "gate/up row, down row"]
-            + [f"gate/up row{rows}, down row, runs of {n}" for n in (2, 4, 8) for rows in ("", f" bn{kb.RUN_ROWS}")])
+        # the step in every other pair of tiles that read its types, and over 8 tokens both row tiles in runs
+        others = [f"gate/up {g}, down {d}" for g in (gate_up, *({"row", "tile"} - {gate_up}))
+                  for d in (down, *({"row", "tile"} - {down})) if (g, d) != (gate_up, down)]
+        runs = [f"gate/up row{rows}, down row, runs of {g}" for g in (2, 4, 8) for rows in ("", f" bn{kb.RUN_ROWS}")]
+        assert list(r["step_tiles"]) == others + (runs if n > 1 else [])
         assert all(v["GBps"] > 0 for v in r["step_tiles"].values())
         # down's other configs in its default tile (the row tile's default is not among the swept ones)
-        assert [d["config"].split()[0] for d in r["down_sweep"]] == ["row" if r["rows"] == 1 else "tile"] * (
-            len(kb.DOWN_ROW_SWEEP) if r["rows"] == 1 else len(kb._sweep_tiles()) - 1)
+        assert [d["config"].split()[0] for d in r["down_sweep"]] == [down] * (
+            len(kb.DOWN_ROW_SWEEP) if down == "row" else len(kb._sweep_tiles()) - 1)
         assert all(d["GBps"] > 0 for d in r["down_sweep"])
     for r in dense:
         assert r["max_rel_diff_new_old"] < 1e-4
