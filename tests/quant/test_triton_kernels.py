@@ -318,12 +318,12 @@ def test_expert_step_defaults_by_type_and_tokens() -> None:
     """Gate/up in the row tile takes its rows in turns, a pair a program, at any number of tokens.
     One token: every type the row tiles read takes them; 2-8 tokens: planar Q8_0 and padded Q6_K take
     both row tiles (down in runs of RUN_GROUP pairs), planar MXFP4 gate/up's row tile and down's
-    quantized tile (under a register cap), the other K-quants the quantized tiles; past RUN_MAX_TOKENS
+    quantized tile (under a register cap), Q4_K and Q5_K the quantized tiles; past RUN_MAX_TOKENS
     every type the quantized tiles."""
     q8, k4, q6, mx = tk.Q8_0_PLANAR, int(QT.Q4_K), tk.Q6_K_PADDED, tk.MXFP4_PLANAR
     for q in (q8, k4, q6, mx):
         assert tk.gate_up_config(tk.expert_tile(q, q, 1), q, q, 768) == tk.GATE_UP_ROW_IN_TURNS
-        assert tk.run_group("row", tk.GATE_UP_ROW_IN_TURNS, 4) == 1
+    assert tk.run_group("row", tk.GATE_UP_ROW_IN_TURNS, 4) == 1
     assert tk.down_config(tk.expert_down_tile(mx, 1), mx) == tk.DOWN_BY_TYPE[("row", mx)] == tk.TileConfig(4, 2)
     assert tk.down_config(tk.expert_down_tile(q8, 1), q8) == tk.DOWN_CONFIG["row"]
     for tokens in (2, 4, tk.RUN_MAX_TOKENS):
