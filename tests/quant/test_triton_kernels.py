@@ -385,9 +385,9 @@ def check_turns(case: Case, cfg: tk.TileConfig, down_cfg: tk.TileConfig, split: 
 
 
 def test_only_the_row_tile_takes_turns_of_whole_rows() -> None:
-    w = make_weights((QT.MXFP4,) * 3, n_expert=2, n_embd=256, n_ff=96, seed=1)
+    w = make_weights((QT.Q4_K, QT.Q4_K, QT.MXFP4), n_expert=2, n_embd=256, n_ff=96, seed=1)
     case = Case(w, n_tok=1, k=1, device="cpu")
-    # two tokens take the quantized tile; 96 rows are no whole number of turns of 64
+    # two tokens of Q4_K take the quantized tile; 96 rows are no whole number of turns of 64
     for cfg, tokens in ((tk.TileConfig(64, 4, passes=2), 2), (tk.TileConfig(64, 4, passes=64), 1)):
         x = tk.Rounded.empty(tokens, 256, torch.device("cpu"))  # refused before any launch
         with pytest.raises(ValueError, match="turns"):
