@@ -320,7 +320,7 @@ def test_expert_step_defaults_by_type_and_tokens() -> None:
     both row tiles (down in runs of RUN_GROUP pairs), planar MXFP4 gate/up's row tile and down's
     quantized tile (under a register cap), Q4_K and Q5_K the quantized tiles; past RUN_MAX_TOKENS
     every type the quantized tiles."""
-    q8, k4, q6, mx = tk.Q8_0_PLANAR, int(QT.Q4_K), tk.Q6_K_PADDED, tk.MXFP4_PLANAR
+    q8, k4, k5, q6, mx = tk.Q8_0_PLANAR, int(QT.Q4_K), int(QT.Q5_K), tk.Q6_K_PADDED, tk.MXFP4_PLANAR
     for q in (q8, k4, q6, mx):
         assert tk.gate_up_config(tk.expert_tile(q, q, 1), q, q, 768) == tk.GATE_UP_ROW_IN_TURNS
     assert tk.run_group("row", tk.GATE_UP_ROW_IN_TURNS, 4) == 1
@@ -331,7 +331,8 @@ def test_expert_step_defaults_by_type_and_tokens() -> None:
             assert (tk.expert_tile(q, q, tokens), tk.expert_down_tile(q, tokens)) == ("row", "row")
             assert tk.run_group("row", tk.down_config("row", q), tokens) == tk.RUN_GROUP == 2
         assert (tk.expert_tile(mx, mx, tokens), tk.expert_down_tile(mx, tokens)) == ("row", "tile")
-        assert (tk.expert_tile(k4, k4, tokens), tk.expert_down_tile(k4, tokens)) == ("tile", "tile")
+        for q in (k4, k5):
+            assert (tk.expert_tile(q, q, tokens), tk.expert_down_tile(q, tokens)) == ("tile", "tile")
     assert tk.gate_up_config("tile", mx, mx, 2880).maxnreg == tk.down_config("tile", mx).maxnreg == 128
     assert tk.gate_up_config("tile", k4, k4, 768) == tk.GATE_UP_CONFIG["tile"]
     assert tk.gate_up_config("tile", mx, k4, 768) == tk.GATE_UP_CONFIG["tile"]  # one type for both
