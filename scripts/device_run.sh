@@ -7,7 +7,9 @@
 # Usage: bash scripts/device_run.sh STAGES   (comma-separated, in this order:
 #   cudabuild  CUDA build into /tmp/site_cuda in the background (for the llama.cpp baseline)
 #   build      CPU build (or unpack) into /tmp/site
-#   tests      the GPU tests ($GPU_TESTS, default: every test marked gpu)
+#   tests      the GPU tests ($GPU_TESTS, default: every test marked gpu; on a fresh machine they take
+#              longer than one call may run, so run them in parts: MOESTUDIO_TEST_PART=I/N, one a call,
+#              tests/conftest.py; a warm machine's Triton cache serves the later parts' kernels)
 #   write      the scenario models (engine/bench/scenarios.py) into /tmp/sc
 #   wait       wait for the CUDA build
 #   engine     the scenarios' runs of this engine;  llama: llama.cpp's;  report: the table
@@ -82,7 +84,8 @@ fi
 
 if has tests; then
   log "GPU tests"
-  timeout ${TESTS_TIMEOUT:-300} python3 -m pytest -q -p no:cacheprovider -m gpu --continue-on-collection-errors ${GPU_TESTS:-tests} > "$OUT/gpu_tests.log" 2>&1
+  # -v: a part cut off by the timeout still says which tests passed and failed
+  timeout ${TESTS_TIMEOUT:-300} python3 -m pytest -v -p no:cacheprovider -m gpu --continue-on-collection-errors ${GPU_TESTS:-tests} > "$OUT/gpu_tests.log" 2>&1
   log "GPU tests rc=$? $(tail -1 "$OUT/gpu_tests.log")"
 fi
 

@@ -82,7 +82,29 @@ from engine.synth.spec import ModelSpec, preset
 from engine.synth.writer import write_model
 
 
+PART_VARIABLE = "MOESTUDIO_TEST_PART"
+
+
+def part_of(items: list, spec: str) -> tuple[list, list]:
+    """The items that part `spec` ("I/N": the I-th of N runs of one selection) keeps, and the rest.
+    A part is a contiguous block, so the parametrized cases of one test, which share compiled
+    kernels, mostly fall in one part."""
+    try:
+        index, count = (int(n) for n in spec.split("/"))
+    except ValueError:
+        index = count = 0
+    if not 1 <= index <= count:
+        raise pytest.UsageError(f"{PART_VARIABLE}={spec!r}: give I/N with 1 <= I <= N, such as 2/4")
+    start, stop = len(items) * (index - 1) // count, len(items) * index // count
+    return items[start:stop], items[:start] + items[stop:]
+
+
+@pytest.hookimpl(trylast=True)  # after -m and -k have deselected theirs: a part splits what they selected
 def pytest_collection_modifyitems(config, items):
+    spec = os.environ.get(PART_VARIABLE)
+    if spec:  # the GPU suite over several device calls, each under the device's limit on one command
+        items[:], dropped = part_of(items, spec)
+        config.hook.pytest_deselected(items=dropped)
     try:
         has_cuda = torch.cuda.is_available()
     except NameError:  # no torch
