@@ -334,7 +334,11 @@ def bench_experts(name: str, sc: ExpertScenario, rows: list[int], dev: torch.dev
                                      **rate(nbytes, graph_us([lambda s=s: run(s, cfg) for s in steps], replays),
                                             copy)})
             best = min(row["sweep"], key=lambda r: r["us"])
-            print(f"       sweep best {best['config']}: {best['us']} us {best['GBps']} GB/s", flush=True)
+            # the default timed again after its rivals: how far one config's two timings in this run
+            # lie apart, the least difference between configs that says anything
+            row["new_again"] = rate(nbytes, graph_us([lambda s=s: run(s) for s in steps], replays), copy)
+            print(f"       sweep best {best['config']}: {best['us']} us {best['GBps']} GB/s; the default again "
+                  f"{row['new_again']['us']} us (first {row['new']['us']})", flush=True)
             row["step_tiles"] = {name: rate(nbytes, graph_us(
                 [lambda s=s, kw=kw: tk.experts_forward(s.x, layer.buffers, w, s.tok, s.pos, s.slot, s.exp,
                                                        s.weights, s.out, **kw) for s in steps], replays), copy)
@@ -1062,7 +1066,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="prompt tokens of the grouped (prefill) expert step (default 512,4096)")
     p.add_argument("--replays", type=int, default=5, help="graph replays; the best counts")
     p.add_argument("--sweep", action="store_true", help="also time other tiles (and, for dense products, splits); "
-                   "the best of each line is printed")
+                   "the best of each line is printed, and for the expert step the default timed again after them")
     p.add_argument("--llama-ops", metavar="PATH", default=None,
                    help="llama.cpp's test-backend-ops binary (default: $" + llama_ops.ENV + "): also run its "
                    "MUL_MAT / MUL_MAT_ID perf cases of our shapes and print its figures beside ours")

@@ -128,6 +128,7 @@ def test_gpu_bench_kernels_runs_and_reports(tmp_path) -> None:
         # the engine's (the three launches' bits: down in its default tile), then the other
         assert [r["one_launch"]["down_tile"], r["one_launch_other_down"]["down_tile"]] == (
             [down, "tile" if down == "row" else "row"])
+        assert r["new_again"]["GBps"] > 0  # the default's second timing, after the sweep
         assert len(r["one_launch_sweep"]) == 2 * len(kb.ONE_LAUNCH_MAXNREG)  # register caps, both down tiles
         assert all(c["GBps"] > 0 for c in r["one_launch_sweep"])
         # the step in every other pair of tiles that read its types, and over 8 tokens both row tiles in runs
