@@ -106,6 +106,7 @@ def resource_usage(compiled) -> dict:
             "loop_smem_or_barrier": sum(op in ("BAR", "LDS", "STS") for op in loop_ops),
             "loop_spill_ops": sum(op in ("LDL", "STL") for op in loop_ops),
             "loop_dp4a": sum(op == "IDP" for op in loop_ops),
+            "loop_ffma": sum(op == "FFMA" for op in loop_ops),  # every one a fused multiply-add (no tl.fma here)
             "loads": loads}
 
 
@@ -371,7 +372,7 @@ def main() -> None:  # pragma: no cover - a report, run by hand or by the tests 
         print(f"{r['geometry']:13s} {r['kernel']:15s} bn={r['block_n']:<3d} w={r['num_warps']} regs={r['regs']} "
               f"local={r['local']} stack={r['stack']} shared={r['shared']} bar={r['bar_sync']} "
               f"cvt={r['convert_layout']} instr={r['instructions']} loop={r['loop_instructions']} "
-              f"loop_smem={r['loop_smem_or_barrier']} loop_spills={r['loop_spill_ops']} dp4a={r['loop_dp4a']} "
+              f"loop_smem={r['loop_smem_or_barrier']} loop_spills={r['loop_spill_ops']} dp4a={r['loop_dp4a']} ffma={r['loop_ffma']} "
               f"loads={r['loads']}")
 
 

@@ -703,6 +703,33 @@ def aot_report():
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+_FUSION_PROBE = """
+from gguf import GGMLQuantizationType as QT
+from engine.quant import triton_aot as ta
+label, fn, const, cfg = next(v for v in ta.decode_variants(QT.Q4_K, QT.Q4_K, QT.Q4_K, 2048, 768) if v[0] == "gate_up s1")
+print(ta.resource_usage(ta.compile_kernel(fn, const, cfg.num_warps, cfg.num_stages))["loop_ffma"])
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not tk.available(), reason="needs Triton")
+def test_kernels_compile_with_multiply_adds_fused_whatever_triton_s_default() -> None:
+    """The engine asks Triton to fuse multiply-adds (engine/__init__.py), as the kernels were measured:
+    with TRITON_DEFAULT_FP_FUSION unset, Triton 3.9's warning about its default is an error here, and
+    Q4_K's gate/up K loop holds FFMAs."""
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "TRITON_DEFAULT_FP_FUSION")}
+    proc = subprocess.run([sys.executable, "-W", "error:TRITON_DEFAULT_FP_FUSION is unset:UserWarning",
+                           "-c", _FUSION_PROBE], capture_output=True, text=True, env=env, timeout=600)
+    unfit = "ptxas" in proc.stderr or "backend" in proc.stderr.lower()
+    if proc.returncode != 0 and unfit and "TRITON_DEFAULT_FP_FUSION" not in proc.stderr:
+        pytest.skip(f"this Triton cannot compile for CUDA here: {proc.stderr.strip().splitlines()[-1]}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert int(proc.stdout.split()[-1]) > 0
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(not tk.available(), reason="needs Triton")
 def test_kernels_compile_for_hopper_without_spills(aot_report) -> None:
