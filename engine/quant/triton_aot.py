@@ -372,8 +372,8 @@ def main() -> None:  # pragma: no cover - a report, run by hand or by the tests 
         print(f"{r['geometry']:13s} {r['kernel']:15s} bn={r['block_n']:<3d} w={r['num_warps']} regs={r['regs']} "
               f"local={r['local']} stack={r['stack']} shared={r['shared']} bar={r['bar_sync']} "
               f"cvt={r['convert_layout']} instr={r['instructions']} loop={r['loop_instructions']} "
-              f"loop_smem={r['loop_smem_or_barrier']} loop_spills={r['loop_spill_ops']} dp4a={r['loop_dp4a']} ffma={r['loop_ffma']} "
-              f"loads={r['loads']}")
+              f"loop_smem={r['loop_smem_or_barrier']} loop_spills={r['loop_spill_ops']} dp4a={r['loop_dp4a']} "
+              f"ffma={r['loop_ffma']} loads={r['loads']}")
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -706,7 +706,8 @@ def aot_report():
 _FUSION_PROBE = """
 from gguf import GGMLQuantizationType as QT
 from engine.quant import triton_aot as ta
-label, fn, const, cfg = next(v for v in ta.decode_variants(QT.Q4_K, QT.Q4_K, QT.Q4_K, 2048, 768) if v[0] == "gate_up s1")
+variants = ta.decode_variants(QT.Q4_K, QT.Q4_K, QT.Q4_K, 2048, 768)
+label, fn, const, cfg = next(v for v in variants if v[0] == "gate_up s1")
 print(ta.resource_usage(ta.compile_kernel(fn, const, cfg.num_warps, cfg.num_stages))["loop_ffma"])
 """
 
