@@ -712,7 +712,6 @@ print(ta.resource_usage(ta.compile_kernel(fn, const, cfg.num_warps, cfg.num_stag
 """
 
 
-@pytest.mark.slow
 @pytest.mark.skipif(not tk.available(), reason="needs Triton")
 def test_kernels_compile_with_multiply_adds_fused_whatever_triton_s_default() -> None:
     """The engine asks Triton to fuse multiply-adds (engine/__init__.py), as the kernels were measured:
