@@ -222,7 +222,7 @@ def bench_dense(name: str, n_out: int, K: int, qtype: QT, rows: list[int], dev: 
                 sp = tk.SplitK.choose(n_out, K, tk.sm_count(str(dev)), cfg)
                 tk.dense(x, engine_raws[0], qtype, n_out, cfg, sp, tile)
                 us = graph_us(calls(tk.dense, engine_raws, cfg, sp, tile), replays)
-                row["sweep"].append({"config": f"{tile} {cfg_name(cfg)} {cfg.programs_per_sm}/SM",
+                row["sweep"].append({"config": f"{tile} {cfg_name(cfg)}",
                                      "split": [sp.split, sp.steps], **rate(one.numel(), us, copy)})
             best = min(row["sweep"], key=lambda r: r["us"])
             print(f"       sweep best {best['config']} split {best['split']}: {best['us']} us {best['GBps']} GB/s",
@@ -329,8 +329,7 @@ def bench_experts(name: str, sc: ExpertScenario, rows: list[int], dev: torch.dev
             default = tk.gate_up_config(tile, qg, qu, sc.n_ff)
             for cfg in [c for c in _expert_sweep(tile) if c != default]:
                 run(steps[0], cfg)
-                split = f" {cfg.programs_per_sm}/SM" if cfg.programs_per_sm != tk.PROGRAMS_PER_SM else ""
-                row["sweep"].append({"config": cfg_name(cfg) + split,
+                row["sweep"].append({"config": cfg_name(cfg),
                                      **rate(nbytes, graph_us([lambda s=s: run(s, cfg) for s in steps], replays),
                                             copy)})
             best = min(row["sweep"], key=lambda r: r["us"])
@@ -801,7 +800,9 @@ def _expert_sweep(tile: str) -> list:
                 tk.TileConfig(8, 4), tk.TileConfig(8, 8), tk.TileConfig(16, 4), tk.TileConfig(4, 4, maxnreg=48),
                 tk.TileConfig(4, 4, maxnreg=40), tk.TileConfig(8, 4, passes=2), tk.TileConfig(16, 4, passes=4)]
     # and gate/up split over K for more programs an SM (SplitK.choose's target): Qwen3's Q4_K gate/up over
-    # 4-8 tokens runs unsplit, 768-1,536 programs of 32 rows on 132 SMs (a wave and its uneven tail)
+    # 4-8 tokens runs unsplit, 768-1,536 programs of 32 rows on 132 SMs (a wave and its uneven tail). On
+    # the H100 the split lost (session 43: 15-33% slower at 2-4 tokens, at best even at 8); kept for GPUs of
+    # other SM counts
     return _sweep_tiles() + [replace(tk.GATE_UP_CONFIG["tile"], programs_per_sm=n) for n in EXPERT_SPLIT_TARGETS]
 
 
@@ -875,11 +876,13 @@ def _dense_tile_sweep(tile: str, default) -> list:
 
 
 def cfg_name(cfg) -> str:
+    """A TileConfig's label; its split-K target (programs an SM) where not the default's."""
     return (f"bn{cfg.block_n}w{cfg.num_warps}" + (f"s{cfg.num_stages}" if cfg.num_stages > 1 else "")
             + ("u" if cfg.unroll else "") + (f"r{cfg.maxnreg}" if cfg.maxnreg else "")
             + (f"t{cfg.passes}" if cfg.passes > 1 else "")
             + (f"g{cfg.group}" if cfg.group != type(cfg).group else "")
-            + (f"k{cfg.k_warps}" if cfg.k_warps > 1 else ""))
+            + (f"k{cfg.k_warps}" if cfg.k_warps > 1 else "")
+            + (f" {cfg.programs_per_sm}/SM" if cfg.programs_per_sm != type(cfg).programs_per_sm else ""))
 
 
 def dense_line(r: dict) -> str:

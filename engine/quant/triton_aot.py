@@ -183,7 +183,8 @@ def decode_variants(gate: QT, up: QT, down: QT, n_embd: int, n_ff: int, activati
         out.append((f"gate_up row{turns} s{split.split}", tk._gate_up_k4_kernel,
                     {**gate_up, "BLOCK_N": one.block_n, "UNROLL": False, "PASSES": one.passes, "GROUP": 1,
                      **({"split": 1} if split.split == 1 else {})}, one))
-        # over 8 tokens where asked (planar Q8_0's down takes them by default): a program a run of pairs of one slot
+        # over 2-8 tokens gate/up in runs of pairs of one slot, a run a program: no default takes them (the
+        # row tile's gate/up takes turns), `bench kernels --sweep` does
         row = tk.GATE_UP_CONFIG["row"]
         out += [(f"gate_up row g{group}", tk._gate_up_k4_kernel,
                  {**gate_up, "BLOCK_N": row.block_n, "UNROLL": False, "PASSES": 1, "GROUP": group, "split": 1}, row)

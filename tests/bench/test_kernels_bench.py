@@ -57,6 +57,15 @@ def test_baseline_and_new_dense_kernels_compute_the_same_product(monkeypatch, qt
         assert ((got - want).abs().max() / want.abs().max()).item() < 2e-5
 
 
+def test_a_config_s_label_names_its_split_target_only_off_the_default() -> None:
+    from dataclasses import replace
+
+    assert kb.cfg_name(tk.GATE_UP_CONFIG["tile"]) == "bn32w2"
+    assert [kb.cfg_name(c) for c in kb._expert_sweep("tile")[-len(kb.EXPERT_SPLIT_TARGETS):]] == [
+        f"bn32w2 {n}/SM" for n in kb.EXPERT_SPLIT_TARGETS]
+    assert kb.cfg_name(replace(tk.TileConfig(2, 1, passes=2), programs_per_sm=1)) == "bn2w1t2 1/SM"
+
+
 def test_cold_copies_cover_four_times_the_l2() -> None:
     l2 = 50 << 20
     assert kb.cold_copies(600 << 20, l2) == 1  # an output head is larger than L2 by itself
