@@ -106,7 +106,7 @@ def resource_usage(compiled) -> dict:
             "loop_smem_or_barrier": sum(op in ("BAR", "LDS", "STS") for op in loop_ops),
             "loop_spill_ops": sum(op in ("LDL", "STL") for op in loop_ops),
             "loop_dp4a": sum(op == "IDP" for op in loop_ops),
-            "loop_ffma": sum(op == "FFMA" for op in loop_ops),  # every one a fused multiply-add (no tl.fma here)
+            "ffma": len(re.findall(r"\bFFMA\b", sass)),  # every one a multiply-add fused (no tl.fma here)
             "loads": loads}
 
 
@@ -374,7 +374,7 @@ def main() -> None:  # pragma: no cover - a report, run by hand or by the tests 
               f"local={r['local']} stack={r['stack']} shared={r['shared']} bar={r['bar_sync']} "
               f"cvt={r['convert_layout']} instr={r['instructions']} loop={r['loop_instructions']} "
               f"loop_smem={r['loop_smem_or_barrier']} loop_spills={r['loop_spill_ops']} dp4a={r['loop_dp4a']} "
-              f"ffma={r['loop_ffma']} loads={r['loads']}")
+              f"ffma={r['ffma']} loads={r['loads']}")
 
 
 if __name__ == "__main__":  # pragma: no cover
