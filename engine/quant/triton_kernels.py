@@ -2152,8 +2152,14 @@ DOWN_CONFIG: dict[str, TileConfig] = {"tile": TileConfig(32, 2), "row": TileConf
 # Planar MXFP4's quantized tiles under a cap of 128 registers (H100, gpt-oss-120b's 8-token step
 # 155.30 against 164.92 us; its gate/up took 136 on sm_90); its down row on 2 warps (one token's step
 # 38.67 against 40.63 us on 4). The cap slows Q6_K's gate/up tile (168 registers: 105.79 against 92.25).
+# Q4_K's gate/up tile (2-8 tokens) under the same cap: it compiles to 128 registers with or without it (sm_90,
+# the same 1,048 instructions), but ptxas then orders them otherwise. H100, Qwen3's 2 / 4 / 8-token step in
+# two runs, capped against the default timed before and after the other configs: 25.67 / 41.24 / 69.06 us
+# against 26.85-27.32 / 41.38-42.00 / 70.17-70.24; 26.04 / 41.04 / 69.50 against 26.96-27.61 / 41.62-41.70
+# / 70.17-70.55.
 _MXFP4_TILE = TileConfig(32, 2, maxnreg=128)  # one cap for both tiles: the sweep timed them capped together
-GATE_UP_BY_TYPE: dict[tuple[str, int], TileConfig] = {("tile", MXFP4_PLANAR): _MXFP4_TILE}
+GATE_UP_BY_TYPE: dict[tuple[str, int], TileConfig] = {("tile", MXFP4_PLANAR): _MXFP4_TILE,
+                                                       ("tile", int(QT.Q4_K)): TileConfig(32, 2, maxnreg=128)}
 DOWN_BY_TYPE: dict[tuple[str, int], TileConfig] = {("tile", MXFP4_PLANAR): _MXFP4_TILE,
                                                    ("row", MXFP4_PLANAR): TileConfig(4, 2)}
 # the types the lanes-along-K kernels read (_dense_k4_kernel, _gate_up_k4_kernel, _down_k4_kernel)

@@ -318,8 +318,8 @@ def test_expert_step_defaults_by_type_and_tokens() -> None:
     """Gate/up in the row tile takes its rows in turns, a pair a program, at any number of tokens.
     One token: every type the row tiles read takes them; 2-8 tokens: planar Q8_0 and padded Q6_K take
     both row tiles (down in runs of RUN_GROUP pairs), planar MXFP4 gate/up's row tile and down's
-    quantized tile (under a register cap), Q4_K and Q5_K the quantized tiles; past RUN_MAX_TOKENS
-    every type the quantized tiles."""
+    quantized tile (under a register cap), Q4_K and Q5_K the quantized tiles (Q4_K's gate/up under the
+    cap too); past RUN_MAX_TOKENS every type the quantized tiles."""
     q8, k4, k5, q6, mx = tk.Q8_0_PLANAR, int(QT.Q4_K), int(QT.Q5_K), tk.Q6_K_PADDED, tk.MXFP4_PLANAR
     for q in (q8, k4, q6, mx):
         assert tk.gate_up_config(tk.expert_tile(q, q, 1), q, q, 768) == tk.GATE_UP_ROW_IN_TURNS
@@ -334,7 +334,8 @@ def test_expert_step_defaults_by_type_and_tokens() -> None:
         for q in (k4, k5):
             assert (tk.expert_tile(q, q, tokens), tk.expert_down_tile(q, tokens)) == ("tile", "tile")
     assert tk.gate_up_config("tile", mx, mx, 2880).maxnreg == tk.down_config("tile", mx).maxnreg == 128
-    assert tk.gate_up_config("tile", k4, k4, 768) == tk.GATE_UP_CONFIG["tile"]
+    assert tk.gate_up_config("tile", k4, k4, 768) == tk.TileConfig(32, 2, maxnreg=128)  # the same registers
+    assert tk.gate_up_config("tile", k5, k5, 768) == tk.GATE_UP_CONFIG["tile"]
     assert tk.gate_up_config("tile", mx, k4, 768) == tk.GATE_UP_CONFIG["tile"]  # one type for both
     assert tk.gate_up_config("row", q8, q8, 767) == tk.GATE_UP_CONFIG["row"]  # rows that turns cannot halve
     for q in (q8, q6, mx):
