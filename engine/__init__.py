@@ -6,3 +6,12 @@ import os
 # (3.9 warns that it will): the same source would then round differently. Set explicitly, so any
 # Triton compiles the kernels as they were measured. A value the user sets is kept.
 os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+
+# cuBLAS serves only the products of float32 weights (the MoE routers): small ones, which need no
+# workspace. Its default one (torch 2.11 on Hopper: 32 MiB for each stream that calls it, the eager
+# one and the decode graph's capture stream) is GPU memory outside the plan (engine/plan/sizing.py):
+# 64 of the 70 MiB an engine under --vram-budget-mib 32 held (H100, session 44). With none, cuBLAS
+# picks algorithms that need none. Torch reads this at its first cuBLAS call, so it is set on import.
+# A value the user sets is kept (CUBLAS_WORKSPACE_PINNED says whether this one was).
+CUBLAS_WORKSPACE_PINNED = "CUBLAS_WORKSPACE_CONFIG" not in os.environ
+os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":0:0")

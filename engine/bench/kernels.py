@@ -34,6 +34,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -994,7 +995,11 @@ def _csv(kind, choices=None):
 def run(args: argparse.Namespace) -> int:
     import torch
 
+    import engine
     from engine.quant import triton_kernels as tk
+
+    if engine.CUBLAS_WORKSPACE_PINNED:  # the baselines (cuBLAS's bf16 product, the torch path) as torch ships them
+        del os.environ["CUBLAS_WORKSPACE_CONFIG"]
 
     llama_bin = llama_ops.resolve(args.llama_ops)
     if llama_bin is not None:  # before minutes of timing ours

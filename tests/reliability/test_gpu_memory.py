@@ -4,6 +4,11 @@ torch.OutOfMemoryError above a slot count, as torch does on CUDA); on the device
 --vram-budget-mib is honoured for real."""
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -104,3 +109,17 @@ def test_small_vram_budget_is_honoured_on_cuda(make_model):
         assert torch.cuda.max_memory_allocated() - base <= 32 * 2**20
     finally:
         engine.model.experts.close()
+
+
+def test_cublas_takes_no_workspace_unless_the_user_gives_one():
+    """cuBLAS's workspace (32 MiB a stream on Hopper) would lie outside the plan, so the engine asks
+    for none on import, before torch's first cuBLAS call reads the setting; a user's value is kept."""
+    code = "import engine, os; print(engine.CUBLAS_WORKSPACE_PINNED, os.environ['CUBLAS_WORKSPACE_CONFIG'])"
+    env = {k: v for k, v in os.environ.items() if k != "CUBLAS_WORKSPACE_CONFIG"}
+
+    def imported(env: dict) -> list[str]:
+        return subprocess.run([sys.executable, "-c", code], env=env, cwd=Path(__file__).parents[2],
+                              capture_output=True, text=True, check=True).stdout.split()
+
+    assert imported(env) == ["True", ":0:0"]
+    assert imported({**env, "CUBLAS_WORKSPACE_CONFIG": ":4096:8"}) == ["False", ":4096:8"]
