@@ -12,6 +12,5 @@ os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
 # one and the decode graph's capture stream) is GPU memory outside the plan (engine/plan/sizing.py):
 # 64 of the 70 MiB an engine under --vram-budget-mib 32 held (H100, session 44). With none, cuBLAS
 # picks algorithms that need none. Torch reads this at its first cuBLAS call, so it is set on import.
-# A value the user sets is kept (CUBLAS_WORKSPACE_PINNED says whether this one was).
-CUBLAS_WORKSPACE_PINNED = "CUBLAS_WORKSPACE_CONFIG" not in os.environ
+# A value the user sets is kept (`bench kernels` records the one its cuBLAS baselines ran with).
 os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":0:0")

@@ -917,7 +917,8 @@ def markdown(result: dict) -> str:
     """The results as markdown tables (dense products; expert steps)."""
     head = (f"{result['device']}, torch {result['torch']}, triton {result['triton']}; device-to-device copy "
             f"{result['copy_GBps']:.0f} GB/s (read + write). GPU time per call from a replayed CUDA graph; "
-            f"weights from HBM. `share` = GB/s / copy GB/s.\n")
+            f"weights from HBM. `share` = GB/s / copy GB/s. cuBLAS's workspace (its baselines): "
+            f"{result.get('cublas_workspace') or 'torch default'}.\n")
     lines = [head, "| dense product | n_out x K | type | rows | MB | new µs | new GB/s | new share | old µs | "
              "old GB/s | old share | speedup | split x steps |", "|" + "---|" * 13]
     for r in result["results"]:
@@ -995,11 +996,7 @@ def _csv(kind, choices=None):
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    import engine
     from engine.quant import triton_kernels as tk
-
-    if engine.CUBLAS_WORKSPACE_PINNED:  # the baselines (cuBLAS's bf16 product, the torch path) as torch ships them
-        del os.environ["CUBLAS_WORKSPACE_CONFIG"]
 
     llama_bin = llama_ops.resolve(args.llama_ops)
     if llama_bin is not None:  # before minutes of timing ours
@@ -1015,7 +1012,8 @@ def run(args: argparse.Namespace) -> int:
     l2_bytes = getattr(props, "L2_cache_size", 0) or 50 * 2**20
     result = {"device": props.name, "sm_count": props.multi_processor_count, "l2_bytes": l2_bytes,
               "torch": torch.__version__, "triton": triton.__version__, "copy_GBps": round(copy_gbps(dev), 1),
-              "results": []}
+              # the cuBLAS baselines run with this workspace: the engine's none (engine/__init__.py) unless set
+              "cublas_workspace": os.environ.get("CUBLAS_WORKSPACE_CONFIG"), "results": []}
     copy = result["copy_GBps"]
     print(f"{result['device']} ({result['sm_count']} SMs, L2 {l2_bytes >> 20} MiB)  torch {result['torch']}  "
           f"triton {result['triton']}  device copy {copy} GB/s (read + write)", flush=True)
