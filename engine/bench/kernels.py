@@ -317,6 +317,11 @@ def bench_experts(name: str, sc: ExpertScenario, rows: list[int], dev: torch.dev
                "n_ff": sc.n_ff, "top_k": sc.top_k, "rows": t, "MB": round(nbytes / 1e6, 2),
                "slots": layer.n_slots, "new": rate(nbytes, us, copy), "host_us_eager": round(host, 1),
                "launches_us": expert_step_launches(layer, steps, replays)}
+        # As llama.cpp's test-backend-ops times MUL_MAT_ID: one routing every call (its ids stay as drawn),
+        # so the experts it picks are read again and part of them comes from L2 (only for the comparison
+        # with it; ours then reads gate, up and down, three times the bytes of its one projection, and so
+        # finds less of them in L2 than its case does)
+        row["new_one_tensor"] = rate(steps[0].bytes, graph_us([lambda: run(steps[0])] * len(steps), replays), copy)
         # the one launch as the engine takes it (down in the three launches' tile, so the same bits),
         # and where down's other tile reads the type, in that one too
         down_tiles = _down_tiles(qd, t)

@@ -133,7 +133,7 @@ def test_gpu_bench_kernels_runs_and_reports(tmp_path) -> None:
         n = r["rows"]
         gate_up, down = tk.expert_tile(qg, qu, n), tk.expert_down_tile(qd, n)
         assert ("down row" in r["launches_us"]) == (n == 1)  # every type here is one the row tile reads
-        assert 0 < r["one_launch"]["GBps"]
+        assert 0 < r["one_launch"]["GBps"] and 0 < r["new_one_tensor"]["GBps"]
         # the engine's (the three launches' bits: down in its default tile), then the other
         assert [r["one_launch"]["down_tile"], r["one_launch_other_down"]["down_tile"]] == (
             [down, "tile" if down == "row" else "row"])
