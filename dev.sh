@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The quick start's two commands:
 #   ./dev.sh app    set up (once) and start MoE Studio on its demo model
-#   ./dev.sh test   set up (once) and run the whole test suite (extra args go to pytest)
+#   ./dev.sh test   set up (once) and run the whole test suite in a process a core, at most 4 (pytest-xdist;
+#                   extra args go to pytest: -n 0 for one process, -n 8 for eight)
 # Setup makes .venv beside this file; it is skipped when pyproject.toml and this script
 # are unchanged since the last successful setup.
 set -euo pipefail
@@ -51,7 +52,9 @@ case "${1:-}" in
     test)
         shift; setup
         export QT_QPA_PLATFORM=${QT_QPA_PLATFORM:-offscreen}
-        exec "$VENV/bin/python" -m pytest "$@" ;;
+        # worksteal: an idle process takes queued tests from a busy one (the interpreted kernel
+        # tests take up to a minute each, the rest seconds)
+        exec "$VENV/bin/python" -m pytest -n auto --maxprocesses 4 --dist worksteal "$@" ;;
     setup)
         setup ;;
     *)
