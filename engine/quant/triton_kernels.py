@@ -2157,7 +2157,7 @@ DOWN_CONFIG: dict[str, TileConfig] = {"tile": TileConfig(32, 2), "row": TileConf
 # two runs, capped against the default timed before and after the other configs: 25.67 / 41.24 / 69.06 us
 # against 26.85-27.32 / 41.38-42.00 / 70.17-70.24; 26.04 / 41.04 / 69.50 against 26.96-27.61 / 41.62-41.70
 # / 70.17-70.55.
-_TILE_CAPPED = TileConfig(32, 2, maxnreg=128)  # MXFP4's two tiles: the sweep timed them capped together
+_TILE_CAPPED = TileConfig(32, 2, maxnreg=128)  # MXFP4's two tiles (timed capped together), Q4_K's gate/up
 GATE_UP_BY_TYPE: dict[tuple[str, int], TileConfig] = {("tile", MXFP4_PLANAR): _TILE_CAPPED,
                                                        ("tile", int(QT.Q4_K)): _TILE_CAPPED}
 DOWN_BY_TYPE: dict[tuple[str, int], TileConfig] = {("tile", MXFP4_PLANAR): _TILE_CAPPED,

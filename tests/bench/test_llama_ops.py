@@ -108,6 +108,8 @@ def test_side_by_side_rows_json_and_table() -> None:
           "new_laid_out": {"us": 22.8, "GBps": 1369.0, "of_copy_bw": 0.32},
           "new_one_tensor": {"us": 15.6, "GBps": 2000.0, "of_copy_bw": 0.47}}
     rows.append(mx)
+    # an expert step timed as llama.cpp times MUL_MAT_ID too: one routing every call
+    rows[4]["new_one_tensor"] = {"us": 22.1, "GBps": 961.0, "of_copy_bw": 0.23}
     records = _records()
     assert kb.attach_llama(rows, records, copy=4224.0) == 5
     q4k, q8, bf16, up, e1, e2, mixed, mx = rows
@@ -123,6 +125,7 @@ def test_side_by_side_rows_json_and_table() -> None:
             and e1["llama"]["case"].startswith("MUL_MAT_ID(type_a=q4_K,type_b=f32,n_mats=128,n_used=8,b=0,m=768,n=1,"))
     e1_llama = next(r for r in records if (r.op, r.type_a, r.n) == ("MUL_MAT_ID", "q4_K", 1))
     assert e1["ours_per_llama_per_byte"] == pytest.approx(868.0 / e1_llama.gbps, rel=1e-2)
+    assert e1["ours_one_tensor_per_llama_per_byte"] == pytest.approx(961.0 / e1_llama.gbps, rel=1e-2)
 
     result = {"device": "NVIDIA H200", "torch": "2.11", "triton": "3.6", "copy_GBps": 4224.0, "results": rows,
               "llama_ops": "/tmp/llamaops/bin/test-backend-ops perf -b CPU"}
@@ -137,6 +140,9 @@ def test_side_by_side_rows_json_and_table() -> None:
             f"3662.12 | {q4k['llama']['GBps']:.0f} | ") in side
     assert "| expert step qwen3-30b-a3b Q4_K (gate, up, down) | Q4_K | 1 | 24.5 | 868 | " \
            "MUL_MAT_ID q4_K 768 x 2048, 8 of 128, n=1 |" in side
+    e1_line = next(ln for ln in lines if ln.startswith("| expert step qwen3-30b-a3b Q4_K "))
+    assert e1_line.endswith(f"| 22.1, {e1['ours_one_tensor_per_llama_per_byte']:.2f}x |")
+    assert "one tensor as llama.cpp times it 22.10 us" in kb.llama_line(e1)
     assert f"| {q4k['ours_per_llama_per_byte']:.2f}x |" in side
     assert "perf -b CPU" in side
     assert "MUL_MAT q4_K 4096 x 14336, n=1" in kb.llama_line(q4k)
